@@ -1,0 +1,59 @@
+"""Incremental detokenization: text grows token by token, split UTF-8 characters held back, stop strings cut."""
+from __future__ import annotations
+
+from typing import Any
+
+#: Prompt tokens decoded in front of the output so that word-boundary rules see real context.
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """The output text of one request; ``add`` returns the stop string that ended it, if any."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool, stop: list[str],
+                 include_stop_str_in_output: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        # While running, this many trailing characters may still turn out to start a stop string.
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete UTF-8 sequence: wait for the next token
+        before = len(self.text)
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if not check_stop:
+            return None
+        for stop in self.stop:
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if at >= 0:
+                self.text = self.text[:at + len(stop)] if self.include_stop else self.text[:at]
+                return stop
+        return None
+
+    def flush(self) -> None:
+        """At the end, take whatever is pending, an incomplete character included."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+
+    def visible_text(self, finished: bool) -> str:
+        """The text safe to show: while running, the tail that may begin a stop string is held back."""
+        if finished or not self.holdback:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.holdback)]

@@ -1,0 +1,82 @@
+"""``LLM``: offline batch generation, shaped like vLLM's."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.engine.llm_engine import LLMEngine, Prompt
+from vtcore.outputs import RequestOutput
+from vtcore.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model=PATH, device=..., dtype=..., **knobs)``; with no model, the embedded default."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        try:
+            config = EngineConfig(model=model or DEFAULT_MODEL, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"LLM(): {exc}; knobs are those of vtcore.config.EngineConfig") from None
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        Every prompt is validated before any runs, so a bad one raises without leaving work behind.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries, expected one per prompt "
+                                 f"({len(prompts)}) or a single SamplingParams")
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(self._counter))
+                self._counter += 1
+                engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            engine.step() if ids[:-1] else None  # drain the aborted outputs
+            engine.requests.clear()
+            raise
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests() or any(r.is_finished for r in engine.requests.values()):
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update()
+        return [final[rid] for rid in ids]
+
+    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (with the generation prompt) and generate."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"llm.chat(): the checkpoint {self.engine.config.model!r} has no tokenizer "
+                             "with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                                     return_dict=False)),
+                    "prompt": tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

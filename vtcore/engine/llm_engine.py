@@ -1,0 +1,221 @@
+"""The sync engine: one step in flight. Schedule, run, sample, then apply the tokens on the host."""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from vtcore.config import EngineConfig, HFConfig
+from vtcore.engine.block_pool import BlockPool
+from vtcore.engine.detokenizer import IncrementalDetokenizer
+from vtcore.engine.request import Request
+from vtcore.engine.scheduler import Scheduler
+from vtcore.engine.tokenizer import load_tokenizer
+from vtcore.errors import RequestRejected
+from vtcore.loading.model_loader import build_model
+from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
+from vtcore.sampling_params import RequestOutputKind, SamplingParams
+from vtcore.worker.model_runner import ModelRunner, StepOutput
+
+log = logging.getLogger("vtcore")
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+#: A prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"`` text beside).
+Prompt = str | dict[str, Any]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine; use device='cpu'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA (float32 promoted to bfloat16), float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        stored = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+        return torch.bfloat16 if stored == "float32" else _DTYPES.get(stored, torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    """Owns the scheduler, the runner and the requests; ``step`` advances every running request."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.hf_config = HFConfig.from_path(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        hf = self.hf_config
+        self.max_model_len = config.max_model_len or int(hf.get("max_position_embeddings", 4096))
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
+        self.vocab_size = int(hf.vocab_size)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = self._eos_ids()
+        if not config.enforce_eager:
+            log.info("vtcore: CUDA graphs are not implemented yet; running eagerly")
+        model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
+                                         config.load_format, config.seed)
+        self.runner = ModelRunner(model, self.family, self.vocab_size, self.device, self.dtype, config.block_size,
+                                  config.num_kv_blocks, config.gpu_memory_utilization, self.max_model_len,
+                                  config.max_num_seqs, self.eos_token_ids, config.seed)
+        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    def _eos_ids(self) -> list[int]:
+        import json
+        import os
+
+        ids = self.hf_config.eos_token_ids
+        gen = os.path.join(self.config.model, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"text prompt given, but the checkpoint {self.config.model!r} has no tokenizer; "
+                                 "pass {'prompt_token_ids': [...]} instead")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
+                raise ValueError(f"prompt_token_ids={ids!r}: expected a list of ints")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected(f"prompt_token_ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt_token_ids'")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """Validate and queue a request; a bad one raises here and leaves the others untouched."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise RequestRejected(f"request {request_id!r}: the prompt is empty; expected at least one token")
+        params.check_vocab(self.vocab_size)
+        req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                               params.include_stop_str_in_output)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        if req.max_output == 0 and params.prompt_logprobs is None:
+            self.scheduler.finish(req, "length")
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the outputs of the requests it advanced or finished."""
+        finished_early = [r for r in self.requests.values() if r.is_finished]
+        batch = self.scheduler.schedule()
+        touched = list(finished_early)
+        if batch:
+            result = self.runner.execute(batch)
+            for req, n in batch:
+                req.num_computed_tokens += n
+                self._apply(req, result)
+                touched.append(req)
+        outputs = [self._output(r) for r in touched]
+        for r in touched:
+            if r.is_finished:
+                self.requests.pop(r.request_id, None)
+        return [o for o in outputs if o is not None]
+
+    def _apply(self, req: Request, result: StepOutput) -> None:
+        if req.request_id in result.prompt_logprobs:
+            req.prompt_logprobs.extend({t: Logprob(lp, rank, self._piece(t)) for t, (lp, rank) in pos.items()}
+                                       for pos in result.prompt_logprobs[req.request_id])
+        token = result.sampled.get(req.request_id)
+        if token is None:
+            return
+        if req.num_output_tokens >= req.max_output:  # max_tokens=0: only prompt logprobs were wanted
+            self.scheduler.finish(req, "length")
+            return
+        req.token_ids.append(token)
+        p = req.params
+        if req.logprobs is not None:
+            s, row = result.samples, result.sample_rows[req.request_id]
+            entry = {token: Logprob(s.logprobs[row], s.ranks[row], self._piece(token))}
+            for rank, (tid, lp) in enumerate(zip(s.top_ids[row][:p.logprobs], s.top_logprobs[row][:p.logprobs]), 1):
+                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += s.logprobs[row]
+        past_min = req.num_output_tokens > p.min_tokens
+        stop_str = req.detok.add(token, check_stop=past_min) if req.detok is not None else None
+        if stop_str is not None:
+            req.stop_reason = stop_str
+            self.scheduler.finish(req, "stop")
+        elif not p.ignore_eos and token in self.eos_token_ids and req.num_output_tokens > p.min_tokens:
+            self.scheduler.finish(req, "stop")
+        elif token in p.stop_token_ids and req.num_output_tokens > p.min_tokens:
+            req.stop_reason = token
+            self.scheduler.finish(req, "stop")
+        elif req.num_output_tokens >= req.max_output:
+            self.scheduler.finish(req, "length")
+
+    def _piece(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _output(self, req: Request) -> RequestOutput | None:
+        kind = req.params.output_kind
+        finished = req.is_finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if finished and req.detok is not None and req.stop_reason is None:
+            req.detok.flush()
+        text = req.detok.visible_text(finished) if req.detok is not None else ""
+        tokens, logprobs = req.output_token_ids, req.logprobs
+        if kind == RequestOutputKind.DELTA:
+            sent_text, sent_tokens = req.sent
+            req.sent = (len(text), len(tokens))
+            text, tokens = text[sent_text:], tokens[sent_tokens:]
+            logprobs = None if logprobs is None else logprobs[sent_tokens:]
+        completion = CompletionOutput(0, text, list(tokens), req.cumulative_logprob if req.logprobs is not None
+                                      else None, list(logprobs) if logprobs is not None else None,
+                                      req.finish_reason, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, [completion],
+                             finished)

@@ -1,0 +1,62 @@
+"""The engine's state of one request."""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from vtcore.outputs import PositionLogprobs
+from vtcore.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """A prompt, its generated tokens, how far the KV cache has computed them and its blocks."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_model_len: int, arrival: int, prompt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival
+        self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        # The host knows this end without seeing token values: never schedule past it.
+        budget = max_model_len - len(prompt_token_ids)
+        self.max_output = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.cumulative_logprob = 0.0
+        self.generator: Any = None  # a per-request torch.Generator when params.seed is set
+        self.detok: Any = None  # the incremental detokenizer, when the engine has a tokenizer
+        self.num_preemptions = 0
+        self.sent = (0, 0)  # (characters, tokens) already streamed, for DELTA outputs
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

@@ -1,0 +1,96 @@
+"""Continuous batching with chunked prefill under a token budget, and preemption by recompute.
+
+Each step spends at most ``max_num_batched_tokens`` tokens: running requests first (a decode
+token each, or the next chunk of a prefill), oldest first, then waiting requests in arrival
+order while at most ``max_num_seqs`` run. When the block pool runs dry, the newest running
+request is preempted: its blocks are freed and it re-enters the queue to recompute prompt and
+output so far. ``add`` rejects what could never fit, so preemption always makes progress.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from vtcore.engine.block_pool import BlockPool
+from vtcore.engine.request import Request, RequestStatus
+from vtcore.errors import RequestRejected
+
+#: A step's work: (request, number of its tokens to compute this step), in row order.
+Batch = list[tuple[Request, int]]
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        """Queue a request, or reject it (naming both numbers) if it can never be served."""
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(f"request {req.request_id!r}: prompt has {req.num_prompt_tokens} tokens, "
+                                  f"but max_model_len={self.max_model_len} leaves no room to generate")
+        longest = req.num_prompt_tokens + req.max_output
+        need = self.pool.blocks_needed(longest)
+        if need > self.pool.num_blocks:
+            raise RequestRejected(f"request {req.request_id!r}: up to {longest} tokens need {need} KV blocks, "
+                                  f"but the pool holds {self.pool.num_blocks} (raise num_kv_blocks or lower max_tokens)")
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free(req.block_ids)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        batch: Batch = []
+        preempted = False
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                batch.append((req, n))
+                budget -= n
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.append((req, n))
+            budget -= n
+        return batch
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request: free its blocks at once (device work is ordered on one stream)."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free(req.block_ids)

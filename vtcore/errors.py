@@ -1,0 +1,42 @@
+"""Exceptions raised by vtcore. Each names the bad value and what was expected."""
+from __future__ import annotations
+
+
+class VtcoreError(Exception):
+    """Base class of every error vtcore raises on purpose."""
+
+
+class PluginError(VtcoreError):
+    """A plugin failed to load, registered something invalid, or clashes with another plugin."""
+
+
+class UnknownArchitectureError(VtcoreError, ValueError):
+    """No registered model family serves the checkpoint's architecture."""
+
+
+class CheckpointError(VtcoreError, ValueError):
+    """A checkpoint file or tensor is missing, unexpected, misshapen, corrupt or of an unsupported dtype."""
+
+
+class RequestRejected(VtcoreError, ValueError):
+    """A request can never be served (too long for the context or for the KV pool, bad token ids)."""
+
+
+class DeviceTokenOverrideIgnored(VtcoreError, RuntimeError):
+    """A forward embedded stale host token ids although the step's real ids live on the device.
+
+    Raised by the shared EmbedInto when the runner marked the step's host ids as stale (async
+    placeholders) and no device-token override is in scope: the model family bypassed the override.
+    """
+
+    def __init__(self, family: str) -> None:
+        super().__init__(
+            f"model family {family!r}: EmbedInto ignores the device-token override "
+            "(the step's host token ids are placeholders and no override was in scope); "
+            "embed through vtcore.layers.embedding.EmbedInto"
+        )
+        self.family = family
+
+
+class NotSupportedError(VtcoreError, NotImplementedError):
+    """A feature the user asked for that vtcore does not implement."""

@@ -1,0 +1,60 @@
+"""What a model-family plugin registers: `ModelFamily` and its `ConformanceExample`."""
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import attrs
+
+_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def resolve_ref(ref: str) -> Any:
+    """Import a lazy ``"module:attribute"`` reference."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_ref(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and _REF.match(value)):
+        raise ValueError(f"{attribute.name}={value!r}: expected a lazy reference 'package.module:Name'")
+
+
+def _check_architectures(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    if not value or not all(isinstance(a, str) and a for a in value):
+        raise ValueError(f"architectures={value!r}: expected a non-empty tuple of HF architecture names")
+
+
+@attrs.frozen
+class ConformanceExample:
+    """A tiny model the conformance gate runs a family on, and the HF class that is its oracle.
+
+    ``hf_config`` is a config.json dict (``architectures`` included) small enough for CPU float32;
+    ``oracle`` is a lazy reference to the transformers class that defines the correct math.
+    """
+
+    hf_config: dict[str, Any]
+    oracle: str = attrs.field(validator=_check_ref)
+
+
+@attrs.frozen
+class ModelFamily:
+    """A model family: the HF architectures it serves and the class that implements them.
+
+    ``model_cls`` is imported only when a model of the family is built, so registering a family
+    costs no import of torch code. ``consumes_device_tokens`` declares that the family's forward
+    embeds through the shared EmbedInto and so honours the async device-token override.
+    ``plugin`` is filled in by the plugin manager with the entry-point name that registered it.
+    """
+
+    name: str
+    architectures: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_architectures)
+    model_cls: str = attrs.field(validator=_check_ref)
+    consumes_device_tokens: bool = False
+    conformance_example: str | None = attrs.field(default=None, validator=_check_ref)
+    plugin: str = ""
+
+    def load_class(self) -> type:
+        """Import and return the model class."""
+        return resolve_ref(self.model_cls)

@@ -1,0 +1,1 @@
+"""Shared model layers that model-family plugins build their models from."""

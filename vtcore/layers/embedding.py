@@ -1,0 +1,76 @@
+"""EmbedInto, the shared vocabulary embedding, and the device-token override scope.
+
+In async serving the host prepares step N+1 before step N's sampled tokens reach it, so the host
+input ids of N+1's decode rows hold the placeholder -1. The runner opens ``device_token_scope``
+around every forward with the real ids as a device tensor; ``EmbedInto`` embeds those instead of
+the host ids. A model that bypasses EmbedInto embeds -1 (an index error on CPU, garbage on a GPU),
+and EmbedInto itself raises ``DeviceTokenOverrideIgnored`` when the runner marked the host ids
+stale but opened no override, so an ignored override fails every time, not by chance.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from vtcore.errors import DeviceTokenOverrideIgnored
+
+
+class TokenOverride:
+    """The override in scope for one forward: the device ids and whether an EmbedInto used them."""
+
+    __slots__ = ("device_ids", "host_ids_stale", "consumed")
+
+    def __init__(self, device_ids: torch.Tensor | None, host_ids_stale: bool) -> None:
+        self.device_ids = device_ids
+        self.host_ids_stale = host_ids_stale
+        self.consumed = False
+
+
+_scope = threading.local()
+
+
+def current_override() -> TokenOverride | None:
+    """The override the runner opened for the forward running on this thread, if any."""
+    return getattr(_scope, "override", None)
+
+
+@contextmanager
+def device_token_scope(device_ids: torch.Tensor | None, host_ids_stale: bool) -> Iterator[TokenOverride]:
+    """Open the device-token override for one forward.
+
+    ``device_ids`` is the step's device input-id tensor (same shape as the host ids the model is
+    called with) or None when the host ids are current; ``host_ids_stale`` says whether the host
+    ids hold placeholders. Yields the ``TokenOverride`` so the caller can see if it was consumed.
+    """
+    previous = current_override()
+    override = TokenOverride(device_ids, host_ids_stale)
+    _scope.override = override
+    try:
+        yield override
+    finally:
+        _scope.override = previous
+
+
+class EmbedInto(nn.Module):
+    """A vocabulary embedding that honours the device-token override. Every family embeds with it."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.family = "<unknown>"  # set by the model builder, for the error message
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        override = current_override()
+        if override is not None:
+            if override.device_ids is not None:
+                override.consumed = True
+                input_ids = override.device_ids
+            elif override.host_ids_stale:
+                raise DeviceTokenOverrideIgnored(self.family)
+        return nn.functional.embedding(input_ids, self.weight)

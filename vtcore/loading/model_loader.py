@@ -1,0 +1,39 @@
+"""Build a model for a checkpoint: find its family, construct it, apply the hooks once, load weights."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vtcore.config import HFConfig
+from vtcore.family import ModelFamily
+from vtcore.layers.embedding import EmbedInto
+from vtcore.plugins.manager import get_plugins
+
+
+def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtype: torch.dtype,
+                max_position: int, load_format: str = "auto", seed: int = 0) -> tuple[nn.Module, ModelFamily]:
+    """Construct the family's model on ``device`` in ``dtype`` and fill its weights."""
+    plugins = get_plugins()
+    family = plugins.family_for(hf_config.architecture)
+    loader = plugins.loader(load_format)
+    cls = family.load_class()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, max_position=max_position)
+    finally:
+        torch.set_default_dtype(previous)
+    quant = hf_config.get("quantization_config")
+    if quant:
+        plugins.quant_method(quant.get("format", quant.get("quant_method")))(quant).prepare(model)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, EmbedInto):
+            module.family = family.name
+            replacement = plugins.pm.hook.vtcore_embed_into(family=family, embed=module)
+            if replacement is not None:
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+    with torch.no_grad():
+        loader(model, model_path, hf_config, seed)
+    return model.eval(), family

@@ -1,0 +1,79 @@
+"""Mapping checkpoint tensor names onto a model's (possibly fused) parameters, with coverage checks."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from vtcore.errors import CheckpointError
+
+#: safetensors dtype tags a float weight may be stored in.
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class WeightMapper:
+    """Resolves checkpoint names to (parameter, shard) and records which shards arrived."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
+        self.skipped: tuple[str, ...] = getattr(model, "skipped_tensors", ())
+        self.loaded: dict[str, set] = {name: set() for name in self.params}
+
+    def target(self, name: str) -> tuple[str, str | None] | None:
+        """(parameter name, shard) for a checkpoint tensor; None when the model skips it."""
+        rename = getattr(self.model, "checkpoint_name", None)
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                return None
+        if name in self.skipped:
+            return None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed:
+                fused, shard = self.packed[part]
+                return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+        return name, None
+
+    def load(self, file: str, name: str, dtype_tag: str, read: "callable") -> None:
+        """Load checkpoint tensor ``name`` (read lazily by ``read()``) into its parameter slice."""
+        target = self.target(name)
+        if target is None:
+            return
+        pname, shard = target
+        if pname not in self.params:
+            raise CheckpointError(f"{file}: unexpected tensor {name!r}: {type(self.model).__name__} "
+                                  f"has no parameter {pname!r}")
+        param = self.params[pname]
+        if param.dtype.is_floating_point and dtype_tag not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype_tag}, "
+                                  f"expected one of {sorted(FLOAT_DTYPES)}")
+        try:
+            param.weight_loader(param, read().to(param.dtype), shard) if hasattr(param, "weight_loader") \
+                else _copy(param, read().to(param.dtype))
+        except ValueError as exc:
+            raise CheckpointError(f"{file}: tensor {name!r} has {exc} for parameter {pname!r}"
+                                  + (f" shard {shard!r}" if shard else "")) from None
+        self.loaded[pname].add(shard)
+
+    def missing(self) -> Iterator[str]:
+        """Checkpoint names of every parameter (shard) that no tensor filled."""
+        reverse = {(fused, shard): part for part, (fused, shard) in self.packed.items()}
+        for pname, param in self.params.items():
+            for shard in getattr(param, "shards", (None,)):
+                if shard not in self.loaded[pname]:
+                    if shard is None:
+                        yield pname
+                    else:
+                        parts = pname.split(".")
+                        i = next(i for i, p in enumerate(parts) if (p, shard) in reverse)
+                        yield ".".join(parts[:i] + [reverse[(parts[i], shard)]] + parts[i + 1:])
+
+
+def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)

@@ -1,0 +1,217 @@
+"""Guarded, one-at-a-time plugin loading and the registries the plugins fill.
+
+Every entry point of the group ``vtcore`` is loaded on its own: a plugin that fails to import,
+implements a hook that has no spec, or registers something invalid is recorded with its error
+(and logged in one line) while the others load. ``VTCORE_STRICT_PLUGINS=1`` re-raises instead;
+``VTCORE_PLUGINS=a,b`` loads only the entry points named.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import logging
+import os
+import types
+from typing import Any, Callable, Iterable
+
+import attrs
+import pluggy
+
+from vtcore.errors import PluginError, UnknownArchitectureError
+from vtcore.family import ModelFamily, resolve_ref
+from vtcore.plugins import hookspecs
+
+log = logging.getLogger("vtcore.plugins")
+
+ENTRY_POINT_GROUP = "vtcore"
+BUILTIN_NAME = "vtcore.builtin"
+
+#: Which first-party distribution serves which architectures, for the "what to install" hint.
+FIRST_PARTY_PACKAGES: dict[str, tuple[str, ...]] = {
+    "vtcore-qwen3-dense": ("Qwen3ForCausalLM",),
+    "vtcore-qwen3-5": (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+    ),
+}
+
+
+@attrs.define
+class PluginInfo:
+    """One loaded (or failed) plugin, as ``vtcore plugins`` shows it."""
+
+    name: str
+    module: str
+    dist: str | None = None
+    version: str | None = None
+    hooks: list[str] = attrs.Factory(list)
+    error: str | None = None
+
+
+def _strict() -> bool:
+    return os.environ.get("VTCORE_STRICT_PLUGINS", "") not in ("", "0")
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get("VTCORE_PLUGINS")
+    if raw is None:
+        return None
+    return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+def _format_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Plugins:
+    """The plugin manager and the registries (families, quant methods, loaders) it fills."""
+
+    def __init__(self, entry_points: Iterable[md.EntryPoint] | None = None) -> None:
+        self.pm = pluggy.PluginManager("vtcore")
+        self.pm.add_hookspecs(hookspecs)
+        self.infos: dict[str, PluginInfo] = {}
+        self.families: dict[str, ModelFamily] = {}  # family name -> family
+        self.architectures: dict[str, ModelFamily] = {}  # HF architecture -> family
+        self.conflicts: dict[str, list[str]] = {}  # architecture -> plugins that both registered it
+        self.quant_methods: dict[str, tuple[str, str]] = {}  # format -> (plugin, ref)
+        self.loaders: dict[str, tuple[str, str]] = {}  # load_format -> (plugin, ref)
+        self._register(BUILTIN_NAME, lambda: importlib.import_module("vtcore.plugins.builtin"))
+        if entry_points is None:
+            entry_points = md.entry_points(group=ENTRY_POINT_GROUP)
+        allow = _allow_list()
+        for ep in sorted(entry_points, key=lambda e: e.name):
+            if allow is not None and ep.name not in allow:
+                continue
+            dist = getattr(ep, "dist", None)
+            self._register(ep.name, ep.load, ep.value, dist.metadata["Name"] if dist else None,
+                           dist.version if dist else None)
+
+    # ------------------------------------------------------------------ loading
+    def _register(self, name: str, load: Callable[[], Any], value: str | None = None,
+                  dist: str | None = None, version: str | None = None) -> None:
+        info = PluginInfo(name=name, module=value or name, dist=dist, version=version)
+        self.infos[name] = info
+        registered = False
+        try:
+            module = load()
+            if not isinstance(module, types.ModuleType):
+                raise PluginError(f"entry point {value!r} is {type(module).__name__}, expected a module")
+            self.pm.register(module, name=name)
+            registered = True
+            self.pm.check_pending()
+            info.hooks = sorted(
+                h.name for h in self.pm.get_hookcallers(module) or [])
+            self._collect(name, module)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the others down
+            if registered:
+                self.pm.unregister(name=name)
+            info.error = _format_error(exc)
+            log.warning("vtcore: plugin %r failed to load: %s", name, info.error)
+            if _strict():
+                raise PluginError(f"plugin {name!r} failed to load: {info.error}") from exc
+
+    def _impls(self, hook: str, module: Any) -> list[pluggy.HookImpl]:
+        return [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin is module]
+
+    def _collect(self, name: str, module: Any) -> None:
+        """Call the plugin's registration hooks and commit what they return, all or nothing."""
+        families: list[ModelFamily] = []
+        for impl in self._impls("vtcore_model_families", module):
+            result = impl.function()
+            if not isinstance(result, (list, tuple)) or not all(isinstance(f, ModelFamily) for f in result):
+                raise PluginError(f"vtcore_model_families returned {result!r}, expected a list of ModelFamily")
+            families += [attrs.evolve(f, plugin=name) for f in result]
+        tables: dict[str, dict[str, str]] = {"vtcore_quant_methods": {}, "vtcore_loaders": {}}
+        for hook, table in tables.items():
+            for impl in self._impls(hook, module):
+                result = impl.function()
+                if not isinstance(result, dict) or not all(
+                        isinstance(k, str) and isinstance(v, str) and ":" in v for k, v in result.items()):
+                    raise PluginError(f"{hook} returned {result!r}, expected a dict of name -> 'module:attr'")
+                table.update(result)
+        for family in families:
+            if family.name in self.families:
+                raise PluginError(f"model family name {family.name!r} is registered by both "
+                                  f"{self.families[family.name].plugin!r} and {name!r}")
+        clashes = [a for f in families for a in f.architectures if a in self.architectures or a in self.conflicts]
+        for arch in clashes:
+            first = self.architectures.pop(arch).plugin if arch in self.architectures else self.conflicts[arch][0]
+            self.conflicts.setdefault(arch, [first]).append(name)
+        for family in families:
+            self.families[family.name] = family
+            for arch in family.architectures:
+                if arch not in self.conflicts:
+                    self.architectures[arch] = family
+        for fmt, ref in tables["vtcore_quant_methods"].items():
+            self.quant_methods[fmt] = (name, ref)
+        for fmt, ref in tables["vtcore_loaders"].items():
+            self.loaders[fmt] = (name, ref)
+        if clashes:
+            arch = clashes[0]
+            raise PluginError(f"architecture {arch!r} is registered by both {self.conflicts[arch][0]!r} "
+                              f"and {name!r}; it resolves to neither until one is uninstalled "
+                              "(or excluded with VTCORE_PLUGINS)")
+
+    # ------------------------------------------------------------------ lookups
+    def family_for(self, architecture: str) -> ModelFamily:
+        """The family serving an HF architecture name, or an error naming it and what to install."""
+        if architecture in self.conflicts:
+            a, b = self.conflicts[architecture][:2]
+            raise PluginError(f"architecture {architecture!r} is registered by both {a!r} and {b!r}; "
+                              "uninstall one or narrow VTCORE_PLUGINS")
+        if architecture in self.architectures:
+            return self.architectures[architecture]
+        by_plugin: dict[str, list[str]] = {}
+        for arch, fam in sorted(self.architectures.items()):
+            by_plugin.setdefault(fam.plugin, []).append(arch)
+        supported = "; ".join(f"{p}: {', '.join(a)}" for p, a in by_plugin.items()) or "none (no model plugin loaded)"
+        hint = next((f"pip install {pkg}" for pkg, archs in FIRST_PARTY_PACKAGES.items() if architecture in archs),
+                    "install a vtcore plugin that registers it (docs/writing-a-plugin.md shows how to write one)")
+        raise UnknownArchitectureError(
+            f"architecture {architecture!r} is not supported. Supported, by plugin: {supported}. "
+            f"To serve it: {hint}.")
+
+    def family(self, name: str) -> ModelFamily:
+        """A family by its registered name."""
+        if name not in self.families:
+            raise UnknownArchitectureError(
+                f"model family {name!r} is not registered; registered: {sorted(self.families) or 'none'}")
+        return self.families[name]
+
+    def loader(self, load_format: str) -> Callable[..., None]:
+        """The loader function registered for ``load_format``."""
+        if load_format not in self.loaders:
+            raise ValueError(f"load_format={load_format!r}: expected one of {sorted(self.loaders)}")
+        return resolve_ref(self.loaders[load_format][1])
+
+    def quant_method(self, fmt: str) -> type:
+        """The QuantMethod class registered for a compressed-tensors format name."""
+        if fmt not in self.quant_methods:
+            known = ", ".join(f"{f} ({p})" for f, (p, _) in sorted(self.quant_methods.items())) or "none"
+            raise ValueError(f"quantization format {fmt!r} is not supported; registered: {known}. "
+                             "Install the quant plugin that provides it (vtcore-quant-nvfp4, vtcore-quant-mxfp4).")
+        return resolve_ref(self.quant_methods[fmt][1])
+
+    @property
+    def errors(self) -> dict[str, str]:
+        """Plugin name -> load error, for every plugin that failed."""
+        return {n: i.error for n, i in self.infos.items() if i.error}
+
+
+_PLUGINS: Plugins | None = None
+
+
+def get_plugins() -> Plugins:
+    """The process-wide plugin manager, loaded on first use."""
+    global _PLUGINS
+    if _PLUGINS is None:
+        _PLUGINS = Plugins()
+    return _PLUGINS
+
+
+def reset_plugins(plugins: Plugins | None = None) -> None:
+    """Drop (or replace) the process-wide plugin manager; the next lookup reloads entry points."""
+    global _PLUGINS
+    _PLUGINS = plugins

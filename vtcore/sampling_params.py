@@ -1,0 +1,115 @@
+"""SamplingParams: how one request is sampled and when it stops (vLLM's fields and defaults)."""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from vtcore.errors import NotSupportedError
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed ``RequestOutput`` carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+def _bad(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"SamplingParams.{name}={value!r}: expected {expected}")
+
+
+@attrs.define(kw_only=True)
+class SamplingParams:
+    """Sampling and stopping for one request. A bad value raises ``ValueError`` naming it."""
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __attrs_post_init__(self) -> None:
+        if self.n != 1 or (self.best_of not in (None, 1)):
+            raise NotSupportedError(f"SamplingParams n={self.n}, best_of={self.best_of}: only one sequence "
+                                    "per request is supported (n=1); send separate requests instead")
+        if self.use_beam_search:
+            raise NotSupportedError("SamplingParams.use_beam_search=True: beam search is not supported")
+        self._check_number("temperature", self.temperature, 0.0, None, "a number >= 0")
+        self._check_number("top_p", self.top_p, 0.0, 1.0, "a number in (0, 1]", open_low=True)
+        self._check_number("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]")
+        self._check_number("presence_penalty", self.presence_penalty, -2.0, 2.0, "a number in [-2, 2]")
+        self._check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "a number in [-2, 2]")
+        self._check_number("repetition_penalty", self.repetition_penalty, 0.0, None, "a number > 0", open_low=True)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "an integer >= 1, or 0 / -1 for no top-k")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 0, or None for up to the context length")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad("seed", self.seed, "an integer or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise _bad(name, value, "an integer >= 0 (how many top alternatives to return) or None")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise _bad("stop", self.stop, "a non-empty string or a list of them")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise _bad("logit_bias", self.logit_bias, "a dict of token id -> bias") from None
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _bad("output_kind", self.output_kind, "a RequestOutputKind")
+
+    def _check_number(self, name: str, value: Any, low: float, high: float | None, expected: str,
+                      open_low: bool = False) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise _bad(name, value, expected)
+        if value < low or (open_low and value == low) or (high is not None and value > high):
+            raise _bad(name, value, expected)
+        setattr(self, name, float(value))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Reject token ids that the model's vocabulary does not hold."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise _bad(name, bad, f"token ids in [0, {vocab_size})")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,1 @@
+"""A test kit for vtcore and its plugins: tiny HF checkpoints and the HF-oracle comparisons."""

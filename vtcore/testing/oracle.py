@@ -1,0 +1,54 @@
+"""HF transformers as the oracle: tiny random checkpoints and the near-tie rule for greedy tokens.
+
+The near-tie rule: run the HF model teacher-forced on prompt + our generated tokens; at every
+position our token must be HF's argmax, or within ``tol`` of HF's top logit (CPU float32
+matmul is not batch-invariant, so a near-tie may legitimately flip). Any other difference fails.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def hf_model(hf_config: dict[str, Any], seed: int = 0) -> torch.nn.Module:
+    """A float32 random-initialised transformers model of ``hf_config`` (its ``architectures[0]``)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    config.architectures = list(hf_config["architectures"])
+    torch.manual_seed(seed)
+    model = getattr(transformers, hf_config["architectures"][0])(config).float().eval()
+    return model
+
+
+def save_checkpoint(model: torch.nn.Module, path: str) -> str:
+    """Save as an HF folder (config.json + model.safetensors) and return the path."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 logits of the HF model on one sequence."""
+    return model(torch.tensor([ids])).logits[0].float()
+
+
+def near_tie_violations(model: torch.nn.Module, prompt: list[int], generated: list[int],
+                        tol: float = 1e-4) -> list[tuple[int, int, int, float]]:
+    """Positions where our greedy token is neither HF's argmax nor within ``tol`` of its top logit.
+
+    Returns (position, our token, HF's token, logit gap) for each violation; empty means correct.
+    """
+    if not generated:
+        return []
+    logits = teacher_forced_logits(model, prompt + generated[:-1])[len(prompt) - 1:]
+    bad = []
+    for i, tok in enumerate(generated):
+        top = int(logits[i].argmax())
+        gap = float(logits[i, top] - logits[i, tok])
+        if tok != top and gap > tol:
+            bad.append((i, tok, top, gap))
+    return bad

@@ -1,0 +1,1 @@
+"""The worker side: preparing a step's inputs, running the model, sampling."""
