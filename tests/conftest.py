@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny Qwen3 configs and their HF checkpoints (built once per session)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable
+
+import pytest
+
+TINY_QWEN3: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False, "initializer_range": 0.1,
+}
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """TINY_QWEN3 with ``overrides`` applied."""
+    return {**TINY_QWEN3, **overrides}
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, Any]]:
+    """``make_checkpoint(**overrides) -> (path, hf_model)``: a saved random HF model, cached per config."""
+    from vtcore.testing.oracle import hf_model, save_checkpoint
+
+    cache: dict[str, tuple[str, Any]] = {}
+
+    def make(seed: int = 0, **overrides: Any) -> tuple[str, Any]:
+        cfg = tiny_config(**overrides)
+        key = hashlib.sha1(json.dumps([cfg, seed], sort_keys=True).encode()).hexdigest()[:12]
+        if key not in cache:
+            model = hf_model(cfg, seed)
+            cache[key] = (save_checkpoint(model, str(tmp_path_factory.mktemp(f"ckpt-{key}"))), model)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(make_checkpoint: Callable[..., tuple[str, Any]]) -> tuple[str, Any]:
+    """The default tiny Qwen3 checkpoint (untied, GQA 2) and its HF model."""
+    return make_checkpoint()

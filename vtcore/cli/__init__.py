@@ -1,0 +1,1 @@
+"""The ``vtcore`` command line."""

@@ -1,0 +1,100 @@
+"""``vtcore``: plugins, models, generate. Each subcommand is a function taking parsed args."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence, TextIO
+
+
+def cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
+    from vtcore.plugins.manager import get_plugins
+
+    infos = list(get_plugins().infos.values())
+    if args.json:
+        json.dump([{"name": i.name, "module": i.module, "dist": i.dist, "version": i.version, "hooks": i.hooks,
+                    "error": i.error} for i in infos], out, indent=2)
+        out.write("\n")
+    else:
+        for i in infos:
+            status = f"FAILED: {i.error}" if i.error else ", ".join(i.hooks)
+            out.write(f"{i.name:<20} {i.dist or 'vtcore'} {i.version or ''}\n    {status}\n")
+    return 1 if any(i.error for i in infos) else 0
+
+
+def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
+    from vtcore.plugins.manager import get_plugins
+
+    plugins = get_plugins()
+    for arch, fam in sorted(plugins.architectures.items()):
+        out.write(f"{arch:<40} family={fam.name} plugin={fam.plugin}"
+                  f"{' device-tokens' if fam.consumes_device_tokens else ''}\n")
+    for arch, names in sorted(plugins.conflicts.items()):
+        out.write(f"{arch:<40} CONFLICT: registered by {', '.join(names)}\n")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
+    from vtcore import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engine = llm.engine
+    tok = engine.tokenizer
+    for i, text in enumerate(args.prompt):
+        prompt: str | dict = text
+        if args.chat:
+            messages = [{"role": "user", "content": text}]
+            prompt = {"prompt_token_ids": list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                      tokenize=True, return_dict=False))}
+        rid = f"cli-{i}"
+        engine.add_request(rid, prompt, params)
+        if not args.chat:
+            out.write(text)
+        shown = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                piece = o.outputs[0].text[shown:]
+                shown += len(piece)
+                out.write(piece)
+                out.flush()
+        out.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vtcore", description="An LLM inference engine extended by plugins.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="list loaded plugins, their hooks and load errors")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plugins)
+    p = sub.add_parser("models", help="list the architectures registered plugins serve")
+    p.set_defaults(func=cmd_models)
+    p = sub.add_parser("generate", help="generate text, streamed to the terminal")
+    p.add_argument("prompt", nargs="+", help="one or more prompts")
+    p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args, out or sys.stdout)
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+        sys.stderr.write(f"vtcore {args.command}: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
