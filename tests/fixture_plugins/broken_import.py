@@ -1,0 +1,2 @@
+"""A plugin that raises while being imported."""
+raise RuntimeError("fixture plugin exploded at import")

@@ -1,0 +1,288 @@
+"""Bad requests and bad knobs: each gets a clear error naming the value, and the engine keeps serving."""
+from __future__ import annotations
+
+import pytest
+
+from vtcore import LLM, SamplingParams
+from vtcore.errors import NotSupportedError, RequestRejected
+from vtcore.plugins.manager import reset_plugins
+from vtcore.testing.oracle import near_tie_violations
+
+MAX_MODEL_LEN = 64
+VOCAB = 512
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _real_plugins(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("VTCORE_PLUGINS", raising=False)
+    monkeypatch.delenv("VTCORE_STRICT_PLUGINS", raising=False)
+    reset_plugins(None)
+    yield
+    reset_plugins(None)
+
+
+@pytest.fixture
+def llm(tiny_checkpoint) -> LLM:
+    """The tiny checkpoint (no tokenizer) with a 64-token context and a 4 x 16-token KV pool."""
+    return LLM(tiny_checkpoint[0], device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=16)
+
+
+def ids(*tokens: int) -> dict:
+    return {"prompt_token_ids": list(tokens)}
+
+
+def run_to_completion(engine, limit: int = 50) -> dict:
+    finished = {}
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return finished
+
+
+def assert_idle(engine) -> None:
+    assert engine.requests == {}
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+# ------------------------------------------------------------------------------------ rejected prompts
+@pytest.mark.parametrize("length", [MAX_MODEL_LEN, 70])
+def test_prompt_longer_than_max_model_len(llm: LLM, length: int) -> None:
+    with pytest.raises(RequestRejected) as exc:
+        llm.generate(ids(*[1] * length), GREEDY)
+    assert str(exc.value) == (f"request '0': prompt has {length} tokens, but max_model_len={MAX_MODEL_LEN} "
+                              "leaves no room to generate")
+    assert isinstance(exc.value, ValueError)
+    assert_idle(llm.engine)
+
+
+def test_request_needing_more_kv_blocks_than_the_pool(tiny_checkpoint) -> None:
+    llm = LLM(tiny_checkpoint[0], device="cpu", num_kv_blocks=2, block_size=16)
+    with pytest.raises(RequestRejected) as exc:
+        llm.generate(ids(*[1] * 10), SamplingParams(max_tokens=40))
+    assert str(exc.value) == ("request '0': up to 50 tokens need 4 KV blocks, but the pool holds 2 "
+                              "(raise num_kv_blocks or lower max_tokens)")
+    # max_tokens=None means "up to the context length" (256 here): 16 blocks
+    with pytest.raises(RequestRejected, match="up to 256 tokens need 16 KV blocks, but the pool holds 2"):
+        llm.generate(ids(*[1] * 10), SamplingParams(max_tokens=None))
+    # what fits the pool still runs: 10 + 22 tokens = 2 blocks
+    out = llm.generate(ids(*[1] * 10), SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 22
+    assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("prompt, bad", [
+    ([1, 2, VOCAB], [VOCAB]),
+    ([1, 10**9, 3], [10**9]),
+    ([-1, 5], [-1]),
+    ([3, -7, VOCAB + 1], [-7, VOCAB + 1]),
+])
+def test_prompt_ids_outside_the_vocabulary(llm: LLM, prompt: list, bad: list) -> None:
+    with pytest.raises(RequestRejected) as exc:
+        llm.generate(ids(*prompt), GREEDY)
+    assert str(exc.value) == f"prompt_token_ids {bad}: outside the vocabulary [0, {VOCAB})"
+
+
+@pytest.mark.parametrize("prompt", [[1, "2"], [1, 2.0], [True], "not a list"])
+def test_prompt_ids_that_are_not_ints(llm: LLM, prompt) -> None:
+    with pytest.raises(ValueError) as exc:
+        llm.generate({"prompt_token_ids": prompt}, GREEDY)
+    assert str(exc.value) == f"prompt_token_ids={prompt!r}: expected a list of ints"
+
+
+def test_prompt_of_the_wrong_type(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"prompt=\{'text': 'hi'\}: expected a string or a dict with 'prompt_token_ids'"):
+        llm.generate({"text": "hi"}, GREEDY)
+
+
+def test_empty_prompt(llm: LLM) -> None:
+    with pytest.raises(RequestRejected) as exc:
+        llm.generate(ids(), GREEDY)
+    assert str(exc.value) == "request '0': the prompt is empty; expected at least one token"
+
+
+@pytest.mark.parametrize("text", ["Hello", ""])
+def test_text_prompt_without_tokenizer(llm: LLM, tiny_checkpoint, text: str) -> None:
+    assert llm.engine.tokenizer is None
+    with pytest.raises(ValueError) as exc:
+        llm.generate(text, GREEDY)
+    assert str(exc.value) == (f"text prompt given, but the checkpoint {tiny_checkpoint[0]!r} has no tokenizer; "
+                              "pass {'prompt_token_ids': [...]} instead")
+    with pytest.raises(ValueError, match="has no tokenizer with a chat template"):
+        llm.chat([{"role": "user", "content": text}])
+
+
+# ----------------------------------------------------------------------------------- SamplingParams
+@pytest.mark.parametrize("kwargs, field, shown", [
+    (dict(temperature=-1), "temperature", "-1"),
+    (dict(temperature=float("nan")), "temperature", "nan"),
+    (dict(temperature="0.5"), "temperature", "'0.5'"),
+    (dict(top_p=0), "top_p", "0"),
+    (dict(top_p=1.5), "top_p", "1.5"),
+    (dict(top_k=-2), "top_k", "-2"),
+    (dict(top_k=2.5), "top_k", "2.5"),
+    (dict(min_p=2), "min_p", "2"),
+    (dict(min_p=-0.1), "min_p", "-0.1"),
+    (dict(max_tokens=-1), "max_tokens", "-1"),
+    (dict(max_tokens=True), "max_tokens", "True"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens", "5"),
+    (dict(min_tokens=-1), "min_tokens", "-1"),
+    (dict(logprobs=-1), "logprobs", "-1"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs", "-1"),
+    (dict(stop=[""]), "stop", "['']"),
+    (dict(stop=""), "stop", "['']"),
+    (dict(stop=["ok", 3]), "stop", "['ok', 3]"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids", "[-1]"),
+    (dict(stop_token_ids=[1, "2"]), "stop_token_ids", "[1, '2']"),
+    (dict(repetition_penalty=0), "repetition_penalty", "0"),
+    (dict(presence_penalty=3), "presence_penalty", "3"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty", "-2.5"),
+    (dict(logit_bias="x"), "logit_bias", "'x'"),
+    (dict(logit_bias={1: "big"}), "logit_bias", "{1: 'big'}"),
+    (dict(seed=1.5), "seed", "1.5"),
+    (dict(output_kind="delta"), "output_kind", "'delta'"),
+])
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str, shown: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**kwargs)
+    assert str(exc.value).startswith(f"SamplingParams.{field}={shown}: expected ")
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(n=2), "SamplingParams n=2, best_of=None: only one sequence per request is supported (n=1)"),
+    (dict(best_of=2), "SamplingParams n=1, best_of=2: only one sequence per request is supported (n=1)"),
+    (dict(use_beam_search=True), "SamplingParams.use_beam_search=True: beam search is not supported"),
+])
+def test_unsupported_sampling_features(kwargs: dict, text: str) -> None:
+    with pytest.raises(NotSupportedError) as exc:
+        SamplingParams(**kwargs)
+    assert isinstance(exc.value, NotImplementedError)
+    assert text in str(exc.value)
+
+
+@pytest.mark.parametrize("kwargs, field, bad", [
+    (dict(stop_token_ids=[3, VOCAB]), "stop_token_ids", [VOCAB]),
+    (dict(stop_token_ids=[10**6]), "stop_token_ids", [10**6]),
+    (dict(logit_bias={VOCAB + 5: 1.0}), "logit_bias", [VOCAB + 5]),
+    (dict(logit_bias={-3: 1.0}), "logit_bias", [-3]),
+])
+def test_token_ids_in_params_outside_the_vocab_rejected_at_add_request(llm: LLM, kwargs: dict, field: str,
+                                                                        bad: list) -> None:
+    params = SamplingParams(**kwargs)  # fine on its own: the vocabulary is the engine's
+    with pytest.raises(ValueError) as exc:
+        llm.engine.add_request("r", ids(1, 2), params)
+    assert str(exc.value) == f"SamplingParams.{field}={bad!r}: expected token ids in [0, {VOCAB})"
+    assert_idle(llm.engine)
+
+
+def test_sampling_params_of_the_wrong_type(llm: LLM) -> None:
+    with pytest.raises(TypeError, match=r"sampling_params=\{'temperature': 0\}: expected a SamplingParams"):
+        llm.engine.add_request("r", ids(1, 2), {"temperature": 0})
+
+
+# ------------------------------------------------------------------------------- the engine goes on
+def test_engine_keeps_serving_after_rejected_add_request(tiny_checkpoint) -> None:
+    llm = LLM(tiny_checkpoint[0], device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=3, block_size=16)
+    engine = llm.engine
+    engine.add_request("a", ids(1, 2, 3), GREEDY)
+    engine.step()  # "a" is running: prefilled, first token sampled
+    assert engine.requests["a"].num_output_tokens == 1
+    with pytest.raises(RequestRejected, match="prompt has 70 tokens, but max_model_len=64"):
+        engine.add_request("b", ids(*[1] * 70), GREEDY)
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+        engine.add_request("c", ids(1, VOCAB), GREEDY)
+    with pytest.raises(RequestRejected, match="the prompt is empty"):
+        engine.add_request("d", ids(), GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("e", ids(1), SamplingParams(stop_token_ids=[VOCAB]))
+    with pytest.raises(RequestRejected, match="up to 62 tokens need 4 KV blocks, but the pool holds 3"):
+        engine.add_request("f", ids(1, 2), SamplingParams(max_tokens=60))
+    engine.add_request("g", ids(4, 5), GREEDY)
+    assert set(engine.requests) == {"a", "g"}
+    finished = run_to_completion(engine)
+    assert set(finished) == {"a", "g"}
+    for out in finished.values():
+        assert len(out.outputs[0].token_ids) == 4
+        assert out.outputs[0].finish_reason == "length"
+    assert_idle(engine)
+    # the survivors' tokens are right (HF oracle, near-tie rule)
+    hf = tiny_checkpoint[1]
+    assert near_tie_violations(hf, [1, 2, 3], finished["a"].outputs[0].token_ids) == []
+    assert near_tie_violations(hf, [4, 5], finished["g"].outputs[0].token_ids) == []
+    # a rejected id was never taken: it can be used now
+    engine.add_request("b", ids(1, 2, 3), GREEDY)
+    assert len(run_to_completion(engine)["b"].outputs[0].token_ids) == 4
+
+
+def test_generate_works_after_a_bad_prompt_in_a_list(llm: LLM) -> None:
+    good = [ids(1, 2, 3), ids(9, 8)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(good, GREEDY)]
+    for bad in (ids(1, VOCAB), ids(), ids(*[1] * 70), "text"):
+        with pytest.raises(ValueError):  # RequestRejected is a ValueError
+            llm.generate([good[0], bad, good[1]], GREEDY)
+        assert_idle(llm.engine)
+        with pytest.raises(ValueError):
+            llm.generate([bad] + good, GREEDY)
+        assert_idle(llm.engine)
+    outs = llm.generate(good, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+
+
+def test_duplicate_request_id(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("dup", ids(1, 2, 3), GREEDY)
+    with pytest.raises(ValueError) as exc:
+        engine.add_request("dup", ids(4, 5), GREEDY)
+    assert str(exc.value) == "request_id='dup': already in use by an unfinished request"
+    finished = run_to_completion(engine)
+    assert finished["dup"].prompt_token_ids == [1, 2, 3]
+    assert len(finished["dup"].outputs[0].token_ids) == 4
+    engine.add_request("dup", ids(4, 5), GREEDY)  # finished ids are free again
+    assert run_to_completion(engine)["dup"].prompt_token_ids == [4, 5]
+    assert_idle(engine)
+
+
+def test_sampling_params_list_of_the_wrong_length(llm: LLM) -> None:
+    with pytest.raises(ValueError) as exc:
+        llm.generate([ids(1), ids(2)], [GREEDY])
+    assert str(exc.value) == ("sampling_params has 1 entries, expected one per prompt (2) "
+                              "or a single SamplingParams")
+    with pytest.raises(ValueError, match="sampling_params has 3 entries"):
+        llm.generate([ids(1), ids(2)], [GREEDY] * 3)
+    assert_idle(llm.engine)
+    assert len(llm.generate([ids(1), ids(2)], [GREEDY, GREEDY])) == 2
+
+
+# ------------------------------------------------------------------------------------------- knobs
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(block_size=0), "block_size=0: expected a positive integer"),
+    (dict(block_size=True), "block_size=True: expected a positive integer"),
+    (dict(max_num_seqs=-1), "max_num_seqs=-1: expected a positive integer"),
+    (dict(max_model_len=0), "max_model_len=0: expected a positive integer"),
+    (dict(num_kv_blocks=0), "num_kv_blocks=0: expected a positive integer"),
+    (dict(max_num_batched_tokens=-5), "max_num_batched_tokens=-5: expected a positive integer"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5: expected a fraction in (0, 1]"),
+    (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization=0.0: expected a fraction in (0, 1]"),
+    (dict(dtype="int8"), "dtype='int8': expected 'auto' or one of "
+                         "['bfloat16', 'float', 'float16', 'float32', 'half']"),
+    (dict(device="tpu"), "device='tpu': expected 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(device="meta"), "device='meta': expected 'cpu', 'cuda' or 'cuda:N'"),
+])
+def test_bad_llm_knobs_name_themselves(tiny_checkpoint, kwargs: dict, text: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        LLM(tiny_checkpoint[0], **kwargs)
+    assert str(exc.value) == text
+
+
+def test_unknown_llm_knob(tiny_checkpoint) -> None:
+    with pytest.raises(TypeError) as exc:
+        LLM(tiny_checkpoint[0], max_batch_size=4)
+    assert str(exc.value).startswith("LLM(): ")
+    assert "max_batch_size" in str(exc.value)
+    assert str(exc.value).endswith("knobs are those of vtcore.config.EngineConfig")
