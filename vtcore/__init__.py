@@ -11,10 +11,10 @@ from vtcore.plugins.hookspecs import hookimpl
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
            "hookimpl", "__version__"]
 
-_LAZY = {"LLM": "vtcore.engine.llm", "LLMEngine": "vtcore.engine.llm_engine"}
+_LAZY = {"LLM": "vtcore.engine.llm", "LLMEngine": "vtcore.engine.llm_engine", "AsyncLLM": "vtcore.engine.async_llm"}
 
 
 def __getattr__(name: str) -> Any:

@@ -98,3 +98,4 @@ class EngineConfig:
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for families that consume device tokens

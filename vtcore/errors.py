@@ -40,3 +40,7 @@ class DeviceTokenOverrideIgnored(VtcoreError, RuntimeError):
 
 class NotSupportedError(VtcoreError, NotImplementedError):
     """A feature the user asked for that vtcore does not implement."""
+
+
+class EngineDeadError(VtcoreError, RuntimeError):
+    """The engine loop of an ``AsyncLLM`` died; every pending and later request raises this."""

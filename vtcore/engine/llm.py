@@ -52,14 +52,13 @@ class LLM:
                 self._counter += 1
                 engine.add_request(ids[-1], prompt, p)
         except Exception:
-            for rid in ids:
+            for rid in ids[:-1]:
                 engine.abort_request(rid)
-            engine.step() if ids[:-1] else None  # drain the aborted outputs
-            engine.requests.clear()
+                engine.requests.pop(rid, None)
             raise
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests() or any(r.is_finished for r in engine.requests.values()):
+            while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out

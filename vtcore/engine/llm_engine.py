@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
+from collections import deque
 from typing import Any
 
 import torch
@@ -13,11 +16,12 @@ from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.tokenizer import load_tokenizer
-from vtcore.errors import RequestRejected
+from vtcore.errors import RequestRejected, VtcoreError
 from vtcore.loading.model_loader import build_model
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
-from vtcore.worker.model_runner import ModelRunner, StepOutput
+from vtcore.engine.scheduler import Batch
+from vtcore.worker.model_runner import ModelRunner, StepHandle, StepOutput
 
 log = logging.getLogger("vtcore")
 
@@ -56,8 +60,29 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig, device: torch.d
     return _DTYPES[dtype]
 
 
+def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: bool) -> int:
+    """How many steps may be in flight: 2 with async scheduling and the device mirror on, else 1."""
+    if config.async_scheduling and not consumes_device_tokens:
+        raise VtcoreError(f"async_scheduling=True: model family {family_name!r} does not declare that it "
+                          "consumes device token ids (ModelFamily.consumes_device_tokens), so its forward "
+                          "could embed host placeholders; use async_scheduling=False or fix the family")
+    enabled = consumes_device_tokens if config.async_scheduling is None else config.async_scheduling
+    if config.async_scheduling is None and not consumes_device_tokens:
+        log.info("vtcore: async scheduling off: family %r does not consume device token ids", family_name)
+    if not enabled:
+        return 1
+    mirror = os.environ.get("VTCORE_ASYNC_DEVICE_MIRROR", "1")
+    if mirror not in ("0", "1"):
+        raise ValueError(f"VTCORE_ASYNC_DEVICE_MIRROR={mirror!r}: expected 1 (default) or 0 (rollback)")
+    return 2 if mirror == "1" else 1
+
+
 class LLMEngine:
-    """Owns the scheduler, the runner and the requests; ``step`` advances every running request."""
+    """Owns the scheduler, the runner and the requests; ``step`` advances every running request.
+
+    Sync and async differ only in ``depth``, the number of steps in flight: at depth 2, ``step``
+    schedules and submits step N+1 before it waits for step N's tokens.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -74,18 +99,18 @@ class LLMEngine:
             log.info("vtcore: CUDA graphs are not implemented yet; running eagerly")
         model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
+        self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
         self.runner = ModelRunner(model, self.family, self.vocab_size, self.device, self.dtype, config.block_size,
                                   config.num_kv_blocks, config.gpu_memory_utilization, self.max_model_len,
-                                  config.max_num_seqs, self.eos_token_ids, config.seed)
+                                  config.max_num_seqs, self.eos_token_ids, config.seed, self.depth)
+        self.inflight: deque[tuple[Batch, StepHandle]] = deque()
+        self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
     def _eos_ids(self) -> list[int]:
-        import json
-        import os
-
         ids = self.hf_config.eos_token_ids
         gen = os.path.join(self.config.model, "generation_config.json")
         if os.path.isfile(gen):
@@ -145,53 +170,71 @@ class LLMEngine:
             self.scheduler.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.inflight) or any(
+            r.is_finished for r in self.requests.values())
 
     # ------------------------------------------------------------------ stepping
+    def _log(self, event: str, step: int) -> None:
+        if self.event_log is not None:
+            self.event_log.append((event, step))
+
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns the outputs of the requests it advanced or finished."""
-        finished_early = [r for r in self.requests.values() if r.is_finished]
+        """Schedule and submit one step; then, once ``depth`` steps are in flight (or nothing more can be
+        scheduled), wait for the oldest and apply its tokens. Returns the outputs that changed."""
+        touched = [r for r in self.requests.values() if r.is_finished]  # aborted, or max_tokens=0
         batch = self.scheduler.schedule()
-        touched = list(finished_early)
         if batch:
-            result = self.runner.execute(batch)
-            for req, n in batch:
-                req.num_computed_tokens += n
-                self._apply(req, result)
-                touched.append(req)
-        outputs = [self._output(r) for r in touched]
-        for r in touched:
+            step = self.runner._steps
+            self._log("schedule", step)
+            self.inflight.append((batch, self.runner.submit(batch)))
+            self._log("prepare", step)
+        if self.inflight and (len(self.inflight) >= self.depth or not batch):
+            done, handle = self.inflight.popleft()
+            self._log("wait", handle.step)
+            result = handle.result()
+            for row, s in enumerate(x for x in done if x.samples):
+                self._apply(s.request, result, row)
+            for s in done:
+                if s.request.prompt_logprobs is not None and s.request.request_id in result.prompt_logprobs:
+                    s.request.prompt_logprobs.extend(
+                        {t: Logprob(lp, rank, self._piece(t)) for t, (lp, rank) in pos.items()}
+                        for pos in result.prompt_logprobs[s.request.request_id])
+            touched += [s.request for s in done]
+        outputs = []
+        for r in dict.fromkeys(touched):
+            out = self._output(r)
+            if out is not None:
+                outputs.append(out)
             if r.is_finished:
                 self.requests.pop(r.request_id, None)
-        return [o for o in outputs if o is not None]
+        return outputs
 
-    def _apply(self, req: Request, result: StepOutput) -> None:
-        if req.request_id in result.prompt_logprobs:
-            req.prompt_logprobs.extend({t: Logprob(lp, rank, self._piece(t)) for t, (lp, rank) in pos.items()}
-                                       for pos in result.prompt_logprobs[req.request_id])
-        token = result.sampled.get(req.request_id)
-        if token is None:
-            return
+    def _apply(self, req: Request, result: StepOutput, row: int) -> None:
+        """Apply one sampled token on the host: append, logprobs, text, stops."""
+        if req.is_finished:
+            return  # stopped (or aborted) while this step was in flight: its token is dropped
+        req.num_inflight -= 1
+        token = result.token_ids[row]
         if req.num_output_tokens >= req.max_output:  # max_tokens=0: only prompt logprobs were wanted
             self.scheduler.finish(req, "length")
             return
         req.token_ids.append(token)
         p = req.params
         if req.logprobs is not None:
-            s, row = result.samples, result.sample_rows[req.request_id]
-            entry = {token: Logprob(s.logprobs[row], s.ranks[row], self._piece(token))}
-            for rank, (tid, lp) in enumerate(zip(s.top_ids[row][:p.logprobs], s.top_logprobs[row][:p.logprobs]), 1):
+            r = result
+            entry = {token: Logprob(r.logprobs[row], r.ranks[row], self._piece(token))}
+            for rank, (tid, lp) in enumerate(zip(r.top_ids[row][:p.logprobs], r.top_logprobs[row][:p.logprobs]), 1):
                 entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
             req.logprobs.append(entry)
-            req.cumulative_logprob += s.logprobs[row]
+            req.cumulative_logprob += r.logprobs[row]
         past_min = req.num_output_tokens > p.min_tokens
         stop_str = req.detok.add(token, check_stop=past_min) if req.detok is not None else None
         if stop_str is not None:
             req.stop_reason = stop_str
             self.scheduler.finish(req, "stop")
-        elif not p.ignore_eos and token in self.eos_token_ids and req.num_output_tokens > p.min_tokens:
+        elif not p.ignore_eos and token in self.eos_token_ids and past_min:
             self.scheduler.finish(req, "stop")
-        elif token in p.stop_token_ids and req.num_output_tokens > p.min_tokens:
+        elif token in p.stop_token_ids and past_min:
             req.stop_reason = token
             self.scheduler.finish(req, "stop")
         elif req.num_output_tokens >= req.max_output:

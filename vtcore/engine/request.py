@@ -11,6 +11,7 @@ from vtcore.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    DRAINING = enum.auto()  # its last token is in flight; it has left the scheduler
     FINISHED = enum.auto()
 
 
@@ -25,7 +26,9 @@ class Request:
         self.params = params
         self.arrival = arrival
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
+        self.num_inflight = 0  # sampled tokens of scheduled steps whose values the host has not seen yet
+        self.mirror_slot = -1  # this request's stable row in the runner's last_sampled_tokens while running
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
         # The host knows this end without seeing token values: never schedule past it.
@@ -35,6 +38,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.prompt_logprobs_scheduled = 1  # prompt positions whose logprobs a submitted step computes
         self.cumulative_logprob = 0.0
         self.generator: Any = None  # a per-request torch.Generator when params.seed is set
         self.detok: Any = None  # the incremental detokenizer, when the engine has a tokenizer
@@ -56,6 +60,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_scheduled(self) -> int:
+        """Tokens the sequence will hold once every in-flight token lands."""
+        return len(self.token_ids) + self.num_inflight
+
+    @property
+    def host_knows_end(self) -> bool:
+        """True once the in-flight tokens reach max_tokens or the context end: nothing left to schedule."""
+        return self.num_output_tokens + self.num_inflight >= self.max_output
 
     @property
     def is_finished(self) -> bool:

@@ -1,21 +1,43 @@
 """Continuous batching with chunked prefill under a token budget, and preemption by recompute.
 
-Each step spends at most ``max_num_batched_tokens`` tokens: running requests first (a decode
-token each, or the next chunk of a prefill), oldest first, then waiting requests in arrival
-order while at most ``max_num_seqs`` run. When the block pool runs dry, the newest running
-request is preempted: its blocks are freed and it re-enters the queue to recompute prompt and
-output so far. ``add`` rejects what could never fit, so preemption always makes progress.
+One scheduler serves the sync and the async engine. Each step spends at most
+``max_num_batched_tokens`` tokens: running requests first (a decode token each, or the next chunk
+of a prefill), oldest first, then waiting requests in arrival order while at most
+``max_num_seqs`` run. When the block pool runs dry, the newest running request is preempted: its
+blocks are freed and it re-enters the queue to recompute prompt and output so far. ``add``
+rejects what could never fit, so preemption always makes progress.
+
+Async: a step is scheduled before the previous one's tokens reach the host. ``num_computed_tokens``
+advances at scheduling time and each sampling step adds one in-flight token, so a decode row can
+be scheduled for a token the host has not seen (the runner fills it on the device). A request whose
+in-flight tokens reach its known end (max_tokens, max_model_len) leaves the scheduler at once
+(``DRAINING``): it frees its blocks and seat exactly when the sync engine would, so both engines
+build the same batches. Freed blocks are reusable at once because all device work is ordered on
+one stream: a later step's writes always land after an earlier step's.
 """
 from __future__ import annotations
 
 from collections import deque
 
+import attrs
+
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.request import Request, RequestStatus
 from vtcore.errors import RequestRejected
 
-#: A step's work: (request, number of its tokens to compute this step), in row order.
-Batch = list[tuple[Request, int]]
+
+@attrs.define
+class Scheduled:
+    """One request's share of a step: tokens ``[start, start + num_tokens)``; ``samples`` if its last row samples."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+#: A step's work, in row order.
+Batch = list[Scheduled]
 
 
 class Scheduler:
@@ -26,6 +48,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.free_mirror_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -43,16 +66,33 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, req: Request) -> None:
+    def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
         self.pool.free(req.block_ids)
+        self.free_mirror_slots.append(req.mirror_slot)
+        req.mirror_slot = -1
+
+    def _preempt(self, req: Request) -> None:
+        self._leave_running(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _take(self, req: Request, budget: int) -> Scheduled:
+        n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
+        start = req.num_computed_tokens
+        req.num_computed_tokens += n
+        samples = req.num_computed_tokens == req.num_tokens_scheduled
+        if samples:
+            req.num_inflight += 1
+        return Scheduled(req, start, n, samples)
+
     def schedule(self) -> Batch:
+        for req in [r for r in self.running if r.host_knows_end]:
+            self._leave_running(req)
+            req.status = RequestStatus.DRAINING
         budget = self.max_num_batched_tokens
         batch: Batch = []
         preempted = False
@@ -61,7 +101,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
@@ -71,26 +111,29 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                batch.append((req, n))
+                batch.append(self._take(req, budget))
                 budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_inflight:
+                break  # preempted with a token in flight: it returns once that token has landed
+            n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            req.mirror_slot = self.free_mirror_slots.pop()
             self.running.append(req)
-            batch.append((req, n))
+            batch.append(self._take(req, budget))
             budget -= n
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
-        """End a request: free its blocks at once (device work is ordered on one stream)."""
+        """End a request: free its blocks and seat at once (device work is ordered on one stream)."""
+        if req.status == RequestStatus.RUNNING:
+            self._leave_running(req)
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+            self.pool.free(req.block_ids)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.pool.free(req.block_ids)

@@ -6,10 +6,15 @@ min-p (relative to the top probability), and a draw. A draw is ``argmax(p / q)``
 ``q ~ Exp(1)`` per vocabulary entry (the exponential race, equal in law to sampling from p);
 a seeded request draws ``q`` from its own generator, so its draws do not depend on the batch.
 Logprobs are the raw model's log-softmax, before any of the above (vLLM's default).
+
+Split in two so the async engine never waits on the device: ``prepare`` decides everything on
+the host and uploads the per-row parameters without blocking; ``sample`` is device work only.
+The token each sampling row was fed (the in-flight token, in async) comes from the device, so
+penalties see it even before the host does.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -17,20 +22,33 @@ import torch
 from vtcore.engine.request import Request
 
 
+def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Upload a host list without blocking the host (pinned memory on CUDA)."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @attrs.define
-class SampleResult:
-    """Host copies of a step's samples."""
+class SampleMeta:
+    """A sampling row: its request, the tokens before the fed one (host), outputs in the fed sequence."""
 
-    token_ids: list[int]
-    logprobs: list[float] | None  # the sampled token's raw logprob, per row
-    ranks: list[int] | None
-    top_ids: list[list[int]] | None  # the top-k ids per row (k = the largest asked for in the batch)
-    top_logprobs: list[list[float]] | None
+    request: Request
+    prior_tokens: list[int]
+    num_outputs: int
 
 
-def _stop_ids(req: Request, eos_ids: Sequence[int]) -> list[int]:
-    ids = list(req.params.stop_token_ids)
-    return ids if req.params.ignore_eos else ids + list(eos_ids)
+@attrs.define
+class SamplingBatch:
+    metas: list[SampleMeta]
+    greedy: bool  # every row greedy
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    random_rows: torch.Tensor | None
+    edits: list[tuple[int, dict[str, Any]]]  # per-row logit edits: (row, tensors)
+    max_logprobs: int | None
 
 
 class Sampler:
@@ -40,99 +58,106 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def _process(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """Apply logit_bias, min_tokens and the penalties; returns a new tensor only when needed."""
-        logits = logits.clone()
-        for row, req in enumerate(reqs):
-            p = req.params
+    def _up(self, data: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return to_device(data, dtype, self.device)
+
+    def prepare(self, metas: list[SampleMeta]) -> SamplingBatch:
+        """Host side of a step's sampling: flags and per-row tensors, uploaded without waiting."""
+        params = [m.request.params for m in metas]
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        rnd = [params[i] for i in random]
+        edits = []
+        for row, m in enumerate(metas):
+            p, edit = m.request.params, {}
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=self.device)
-                logits[row, ids] += torch.tensor(list(p.logit_bias.values()), device=self.device)
-            if req.num_output_tokens < p.min_tokens:
-                stops = _stop_ids(req, self.eos_token_ids)
+                edit["bias_ids"] = self._up(list(p.logit_bias))
+                edit["bias"] = self._up(list(p.logit_bias.values()), torch.float32)
+            if m.num_outputs < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
-                    logits[row, stops] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(req.token_ids)), device=self.device)
-                vals = logits[row, seen]
-                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if p.presence_penalty or p.frequency_penalty:
-                out = req.output_token_ids
-                if out:
-                    counts = torch.bincount(torch.tensor(out, device=self.device), minlength=self.vocab_size)
-                    logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+                    edit["stops"] = self._up(stops)
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                edit["prior"] = self._up(m.prior_tokens)
+                edit["num_prompt"] = m.request.num_prompt_tokens
+            if edit:
+                edits.append((row, edit))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            metas=metas, greedy=not random,
+            temperature=self._up([p.temperature for p in rnd], torch.float32) if rnd else None,
+            top_k=self._up([p.top_k or self.vocab_size for p in rnd]) if any(p.top_k for p in rnd) else None,
+            top_p=self._up([p.top_p for p in rnd], torch.float32) if any(p.top_p < 1 for p in rnd) else None,
+            min_p=self._up([p.min_p for p in rnd], torch.float32) if any(p.min_p > 0 for p in rnd) else None,
+            random_rows=self._up(random) if random else None, edits=edits,
+            max_logprobs=max(wanted) if wanted else None)
+
+    def _edit(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        for row, e in batch.edits:
+            p = batch.metas[row].request.params
+            if "bias" in e:
+                logits[row].index_add_(0, e["bias_ids"], e["bias"])
+            if "stops" in e:
+                logits[row, e["stops"]] = float("-inf")
+            if "prior" in e:
+                seq = torch.cat((e["prior"], fed[row:row + 1]))
+                if p.repetition_penalty != 1.0:
+                    seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+                    seen[seq] = True
+                    penalised = torch.where(logits[row] > 0, logits[row] / p.repetition_penalty,
+                                            logits[row] * p.repetition_penalty)
+                    logits[row] = torch.where(seen, penalised, logits[row])
+                if p.presence_penalty or p.frequency_penalty:
+                    counts = torch.bincount(seq[e["num_prompt"]:], minlength=self.vocab_size).float()
+                    logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SampleResult:
-        """``logits`` [rows, vocab] float32, one row per request in ``reqs``."""
-        want_logprobs = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(_needs_processing(r) for r in reqs):
-            logits = self._process(logits, reqs)
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed."""
+        raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        if batch.edits:
+            logits = self._edit(logits, batch, fed)
         tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if random_rows:
-            tokens[random_rows] = self._draw(logits[random_rows], [reqs[i] for i in random_rows])
-        host_tokens = tokens.tolist()
-        if raw_logprobs is None:
-            return SampleResult(host_tokens, None, None, None, None)
-        sampled = raw_logprobs.gather(1, tokens[:, None])
-        ranks = (raw_logprobs > sampled).sum(dim=-1) + 1
-        k = max(want_logprobs)
-        top = raw_logprobs.topk(k, dim=-1) if k else None
-        return SampleResult(host_tokens, sampled[:, 0].tolist(), ranks.tolist(),
-                            top.indices.tolist() if top else [[] for _ in reqs],
-                            top.values.tolist() if top else [[] for _ in reqs])
+        if not batch.greedy:
+            tokens[batch.random_rows] = self._draw(logits[batch.random_rows], batch)
+        out = {"tokens": tokens}
+        if raw is not None:
+            sampled = raw.gather(1, tokens[:, None])
+            top = raw.topk(batch.max_logprobs, dim=-1)
+            out.update(logprobs=sampled[:, 0], ranks=(raw > sampled).sum(dim=-1) + 1,
+                       top_ids=top.indices, top_logprobs=top.values)
+        return out
 
-    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature for r in reqs], device=self.device)
-        logits = logits / temps[:, None]
-        top_k = [r.params.top_k for r in reqs]
-        if any(top_k):
-            k = torch.tensor([t if t else self.vocab_size for t in top_k], device=self.device).clamp(max=self.vocab_size)
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits / batch.temperature[:, None]
+        if batch.top_k is not None:
+            k = batch.top_k.clamp(max=self.vocab_size)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=self.device)
-        if (top_p < 1.0).any():
+        if batch.top_p is not None:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p[:, None]  # mass before this token
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs_sorted = sorted_logits.softmax(dim=-1)
+            before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
+            drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= batch.top_p[:, None])
             logits = logits.masked_fill(drop, float("-inf"))
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=self.device)
-        if (min_p > 0).any():
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        if batch.min_p is not None:
+            probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        reqs = [batch.metas[i].request for i in range(len(batch.metas)) if not batch.metas[i].request.params.greedy]
         q = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=self.device).exponential_(
-                generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
+        if len(unseeded) == len(reqs):
+            q.exponential_(generator=self.generator)
+        else:
+            for i, r in enumerate(reqs):
+                q[i].exponential_(generator=r.generator or self.generator)
         return (probs / q).argmax(dim=-1)
 
 
-def _needs_processing(req: Request) -> bool:
-    p = req.params
-    return bool(p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or req.num_output_tokens < p.min_tokens)
-
-
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, tuple[float, int]]]:
-    """Raw logprobs of each prompt token given its prefix, and the top k: per position {id: (logprob, rank)}."""
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Raw logprobs of each prompt token given its prefix (with rank) and the top k, as device tensors."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    tgt = torch.tensor(targets, device=lp.device)
-    chosen = lp.gather(1, tgt[:, None])
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    chosen = chosen[:, 0].tolist()
-    out = []
-    top = lp.topk(k, dim=-1) if k else None
-    for row, tok in enumerate(targets):
-        entry = {tok: (chosen[row], ranks[row])}
-        if top is not None:
-            for rank, (i, v) in enumerate(zip(top.indices[row].tolist(), top.values[row].tolist()), start=1):
-                entry.setdefault(i, (v, rank))
-        out.append(entry)
-    return out
+    chosen = lp.gather(1, targets[:, None])
+    top = lp.topk(k, dim=-1)
+    return {"targets": targets, "chosen": chosen[:, 0], "ranks": (lp > chosen).sum(dim=-1) + 1,
+            "top_ids": top.indices, "top_logprobs": top.values}

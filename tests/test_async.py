@@ -1,0 +1,277 @@
+"""The async engine (depth-2 batch queue, device mirror) against the sync engine in the same process."""
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata as md
+import json
+import os
+import random
+import shutil
+
+import pytest
+
+from vtcore import LLM, AsyncLLM, SamplingParams
+from vtcore.errors import DeviceTokenOverrideIgnored, EngineDeadError, VtcoreError
+from vtcore.plugins.manager import Plugins, reset_plugins
+from vtcore.sampling_params import RequestOutputKind
+from vtcore.worker.model_runner import PLACEHOLDER
+
+KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=400, max_num_seqs=32)
+
+
+def engine(path: str, mode: str, monkeypatch: pytest.MonkeyPatch, **knobs):
+    """mode: 'sync', 'async' (mirror on) or 'mirror-off' (async front, host waits)."""
+    monkeypatch.setenv("VTCORE_ASYNC_DEVICE_MIRROR", "0" if mode == "mirror-off" else "1")
+    llm = LLM(path, async_scheduling=mode != "sync", **{**KNOBS, **knobs})
+    assert llm.engine.depth == (2 if mode == "async" else 1)
+    return llm.engine
+
+
+def run(eng, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
+    """Drive ``eng`` with requests arriving before given step calls; returns (tokens per id, batches)."""
+    batches: list[list[tuple[str, int, int]]] = []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        if batch:
+            batches.append([(s.request.request_id, s.start, s.num_tokens) for s in batch])
+        return batch
+
+    eng.scheduler.schedule = spy
+    tokens: dict[str, list[int]] = {}
+    call = 0
+    while call <= max(arrivals, default=0) or eng.has_unfinished_requests():
+        for rid, ids, params in arrivals.get(call, []):
+            eng.add_request(rid, {"prompt_token_ids": ids}, params)
+        for out in eng.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        call += 1
+    eng.scheduler.schedule = schedule
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.requests
+    return tokens, batches
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def mixed_arrivals(n: int, seed: int) -> dict[int, list]:
+    rng = random.Random(seed)
+    arrivals: dict[int, list] = {}
+    for i in range(n):
+        at = 0 if i < n // 2 else rng.randrange(1, 12)  # half arrive after step k
+        ids = [rng.randrange(512) for _ in range(rng.randrange(1, 30))]
+        params = SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=rng.randrange(1, 24),
+                                ignore_eos=True, logprobs=1 if i % 3 == 0 else None)
+        arrivals.setdefault(at, []).append((f"r{i}", ids, params))
+    return arrivals
+
+
+@pytest.mark.parametrize("mode", ["async", "mirror-off"])
+def test_batch_one_five_times(tiny_checkpoint, monkeypatch, mode) -> None:
+    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", monkeypatch), {0: [("a", [7, 3, 9], greedy(24))]})
+    eng = engine(tiny_checkpoint[0], mode, monkeypatch)
+    for _ in range(5):
+        got, batches = run(eng, {0: [("a", [7, 3, 9], greedy(24))]})
+        assert got == ref and batches == ref_batches
+
+
+@pytest.mark.parametrize("mode", ["async", "mirror-off"])
+@pytest.mark.parametrize("n", [4, 16])
+def test_concurrency_brackets_with_late_arrivals(tiny_checkpoint, monkeypatch, mode, n) -> None:
+    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", monkeypatch), mixed_arrivals(n, n))
+    got, batches = run(engine(tiny_checkpoint[0], mode, monkeypatch), mixed_arrivals(n, n))
+    assert batches == ref_batches
+    assert got == ref and len(got) == n
+
+
+def test_max_tokens_bracket(tiny_checkpoint, monkeypatch) -> None:
+    lengths = [*range(1, 9), 16, 33, 64, 128]
+    arrivals = {0: [(f"m{n}", [n, n + 1, 5], greedy(n)) for n in lengths]}
+    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", monkeypatch, max_model_len=256), arrivals)
+    got, batches = run(engine(tiny_checkpoint[0], "async", monkeypatch, max_model_len=256), arrivals)
+    assert got == ref and batches == ref_batches
+    assert {rid: len(t) for rid, t in got.items()} == {f"m{n}": n for n in lengths}
+
+
+def test_abort_mid_stream_leaves_the_others_exact(tiny_checkpoint, monkeypatch) -> None:
+    arrivals = {0: [(f"k{i}", [i + 1, 2 * i + 3], greedy(20)) for i in range(4)]}
+    ref, _ = run(engine(tiny_checkpoint[0], "sync", monkeypatch), arrivals)
+    eng = engine(tiny_checkpoint[0], "async", monkeypatch)
+    for rid, ids, params in arrivals[0]:
+        eng.add_request(rid, {"prompt_token_ids": ids}, params)
+    final = {}
+    for call in range(200):
+        if call == 6:
+            eng.abort_request("k1")
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+        if not eng.has_unfinished_requests():
+            break
+    assert final["k1"].finish_reason == "abort" and len(final["k1"].token_ids) < 20
+    assert {r: final[r].token_ids for r in ("k0", "k2", "k3")} == {r: ref[r] for r in ("k0", "k2", "k3")}
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.requests
+
+
+def test_eos_stop_drops_the_extra_step(make_checkpoint, monkeypatch, tmp_path) -> None:
+    """A stop that needs the token's value leaves one step in flight, whose token is dropped."""
+    path, _ = make_checkpoint()
+    ref_eng = engine(path, "sync", monkeypatch)
+    probe = run(ref_eng, {0: [("p", [11, 12], greedy(12))]})[0]["p"]
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[probe[5]])
+    ref, _ = run(engine(path, "sync", monkeypatch), {0: [("p", [11, 12], params)]})
+    got, _ = run(engine(path, "async", monkeypatch), {0: [("p", [11, 12], params)]})
+    assert got == ref and got["p"][-1] == probe[5] and len(got["p"]) == probe.index(probe[5]) + 1
+
+
+def test_overlap_is_real(tiny_checkpoint, monkeypatch) -> None:
+    eng = engine(tiny_checkpoint[0], "async", monkeypatch)
+    staged: list[list[int]] = []
+    stage = eng.runner._stage
+
+    def spy(sections):
+        staged.append(list(sections[0]))  # the host input ids of the step
+        return stage(sections)
+
+    eng.runner._stage = spy
+    eng.event_log = []
+    run(eng, {0: [("a", [5, 6, 7], greedy(10)), ("b", [8], greedy(10))]})
+    log = eng.event_log
+    decode_steps = range(1, len(staged))
+    for n in decode_steps:  # schedule(N+1) and prepare(N+1) come before wait(N)
+        assert log.index(("schedule", n)) < log.index(("wait", n - 1))
+        assert log.index(("prepare", n)) < log.index(("wait", n - 1))
+        assert all(t == PLACEHOLDER for t in staged[n]), staged[n]  # decode rows carry the placeholder
+    assert eng.runner.consuming_forwards == len(decode_steps)
+
+
+def test_abc_triple_on_qwen3(tiny_checkpoint, monkeypatch) -> None:
+    arrivals = {0: [("a", [3, 1, 4, 1, 5], greedy(16)), ("b", [9, 2, 6], greedy(16))]}
+    a, _ = run(engine(tiny_checkpoint[0], "sync", monkeypatch), arrivals)
+    b = engine(tiny_checkpoint[0], "async", monkeypatch)
+    b.runner.withhold_override = True
+    with pytest.raises(DeviceTokenOverrideIgnored, match="qwen3_dense"):
+        run(b, arrivals)
+    c = engine(tiny_checkpoint[0], "async", monkeypatch)
+    got, batches = run(c, arrivals)
+    assert got == a
+    assert c.runner.consuming_forwards == sum(1 for _ in batches) - 1  # every decode step consumed
+
+
+@pytest.fixture
+def fixture_families(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(__file__)))
+    eps = [*md.entry_points(group="vtcore"),
+           md.EntryPoint(name="fixture_async", value="tests.fixture_async.families", group="vtcore")]
+    reset_plugins(Plugins(entry_points=eps))
+    yield
+    reset_plugins(None)
+
+
+def _as_arch(src: str, dst: str, arch: str) -> str:
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = [arch]
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_a_model_that_ignores_the_override_fails(tiny_checkpoint, fixture_families, monkeypatch, tmp_path) -> None:
+    path = _as_arch(tiny_checkpoint[0], str(tmp_path / "m"), "IgnoresOverrideForCausalLM")
+    eng = engine(path, "async", monkeypatch)
+    with pytest.raises(IndexError):  # it embeds the host placeholder -1
+        run(eng, {0: [("a", [3, 1, 4], greedy(8))]})
+
+
+def test_undeclared_family_is_refused_async_by_name(tiny_checkpoint, fixture_families, tmp_path) -> None:
+    path = _as_arch(tiny_checkpoint[0], str(tmp_path / "u"), "UndeclaredForCausalLM")
+    with pytest.raises(VtcoreError, match="'undeclared'.*consumes device token ids"):
+        LLM(path, device="cpu", async_scheduling=True)
+    assert LLM(path, device="cpu").engine.depth == 1  # the default turns async off for it
+
+
+def test_mirror_variable_is_validated(tiny_checkpoint, monkeypatch) -> None:
+    monkeypatch.setenv("VTCORE_ASYNC_DEVICE_MIRROR", "yes")
+    with pytest.raises(ValueError, match="VTCORE_ASYNC_DEVICE_MIRROR='yes'"):
+        LLM(tiny_checkpoint[0], device="cpu")
+
+
+# ---------------------------------------------------------------------- AsyncLLM
+@pytest.fixture
+def async_llm(tiny_checkpoint):
+    llm = AsyncLLM(tiny_checkpoint[0], **KNOBS)
+    yield llm
+    llm.shutdown()
+
+
+async def _collect(llm, rid, ids, params):
+    return [o async for o in llm.generate({"prompt_token_ids": ids}, params, rid)]
+
+
+def test_async_llm_streams_and_equals_offline(tiny_checkpoint, async_llm) -> None:
+    prompts = [[i + 1, 2 * i + 5, 7] for i in range(6)]
+
+    async def main():
+        return await asyncio.gather(*[_collect(async_llm, f"s{i}", p, greedy(10 + i)) for i, p in enumerate(prompts)])
+
+    streams = asyncio.run(main())
+    offline = LLM(tiny_checkpoint[0], **KNOBS).generate([{"prompt_token_ids": p} for p in prompts],
+                                                        [greedy(10 + i) for i in range(6)])
+    for stream, ref in zip(streams, offline):
+        assert stream[-1].finished and not any(o.finished for o in stream[:-1])
+        lengths = [len(o.outputs[0].token_ids) for o in stream]
+        assert lengths == sorted(lengths)  # cumulative
+        assert stream[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_async_llm_deltas_abort_and_duplicates(async_llm) -> None:
+    async def main():
+        delta = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        outs = await _collect(async_llm, "d", [4, 5], delta)
+        full = await _collect(async_llm, "f", [4, 5], greedy(12))
+        assert sum((o.outputs[0].token_ids for o in outs), []) == full[-1].outputs[0].token_ids
+        gen = async_llm.generate({"prompt_token_ids": [1, 2]}, greedy(100), "dup")
+        first = await gen.__anext__()
+        with pytest.raises(ValueError, match="'dup'"):
+            await _collect(async_llm, "dup", [3], greedy(2))
+        await async_llm.abort("dup")
+        rest = [o async for o in gen]
+        assert rest[-1].outputs[0].finish_reason == "abort" and first is not None
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await _collect(async_llm, "bad", [10 ** 6], greedy(2))
+        ok = await _collect(async_llm, "after", [1], greedy(3))  # a bad request fails alone
+        assert len(ok[-1].outputs[0].token_ids) == 3
+        # A consumer that leaves early aborts its request and frees its blocks.
+        early = async_llm.generate({"prompt_token_ids": [1, 2]}, greedy(100), "early")
+        await early.__anext__()
+        await early.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not async_llm.engine.requests:
+                break
+        assert async_llm.engine.pool.num_free == async_llm.engine.pool.num_blocks
+
+    asyncio.run(main())
+
+
+def test_engine_death_reaches_every_pending_request(async_llm) -> None:
+    def boom():
+        raise RuntimeError("kaboom")
+
+    async def main():
+        gens = [async_llm.generate({"prompt_token_ids": [1, 2]}, greedy(50), f"x{i}") for i in range(3)]
+        await gens[0].__anext__()
+        async_llm.engine.step = boom
+        for gen in gens:
+            with pytest.raises(EngineDeadError, match="kaboom"):
+                async for _ in gen:
+                    pass
+        with pytest.raises(EngineDeadError):
+            await _collect(async_llm, "later", [1], greedy(2))
+
+    asyncio.run(main())

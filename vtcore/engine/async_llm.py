@@ -1,0 +1,150 @@
+"""``AsyncLLM``: an asyncio front end over the engine loop (vLLM's shape).
+
+The engine runs on its own thread: it takes new requests and aborts from an inbox between steps
+and runs ``LLMEngine.step`` (a batch queue of depth 2 when async scheduling is on) while there is
+work. Outputs are handed to each request's asyncio queue on the caller's event loop. A bad request
+fails alone (its ``generate`` raises); if the loop itself dies, every pending ``generate`` raises
+``EngineDeadError``, and so does every later call.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import Any, AsyncIterator
+
+from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.engine.llm_engine import LLMEngine, Prompt
+from vtcore.errors import EngineDeadError
+from vtcore.outputs import RequestOutput
+from vtcore.sampling_params import SamplingParams
+
+log = logging.getLogger("vtcore")
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model or DEFAULT_MODEL, **kwargs))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="vtcore-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ caller side
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}") from self.dead
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (cumulative, or deltas with ``output_kind=DELTA``) until it finishes.
+
+        Leaving the loop early (a client that disconnects) aborts the request and frees its blocks.
+        """
+        self._check_alive()
+        if request_id is None:
+            raise ValueError("request_id=None: expected a unique string")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
+            self._streams[request_id] = (loop, stream)
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("add", request_id, prompt, sampling_params or SamplingParams(), added))
+        self._wake.set()
+        finished = False
+        try:
+            await asyncio.wrap_future(added)
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished and added.done() and added.exception() is None:
+                self._inbox.put(("abort", request_id))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with ``finish_reason="abort"``."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        """Stop the loop: in-flight requests are aborted; pending ``generate`` calls end."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.runner.shutdown()
+
+    # ------------------------------------------------------------------ engine thread
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params, added = msg
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as exc:  # a bad request fails alone
+                    added.set_exception(exc)
+                else:
+                    added.set_result(None)
+            else:
+                self.engine.abort_request(msg[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            self.dead = exc
+            log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
+            with self._lock:
+                ids = list(self._streams)
+            err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
+            for rid in ids:
+                self._deliver(rid, err)
+            while True:  # requests that arrived after the death
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg[0] == "add":
+                    msg[4].set_exception(err)
