@@ -21,6 +21,18 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     return {**TINY_QWEN3, **overrides}
 
 
+@pytest.fixture(autouse=True)
+def _real_plugins(monkeypatch: pytest.MonkeyPatch):
+    """Every test starts from the installed plugins, with no allow-list or strict mode leaking in."""
+    from vtcore.plugins.manager import reset_plugins
+
+    monkeypatch.delenv("VTCORE_PLUGINS", raising=False)
+    monkeypatch.delenv("VTCORE_STRICT_PLUGINS", raising=False)
+    reset_plugins(None)
+    yield
+    reset_plugins(None)
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, Any]]:
     """``make_checkpoint(**overrides) -> (path, hf_model)``: a saved random HF model, cached per config."""

@@ -17,19 +17,9 @@ from safetensors.torch import load_file, save_file
 from vtcore import LLM, SamplingParams
 from vtcore.errors import CheckpointError, UnknownArchitectureError
 from vtcore.loading.safetensors_loader import INDEX, SINGLE
-from vtcore.plugins.manager import reset_plugins
 
 PROMPTS = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [100, 7, 250, 31, 4, 8]}]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _real_plugins(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("VTCORE_PLUGINS", raising=False)
-    monkeypatch.delenv("VTCORE_STRICT_PLUGINS", raising=False)
-    reset_plugins(None)
-    yield
-    reset_plugins(None)
 
 
 @pytest.fixture

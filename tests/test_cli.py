@@ -119,18 +119,12 @@ def test_generate_text_prompt_without_tokenizer(tiny_checkpoint, capsys: pytest.
                                        "has no tokenizer; pass {'prompt_token_ids': [...]} instead\n")
 
 
-@pytest.mark.xfail(reason="vtcore bug: `vtcore generate --chat` on a checkpoint without a tokenizer calls "
-                          "None.apply_chat_template and dies with an uncaught AttributeError traceback",
-                   strict=True)
 def test_generate_chat_without_tokenizer(tiny_checkpoint, capsys: pytest.CaptureFixture) -> None:
     rc, out = run_cli("generate", "--model", tiny_checkpoint[0], "--device", "cpu", "--chat", "Hello")
     assert rc == 2
     assert "tokenizer" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(reason="vtcore bug: cli.main catches ValueError/TypeError/FileNotFoundError/NotImplementedError "
-                          "but not PluginError, so `vtcore generate` on an architecture two plugins register "
-                          "dies with a traceback instead of exit 2", strict=True)
 def test_generate_on_a_conflicting_architecture(tiny_checkpoint, capsys: pytest.CaptureFixture) -> None:
     reset_plugins(Plugins(entry_points=list(md.entry_points(group="vtcore")) + [fixture_ep("clash_qwen3")]))
     rc, _ = run_cli("generate", "--model", tiny_checkpoint[0], "--device", "cpu", "Hello")

@@ -117,13 +117,13 @@ def _record_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """Record the tokens each scheduled request computes per step (wraps the runner on this instance)."""
     steps: list[list[int]] = []
     runner = llm.engine.runner
-    execute = runner.execute
+    submit = runner.submit
 
     def spy(batch: Any) -> Any:
-        steps.append([n for _, n in batch])
-        return execute(batch)
+        steps.append([s.num_tokens for s in batch])
+        return submit(batch)
 
-    monkeypatch.setattr(runner, "execute", spy)
+    monkeypatch.setattr(runner, "submit", spy)
     return steps
 
 

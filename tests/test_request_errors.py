@@ -5,21 +5,11 @@ import pytest
 
 from vtcore import LLM, SamplingParams
 from vtcore.errors import NotSupportedError, RequestRejected
-from vtcore.plugins.manager import reset_plugins
 from vtcore.testing.oracle import near_tie_violations
 
 MAX_MODEL_LEN = 64
 VOCAB = 512
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _real_plugins(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("VTCORE_PLUGINS", raising=False)
-    monkeypatch.delenv("VTCORE_STRICT_PLUGINS", raising=False)
-    reset_plugins(None)
-    yield
-    reset_plugins(None)
 
 
 @pytest.fixture
@@ -190,7 +180,8 @@ def test_engine_keeps_serving_after_rejected_add_request(tiny_checkpoint) -> Non
     llm = LLM(tiny_checkpoint[0], device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=3, block_size=16)
     engine = llm.engine
     engine.add_request("a", ids(1, 2, 3), GREEDY)
-    engine.step()  # "a" is running: prefilled, first token sampled
+    while engine.requests["a"].num_output_tokens < 1:  # "a" is running: prefilled, first token sampled
+        engine.step()
     assert engine.requests["a"].num_output_tokens == 1
     with pytest.raises(RequestRejected, match="prompt has 70 tokens, but max_model_len=64"):
         engine.add_request("b", ids(*[1] * 70), GREEDY)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from vtcore import LLM, SamplingParams
 from vtcore.engine.request import Request
 from vtcore.testing.oracle import teacher_forced_logits
-from vtcore.worker.sampler import Sampler
+from vtcore.worker.sampler import SampleMeta, Sampler
 
 TOL = 1e-5
 BLOCK = 4
@@ -34,6 +35,21 @@ def make_request(params: SamplingParams, prompt: Sequence[int] = (0,), output: S
     if seed_generator and params.seed is not None:
         req.generator = torch.Generator().manual_seed(params.seed)
     return req
+
+
+def _batch(sampler: Sampler, reqs: Sequence[Request]) -> tuple[Any, torch.Tensor]:
+    """The runner's view of a sampling step: each request was fed its last token."""
+    metas = [SampleMeta(r, r.token_ids[:-1], r.num_output_tokens) for r in reqs]
+    return sampler.prepare(metas), torch.tensor([r.token_ids[-1] for r in reqs])
+
+
+def run_sampler(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Request]) -> SimpleNamespace:
+    """prepare + sample, with the results on the host."""
+    batch, fed = _batch(sampler, reqs)
+    out = sampler.sample(logits, batch, fed)
+    host = {k: v.tolist() for k, v in out.items()}
+    return SimpleNamespace(token_ids=host["tokens"], logprobs=host.get("logprobs"), ranks=host.get("ranks"),
+                           top_ids=host.get("top_ids"), top_logprobs=host.get("top_logprobs"))
 
 
 def hf_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -112,7 +128,7 @@ def draw_counts(params: SamplingParams, n: int = 20000, rows: int = 2000, logits
     batch = torch.tensor([list(logits)] * rows, dtype=torch.float32)
     counts = [0] * len(logits)
     for _ in range(n // rows):
-        for t in sampler(batch, reqs).token_ids:
+        for t in run_sampler(sampler, batch, reqs).token_ids:
             counts[t] += 1
     return counts
 
@@ -185,7 +201,7 @@ def test_mixed_rows_each_follow_their_params() -> None:
     batch = torch.tensor([LOGITS] * len(reqs))
     counts = [[0] * VOCAB for _ in kinds]
     for _ in range(8):
-        for i, t in enumerate(sampler(batch, reqs).token_ids):
+        for i, t in enumerate(run_sampler(sampler, batch, reqs).token_ids):
             counts[i % 4][t] += 1
     for kw, c in zip(kinds, counts):
         assert_fits(c, expected_distribution(LOGITS, **kw))
@@ -194,7 +210,7 @@ def test_mixed_rows_each_follow_their_params() -> None:
 def test_greedy_rows_take_the_argmax_beside_random_rows() -> None:
     sampler = Sampler(VOCAB, torch.device("cpu"), [], 0)
     reqs = [make_request(SamplingParams(temperature=0.0 if i % 2 else 1.0), rid=str(i)) for i in range(64)]
-    tokens = sampler(torch.tensor([LOGITS] * 64), reqs).token_ids
+    tokens = run_sampler(sampler, torch.tensor([LOGITS] * 64), reqs).token_ids
     assert all(t == 1 for t in tokens[1::2])
     assert len(set(tokens[0::2])) > 1
 
@@ -204,7 +220,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.01),
                    SamplingParams(temperature=1.0, min_p=1.0)):
         reqs = [make_request(params, rid=str(i)) for i in range(200)]
-        assert set(sampler(torch.tensor([LOGITS] * 200), reqs).token_ids) == {1}
+        assert set(run_sampler(sampler, torch.tensor([LOGITS] * 200), reqs).token_ids) == {1}
 
 
 def test_sampler_seeded_rows_ignore_the_batch() -> None:
@@ -219,7 +235,7 @@ def test_sampler_seeded_rows_ignore_the_batch() -> None:
         me = make_request(params, rid="me", seed_generator=True)
         reqs.insert(at, me)
         logits = torch.tensor([LOGITS] * len(reqs))
-        return [sampler(logits, reqs).token_ids[at] for _ in range(30)]
+        return [run_sampler(sampler, logits, reqs).token_ids[at] for _ in range(30)]
 
     alone = run(0, 0)
     assert run(4, 2) == alone
@@ -232,7 +248,9 @@ def process(params: SamplingParams, logits: Sequence[float], prompt: Sequence[in
             eos: Sequence[int] = ()) -> list[float]:
     sampler = Sampler(len(logits), torch.device("cpu"), list(eos), 0)
     raw = torch.tensor([list(logits)])
-    out = sampler._process(raw, [make_request(params, prompt, output)])
+    reqs = [make_request(params, prompt, output)]
+    batch, fed = _batch(sampler, reqs)
+    out = sampler._edit(raw, batch, fed)
     assert raw.tolist() == [list(logits)], "processing must not modify the caller's logits"
     return out[0].tolist()
 
@@ -299,7 +317,7 @@ def test_logprobs_are_raw_despite_processing() -> None:
     reqs = [make_request(SamplingParams(temperature=0.0, logprobs=3, logit_bias={7: 50.0}, repetition_penalty=3.0),
                          [6], [6], rid="a"),
             make_request(SamplingParams(temperature=0.3, logprobs=1, top_k=1, logit_bias={4: 50.0}), rid="b")]
-    res = sampler(raw, reqs)
+    res = run_sampler(sampler, raw, reqs)
     assert res.token_ids == [7, 4]
     assert res.logprobs == pytest.approx([lp[7].item(), lp[4].item()], abs=TOL)
     assert res.ranks == [8, 7]  # ranks in the raw distribution
@@ -408,10 +426,6 @@ def test_prompt_logprobs_chunked_prefill(tiny_checkpoint: tuple[str, Any]) -> No
             check_position(entry, tok, lp[i], 2)
 
 
-@pytest.mark.xfail(strict=True, reason="vtcore bug: a request preempted in the middle of a chunked prefill "
-                   "recomputes from position 0 and appends its prompt logprobs again (ModelRunner.execute only "
-                   "checks len(prompt_logprobs) < num_prompt_tokens), so prompt_logprobs gets duplicated, "
-                   "misaligned entries")
 def test_prompt_logprobs_survive_preemption_mid_prefill(tiny_checkpoint: tuple[str, Any]) -> None:
     path, model = tiny_checkpoint
     llm = LLM(path, device="cpu", block_size=4, num_kv_blocks=6, max_model_len=64, max_num_batched_tokens=5)

@@ -17,13 +17,20 @@ def resolve_ref(ref: str) -> Any:
 
 
 def _check_ref(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not (isinstance(value, str) and _REF.match(value)):
+    if not (isinstance(value, str) and _REF.match(value)):
         raise ValueError(f"{attribute.name}={value!r}: expected a lazy reference 'package.module:Name'")
 
 
-def _check_architectures(instance: Any, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
-    if not value or not all(isinstance(a, str) and a for a in value):
+def _check_optional_ref(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _check_ref(instance, attribute, value)
+
+
+def _architectures(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
+            or not all(isinstance(a, str) and a for a in value):
         raise ValueError(f"architectures={value!r}: expected a non-empty tuple of HF architecture names")
+    return tuple(value)
 
 
 @attrs.frozen
@@ -49,10 +56,10 @@ class ModelFamily:
     """
 
     name: str
-    architectures: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_architectures)
+    architectures: tuple[str, ...] = attrs.field(converter=_architectures)
     model_cls: str = attrs.field(validator=_check_ref)
     consumes_device_tokens: bool = False
-    conformance_example: str | None = attrs.field(default=None, validator=_check_ref)
+    conformance_example: str | None = attrs.field(default=None, validator=_check_optional_ref)
     plugin: str = ""
 
     def load_class(self) -> type:

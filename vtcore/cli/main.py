@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Sequence, TextIO
 
+from vtcore.errors import VtcoreError
+
 
 def cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore.plugins.manager import get_plugins
@@ -41,13 +43,10 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     engine = llm.engine
-    tok = engine.tokenizer
     for i, text in enumerate(args.prompt):
         prompt: str | dict = text
         if args.chat:
-            messages = [{"role": "user", "content": text}]
-            prompt = {"prompt_token_ids": list(tok.apply_chat_template(messages, add_generation_prompt=True,
-                                                                      tokenize=True, return_dict=False))}
+            prompt = engine.chat_prompt([{"role": "user", "content": text}])
         rid = f"cli-{i}"
         engine.add_request(rid, prompt, params)
         if not args.chat:
@@ -91,7 +90,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, out or sys.stdout)
-    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+    except (VtcoreError, ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
         sys.stderr.write(f"vtcore {args.command}: error: {exc}\n")
         return 2
 

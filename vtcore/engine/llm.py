@@ -69,13 +69,6 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with the generation prompt) and generate."""
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"llm.chat(): the checkpoint {self.engine.config.model!r} has no tokenizer "
-                             "with a chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                                     return_dict=False)),
-                    "prompt": tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)}
-                   for c in conversations]
+        prompts = [self.engine.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

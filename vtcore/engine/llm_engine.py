@@ -140,6 +140,14 @@ class LLMEngine:
             return prompt.get("prompt"), list(ids)
         raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt_token_ids'")
 
+    def chat_prompt(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        """A conversation through the tokenizer's chat template, ready for generation."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"chat: the checkpoint {self.config.model!r} has no tokenizer with a chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Validate and queue a request; a bad one raises here and leaves the others untouched."""
         if request_id in self.requests:

@@ -6,6 +6,8 @@ kv_heads, head_dim]`` for K and for V, indexed by slot (``block * block_size + o
 """
 from __future__ import annotations
 
+import threading
+
 import attrs
 import torch
 from torch import nn
@@ -38,18 +40,20 @@ class AttentionMetadata:
         self.attn_mask = (allowed | (keys == 0)[None, None, :]).unsqueeze(1)
 
 
-_metadata: AttentionMetadata | None = None
+# Per thread: an async engine runs its forwards on a worker thread, and several engines may live
+# in one process.
+_local = threading.local()
 
 
 def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
-    global _metadata
-    _metadata = metadata
+    _local.metadata = metadata
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    if _metadata is None:
+    metadata = getattr(_local, "metadata", None)
+    if metadata is None:
         raise RuntimeError("attention ran outside a runner step: no AttentionMetadata is set")
-    return _metadata
+    return metadata
 
 
 class Attention(nn.Module):

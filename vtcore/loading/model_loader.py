@@ -32,8 +32,17 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
             module.family = family.name
             replacement = plugins.pm.hook.vtcore_embed_into(family=family, embed=module)
             if replacement is not None:
-                parent, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+                _replace_module(model, name, module, replacement)
     with torch.no_grad():
         loader(model, model_path, hf_config, seed)
     return model.eval(), family
+
+
+def _replace_module(model: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
+    """Swap ``old`` for ``new`` at ``name``; weights tied to ``old.weight`` (a tied lm_head) follow it."""
+    tied = [m for m in model.modules() if m is not old and getattr(m, "weight", None) is old.weight]
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, new)
+    if isinstance(getattr(new, "weight", None), nn.Parameter):
+        for m in tied:
+            m.weight = new.weight

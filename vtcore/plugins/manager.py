@@ -136,23 +136,23 @@ class Plugins:
                 raise PluginError(f"model family name {family.name!r} is registered by both "
                                   f"{self.families[family.name].plugin!r} and {name!r}")
         clashes = [a for f in families for a in f.architectures if a in self.architectures or a in self.conflicts]
-        for arch in clashes:
-            first = self.architectures.pop(arch).plugin if arch in self.architectures else self.conflicts[arch][0]
-            self.conflicts.setdefault(arch, [first]).append(name)
-        for family in families:
-            self.families[family.name] = family
-            for arch in family.architectures:
-                if arch not in self.conflicts:
-                    self.architectures[arch] = family
-        for fmt, ref in tables["vtcore_quant_methods"].items():
-            self.quant_methods[fmt] = (name, ref)
-        for fmt, ref in tables["vtcore_loaders"].items():
-            self.loaders[fmt] = (name, ref)
         if clashes:
+            # Nothing of this plugin is committed; the contested architectures resolve to neither.
+            for arch in clashes:
+                first = self.architectures.pop(arch).plugin if arch in self.architectures else self.conflicts[arch][0]
+                self.conflicts.setdefault(arch, [first]).append(name)
             arch = clashes[0]
             raise PluginError(f"architecture {arch!r} is registered by both {self.conflicts[arch][0]!r} "
                               f"and {name!r}; it resolves to neither until one is uninstalled "
                               "(or excluded with VTCORE_PLUGINS)")
+        for family in families:
+            self.families[family.name] = family
+            for arch in family.architectures:
+                self.architectures[arch] = family
+        for fmt, ref in tables["vtcore_quant_methods"].items():
+            self.quant_methods[fmt] = (name, ref)
+        for fmt, ref in tables["vtcore_loaders"].items():
+            self.loaders[fmt] = (name, ref)
 
     # ------------------------------------------------------------------ lookups
     def family_for(self, architecture: str) -> ModelFamily:
