@@ -23,6 +23,8 @@ class AttentionMetadata:
     ``query_index`` [seqs, max_query]: the token row of each sequence's i-th query (padding: 0).
     ``query_positions`` [seqs, max_query]: the absolute position of that query (padding: 0).
     ``query_valid`` [seqs, max_query]: which entries of the padded layout are real tokens.
+    ``token_index`` [tokens]: where each token sits in the flattened padded layout (gathering by
+    index, unlike boolean masking, needs no device-to-host sync).
     """
 
     slot_mapping: torch.Tensor
@@ -30,6 +32,7 @@ class AttentionMetadata:
     query_index: torch.Tensor
     query_positions: torch.Tensor
     query_valid: torch.Tensor
+    token_index: torch.Tensor
     attn_mask: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -76,5 +79,5 @@ class Attention(nn.Module):
         queries = q[md.query_index].transpose(1, 2)  # [seqs, heads, max_query, dim]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=md.attn_mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        out = out.transpose(1, 2)[md.query_valid]  # [tokens, heads, dim], tokens in row order
-        return out.reshape(out.shape[0], -1)
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)  # [seqs * max_query, heads * dim]
+        return out[md.token_index]

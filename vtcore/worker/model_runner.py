@@ -34,7 +34,7 @@ from vtcore.family import ModelFamily
 from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_metadata
 from vtcore.layers.embedding import device_token_scope
 from vtcore.plugins.manager import get_plugins
-from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs
+from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
@@ -172,7 +172,8 @@ class ModelRunner:
         query_index: list[int] = []
         query_pos: list[int] = []
         query_valid: list[int] = []
-        for s in batch:
+        token_index: list[int] = []
+        for b, s in enumerate(batch):
             req, start, n = s.request, s.start, s.num_tokens
             row0 = len(ids)
             known = req.token_ids[start:start + n]
@@ -189,6 +190,7 @@ class ModelRunner:
             query_index += list(range(row0, row0 + n)) + [0] * (max_q - n)
             query_pos += pos + [0] * (max_q - n)
             query_valid += [1] * n + [0] * (max_q - n)
+            token_index += range(b * max_q, b * max_q + n)
             if s.samples:
                 sample_rows.append(row0 + n - 1)
                 metas.append(SampleMeta(req, req.token_ids[:start + n - 1], start + n - req.num_prompt_tokens))
@@ -201,9 +203,9 @@ class ModelRunner:
                     plp.append((req, row0 + first - start, first, last - first))
                     req.prompt_logprobs_scheduled = last + 1
         sample_slots = [m.request.mirror_slot for m in metas]
-        index, (d_ids, d_pos, d_slots, d_table, d_qidx, d_qpos, d_qvalid, d_crows, d_cslots, d_srows,
+        index, (d_ids, d_pos, d_slots, d_table, d_qidx, d_qpos, d_qvalid, d_tidx, d_crows, d_cslots, d_srows,
                 d_sslots) = self._stage([ids, positions, slots, block_table, query_index, query_pos, query_valid,
-                                        combine_rows, combine_slots, sample_rows, sample_slots])
+                                        token_index, combine_rows, combine_slots, sample_rows, sample_slots])
         sampling = self.sampler.prepare(metas)
         stale = bool(combine_rows)
         step = self._steps
@@ -218,7 +220,8 @@ class ModelRunner:
             key_slots = (tables[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(batch), -1)
             set_attention_metadata(AttentionMetadata(
                 slot_mapping=d_slots, key_slots=key_slots[:, :max_ctx], query_index=d_qidx.view(len(batch), max_q),
-                query_positions=d_qpos.view(len(batch), max_q), query_valid=d_qvalid.view(len(batch), max_q).bool()))
+                query_positions=d_qpos.view(len(batch), max_q), query_valid=d_qvalid.view(len(batch), max_q).bool(),
+                token_index=d_tidx))
             try:
                 override_ids = input_ids if stale and not self.withhold_override else None
                 with torch.inference_mode(), self.scope(override_ids, stale) as override:
@@ -237,9 +240,9 @@ class ModelRunner:
                     out.update({k: self._to_host(v) for k, v in sampled.items()})
                 for req, row0, start, count in plp:
                     logits = self.model.compute_logits(hidden[row0:row0 + count])
-                    targets = req.token_ids[start + 1:start + 1 + count]
+                    targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
                     out["plp"][req.request_id] = {k: self._to_host(v) for k, v in prompt_logprobs(
-                        logits, torch.tensor(targets, device=self.device), req.params.prompt_logprobs).items()}
+                        logits, targets, req.params.prompt_logprobs).items()}
             return out
 
         if self._worker is not None:

@@ -108,7 +108,9 @@ class Sampler:
                                             logits[row] * p.repetition_penalty)
                     logits[row] = torch.where(seen, penalised, logits[row])
                 if p.presence_penalty or p.frequency_penalty:
-                    counts = torch.bincount(seq[e["num_prompt"]:], minlength=self.vocab_size).float()
+                    out = seq[e["num_prompt"]:]  # scatter, not bincount: bincount syncs with the host on CUDA
+                    counts = torch.zeros(self.vocab_size, device=self.device).index_add_(
+                        0, out, torch.ones(out.shape, device=self.device))
                     logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
