@@ -5,12 +5,12 @@ import asyncio
 import importlib.metadata as md
 import json
 import os
-import random
 import shutil
 
 import pytest
 
 from vtcore import LLM, AsyncLLM, SamplingParams
+from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
 from vtcore.errors import DeviceTokenOverrideIgnored, EngineDeadError, VtcoreError
 from vtcore.plugins.manager import Plugins, reset_plugins
 from vtcore.sampling_params import RequestOutputKind
@@ -19,60 +19,27 @@ from vtcore.worker.model_runner import PLACEHOLDER
 KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=400, max_num_seqs=32)
 
 
-def engine(path: str, mode: str, monkeypatch: pytest.MonkeyPatch, **knobs):
+def engine(path: str, mode: str, **knobs):
     """mode: 'sync', 'async' (mirror on) or 'mirror-off' (async front, host waits)."""
-    monkeypatch.setenv("VTCORE_ASYNC_DEVICE_MIRROR", "0" if mode == "mirror-off" else "1")
-    llm = LLM(path, async_scheduling=mode != "sync", **{**KNOBS, **knobs})
-    assert llm.engine.depth == (2 if mode == "async" else 1)
-    return llm.engine
+    eng = build_engine(path, mode, **{**KNOBS, **knobs})
+    assert eng.depth == (2 if mode == "async" else 1)
+    return eng
 
 
-def run(eng, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
-    """Drive ``eng`` with requests arriving before given step calls; returns (tokens per id, batches)."""
-    batches: list[list[tuple[str, int, int]]] = []
-    schedule = eng.scheduler.schedule
-
-    def spy():
-        batch = schedule()
-        if batch:
-            batches.append([(s.request.request_id, s.start, s.num_tokens) for s in batch])
-        return batch
-
-    eng.scheduler.schedule = spy
-    tokens: dict[str, list[int]] = {}
-    call = 0
-    while call <= max(arrivals, default=0) or eng.has_unfinished_requests():
-        for rid, ids, params in arrivals.get(call, []):
-            eng.add_request(rid, {"prompt_token_ids": ids}, params)
-        for out in eng.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-        call += 1
-    eng.scheduler.schedule = schedule
+def run(eng, arrivals):
+    tokens, batches = run_engine(eng, arrivals)
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.requests
     return tokens, batches
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def mixed_arrivals(n: int, seed: int) -> dict[int, list]:
-    rng = random.Random(seed)
-    arrivals: dict[int, list] = {}
-    for i in range(n):
-        at = 0 if i < n // 2 else rng.randrange(1, 12)  # half arrive after step k
-        ids = [rng.randrange(512) for _ in range(rng.randrange(1, 30))]
-        params = SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=rng.randrange(1, 24),
-                                ignore_eos=True, logprobs=1 if i % 3 == 0 else None)
-        arrivals.setdefault(at, []).append((f"r{i}", ids, params))
-    return arrivals
+def mixed(n: int, seed: int):
+    return mixed_arrivals(n, seed, vocab_size=512)
 
 
 @pytest.mark.parametrize("mode", ["async", "mirror-off"])
-def test_batch_one_five_times(tiny_checkpoint, monkeypatch, mode) -> None:
-    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", monkeypatch), {0: [("a", [7, 3, 9], greedy(24))]})
-    eng = engine(tiny_checkpoint[0], mode, monkeypatch)
+def test_batch_one_five_times(tiny_checkpoint, mode) -> None:
+    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync"), {0: [("a", [7, 3, 9], greedy(24))]})
+    eng = engine(tiny_checkpoint[0], mode)
     for _ in range(5):
         got, batches = run(eng, {0: [("a", [7, 3, 9], greedy(24))]})
         assert got == ref and batches == ref_batches
@@ -80,26 +47,26 @@ def test_batch_one_five_times(tiny_checkpoint, monkeypatch, mode) -> None:
 
 @pytest.mark.parametrize("mode", ["async", "mirror-off"])
 @pytest.mark.parametrize("n", [4, 16])
-def test_concurrency_brackets_with_late_arrivals(tiny_checkpoint, monkeypatch, mode, n) -> None:
-    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", monkeypatch), mixed_arrivals(n, n))
-    got, batches = run(engine(tiny_checkpoint[0], mode, monkeypatch), mixed_arrivals(n, n))
+def test_concurrency_brackets_with_late_arrivals(tiny_checkpoint, mode, n) -> None:
+    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync"), mixed(n, n))
+    got, batches = run(engine(tiny_checkpoint[0], mode), mixed(n, n))
     assert batches == ref_batches
     assert got == ref and len(got) == n
 
 
-def test_max_tokens_bracket(tiny_checkpoint, monkeypatch) -> None:
+def test_max_tokens_bracket(tiny_checkpoint) -> None:
     lengths = [*range(1, 9), 16, 33, 64, 128]
     arrivals = {0: [(f"m{n}", [n, n + 1, 5], greedy(n)) for n in lengths]}
-    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", monkeypatch, max_model_len=256), arrivals)
-    got, batches = run(engine(tiny_checkpoint[0], "async", monkeypatch, max_model_len=256), arrivals)
+    ref, ref_batches = run(engine(tiny_checkpoint[0], "sync", max_model_len=256), arrivals)
+    got, batches = run(engine(tiny_checkpoint[0], "async", max_model_len=256), arrivals)
     assert got == ref and batches == ref_batches
     assert {rid: len(t) for rid, t in got.items()} == {f"m{n}": n for n in lengths}
 
 
-def test_abort_mid_stream_leaves_the_others_exact(tiny_checkpoint, monkeypatch) -> None:
+def test_abort_mid_stream_leaves_the_others_exact(tiny_checkpoint) -> None:
     arrivals = {0: [(f"k{i}", [i + 1, 2 * i + 3], greedy(20)) for i in range(4)]}
-    ref, _ = run(engine(tiny_checkpoint[0], "sync", monkeypatch), arrivals)
-    eng = engine(tiny_checkpoint[0], "async", monkeypatch)
+    ref, _ = run(engine(tiny_checkpoint[0], "sync"), arrivals)
+    eng = engine(tiny_checkpoint[0], "async")
     for rid, ids, params in arrivals[0]:
         eng.add_request(rid, {"prompt_token_ids": ids}, params)
     final = {}
@@ -116,19 +83,19 @@ def test_abort_mid_stream_leaves_the_others_exact(tiny_checkpoint, monkeypatch) 
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.requests
 
 
-def test_eos_stop_drops_the_extra_step(make_checkpoint, monkeypatch, tmp_path) -> None:
+def test_eos_stop_drops_the_extra_step(make_checkpoint) -> None:
     """A stop that needs the token's value leaves one step in flight, whose token is dropped."""
     path, _ = make_checkpoint()
-    ref_eng = engine(path, "sync", monkeypatch)
+    ref_eng = engine(path, "sync")
     probe = run(ref_eng, {0: [("p", [11, 12], greedy(12))]})[0]["p"]
     params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[probe[5]])
-    ref, _ = run(engine(path, "sync", monkeypatch), {0: [("p", [11, 12], params)]})
-    got, _ = run(engine(path, "async", monkeypatch), {0: [("p", [11, 12], params)]})
+    ref, _ = run(engine(path, "sync"), {0: [("p", [11, 12], params)]})
+    got, _ = run(engine(path, "async"), {0: [("p", [11, 12], params)]})
     assert got == ref and got["p"][-1] == probe[5] and len(got["p"]) == probe.index(probe[5]) + 1
 
 
-def test_overlap_is_real(tiny_checkpoint, monkeypatch) -> None:
-    eng = engine(tiny_checkpoint[0], "async", monkeypatch)
+def test_overlap_is_real(tiny_checkpoint) -> None:
+    eng = engine(tiny_checkpoint[0], "async")
     staged: list[list[int]] = []
     stage = eng.runner._stage
 
@@ -148,14 +115,14 @@ def test_overlap_is_real(tiny_checkpoint, monkeypatch) -> None:
     assert eng.runner.consuming_forwards == len(decode_steps)
 
 
-def test_abc_triple_on_qwen3(tiny_checkpoint, monkeypatch) -> None:
+def test_abc_triple_on_qwen3(tiny_checkpoint) -> None:
     arrivals = {0: [("a", [3, 1, 4, 1, 5], greedy(16)), ("b", [9, 2, 6], greedy(16))]}
-    a, _ = run(engine(tiny_checkpoint[0], "sync", monkeypatch), arrivals)
-    b = engine(tiny_checkpoint[0], "async", monkeypatch)
+    a, _ = run(engine(tiny_checkpoint[0], "sync"), arrivals)
+    b = engine(tiny_checkpoint[0], "async")
     b.runner.withhold_override = True
     with pytest.raises(DeviceTokenOverrideIgnored, match="qwen3_dense"):
         run(b, arrivals)
-    c = engine(tiny_checkpoint[0], "async", monkeypatch)
+    c = engine(tiny_checkpoint[0], "async")
     got, batches = run(c, arrivals)
     assert got == a
     assert c.runner.consuming_forwards == sum(1 for _ in batches) - 1  # every decode step consumed
@@ -181,9 +148,9 @@ def _as_arch(src: str, dst: str, arch: str) -> str:
     return dst
 
 
-def test_a_model_that_ignores_the_override_fails(tiny_checkpoint, fixture_families, monkeypatch, tmp_path) -> None:
+def test_a_model_that_ignores_the_override_fails(tiny_checkpoint, fixture_families, tmp_path) -> None:
     path = _as_arch(tiny_checkpoint[0], str(tmp_path / "m"), "IgnoresOverrideForCausalLM")
-    eng = engine(path, "async", monkeypatch)
+    eng = engine(path, "async")
     with pytest.raises(IndexError):  # it embeds the host placeholder -1
         run(eng, {0: [("a", [3, 1, 4], greedy(8))]})
 

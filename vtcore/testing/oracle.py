@@ -12,15 +12,22 @@ from typing import Any
 import torch
 
 
-def hf_model(hf_config: dict[str, Any], seed: int = 0) -> torch.nn.Module:
-    """A float32 random-initialised transformers model of ``hf_config`` (its ``architectures[0]``)."""
+def hf_model(hf_config: dict[str, Any], seed: int = 0, oracle: str | None = None) -> torch.nn.Module:
+    """A float32 random-initialised transformers model of ``hf_config``.
+
+    The class is ``oracle`` (a lazy ``"module:Class"``) or else transformers' ``architectures[0]``;
+    the saved config keeps ``hf_config``'s architectures, so a family may serve the oracle's math
+    under an architecture name of its own.
+    """
     import transformers
+
+    from vtcore.family import resolve_ref
 
     config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     config.architectures = list(hf_config["architectures"])
+    cls = resolve_ref(oracle) if oracle else getattr(transformers, hf_config["architectures"][0])
     torch.manual_seed(seed)
-    model = getattr(transformers, hf_config["architectures"][0])(config).float().eval()
-    return model
+    return cls(config).float().eval()
 
 
 def save_checkpoint(model: torch.nn.Module, path: str) -> str:
