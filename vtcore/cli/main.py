@@ -62,6 +62,12 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
+    from vtcore.conformance.gate import main as gate_main
+
+    return gate_main(args.family or None, args.device, args.json, out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtcore", description="An LLM inference engine extended by plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
     p = sub.add_parser("models", help="list the architectures registered plugins serve")
     p.set_defaults(func=cmd_models)
+    p = sub.add_parser("conformance", help="prove every registered model family against its oracle and "
+                                           "on the async path")
+    p.add_argument("--family", action="append", help="check only this family (repeatable)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(func=cmd_conformance)
     p = sub.add_parser("generate", help="generate text, streamed to the terminal")
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")

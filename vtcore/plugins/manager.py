@@ -12,7 +12,8 @@ import importlib.metadata as md
 import logging
 import os
 import types
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 import pluggy
@@ -215,3 +216,14 @@ def reset_plugins(plugins: Plugins | None = None) -> None:
     """Drop (or replace) the process-wide plugin manager; the next lookup reloads entry points."""
     global _PLUGINS
     _PLUGINS = plugins
+
+
+@contextmanager
+def use_plugins(plugins: Plugins) -> Iterator[Plugins]:
+    """Make ``plugins`` the process-wide manager for the duration of the block."""
+    global _PLUGINS
+    previous, _PLUGINS = _PLUGINS, plugins
+    try:
+        yield plugins
+    finally:
+        _PLUGINS = previous

@@ -6,6 +6,7 @@ matmul is not batch-invariant, so a near-tie may legitimately flip). Any other d
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -31,9 +32,23 @@ def hf_model(hf_config: dict[str, Any], seed: int = 0, oracle: str | None = None
 
 
 def save_checkpoint(model: torch.nn.Module, path: str) -> str:
-    """Save as an HF folder (config.json + model.safetensors) and return the path."""
+    """Save as an HF folder (config.json + model.safetensors) and return the path.
+
+    The saved config keeps the model config's ``architectures`` (transformers would write the
+    class name), so an oracle class can stand in for a family of another name.
+    """
+    from transformers.utils import logging as hf_logging
+
     os.makedirs(path, exist_ok=True)
+    hf_logging.disable_progress_bar()
+    architectures = list(model.config.architectures or [type(model).__name__])
     model.save_pretrained(path, safe_serialization=True)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["architectures"] = architectures
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
     return path
 
 

@@ -89,6 +89,7 @@ class ModelRunner:
         self._worker = ThreadPoolExecutor(1, "vtcore-forward") if depth > 1 and not self.cuda else None
         self._steps = 0
         self.consuming_forwards = 0  # forwards in which EmbedInto consumed the device-token override
+        self.stale_forwards = 0  # forwards whose host ids held placeholders (each must consume the override)
         self.withhold_override = False  # test hook: the conformance B arm
         self.debug_poison = os.environ.get("VTCORE_DEBUG_STAGING_POISON", "")  # "guard" | "early" (GPU race tests)
         self.debug_sleep_cycles = int(os.environ.get("VTCORE_DEBUG_SAMPLER_SLEEP", "0"))
@@ -229,7 +230,7 @@ class ModelRunner:
                 consumed = bool(override is not None and override.consumed)
             finally:
                 set_attention_metadata(None)
-            out: dict[str, Any] = {"consumed": consumed, "plp": {}}
+            out: dict[str, Any] = {"consumed": consumed, "stale": stale, "plp": {}}
             with torch.inference_mode():
                 if metas:
                     logits = self.model.compute_logits(hidden[d_srows]).float()
@@ -258,6 +259,7 @@ class ModelRunner:
     def _finish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:
         if event is not None:
             event.synchronize()
+        self.stale_forwards += out["stale"]
         if out["consumed"]:
             self.consuming_forwards += 1
         plp = {}

@@ -1,0 +1,78 @@
+"""The gate can fail: fixture families that each break one check, and the report that names it."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vtcore.cli.main import main
+from vtcore.conformance import CHECKS
+from vtcore.conformance.gate import run_gate, to_json, write_table
+from vtcore.plugins.manager import Plugins, reset_plugins
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def plugins() -> Plugins:
+    sys.path.insert(0, ROOT)
+    return Plugins(entry_points=[*md.entry_points(group="vtcore"), md.EntryPoint(
+        name="fixture_async", value="tests.fixture_async.families", group="vtcore")])
+
+
+@pytest.mark.parametrize("family, check, message", [
+    ("ignores_override", "async-abc", "family 'ignores_override': EmbedInto ignores the device-token override"),
+    ("undeclared", "declares-device-tokens", "family 'undeclared': does not declare consumes_device_tokens=True"),
+    ("no_example", "example", "family 'no_example': no conformance example"),
+    ("one_layer", "example-strength", "family 'one_layer': weak example: 1 layer(s)"),
+    ("flat", "example-strength", "family 'flat': weak example: 32 greedy oracle tokens hold only"),
+    ("swapped_gate_up", "oracle-greedy", "family 'swapped_gate_up': greedy tokens differ from "
+                                         "transformers:Qwen3ForCausalLM beyond near-ties"),
+    ("lossy_load", "weights", "family 'lossy_load': checkpoint tensor 'model.layers.0.self_attn.o_proj.weight' does "
+                              "not land bit for bit in parameter 'model.layers.0.self_attn.o_proj.weight'"),
+])
+def test_gate_fails_each_broken_family_naming_it(plugins: Plugins, family: str, check: str, message: str) -> None:
+    (gate,) = run_gate([family], plugins=plugins)
+    result = gate.results[check]
+    assert result.status == "fail" and result.detail.startswith(message), result.detail
+    out = io.StringIO()
+    write_table([gate], out, "cpu")
+    text = out.getvalue()
+    assert f"FAIL {check}: {message}" in text and text.rstrip().endswith("FAILED: 1 family")
+    if family == "undeclared":  # the async checks cannot run for it, and say why
+        assert {gate.results[c].status for c in CHECKS if c.startswith("async")} == {"skip"}
+        assert gate.results["oracle-greedy"].status == "pass"
+    if family == "no_example":
+        assert {r.status for c, r in gate.results.items() if c != "example"} == {"skip"}
+
+
+def test_gate_report_names_the_oracle_and_json(plugins: Plugins) -> None:
+    gates = run_gate(["qwen3_dense", "undeclared"], plugins=plugins)
+    report = to_json(gates, "cpu")
+    assert report["passed"] is False
+    assert report["families"]["qwen3_dense"]["oracle"] == "transformers:Qwen3ForCausalLM"
+    assert all(c["status"] == "pass" for c in report["families"]["qwen3_dense"]["checks"].values())
+    out = io.StringIO()
+    write_table(gates, out, "cpu")
+    assert "qwen3_dense  transformers:Qwen3ForCausalLM" in out.getvalue()
+
+
+def test_cli_exit_code_and_json(plugins: Plugins, tmp_path) -> None:
+    reset_plugins(plugins)
+    out = io.StringIO()
+    assert main(["conformance", "--family", "undeclared", "--json", str(tmp_path / "r.json")], out=out) == 1
+    assert json.loads((tmp_path / "r.json").read_text())["families"]["undeclared"]["checks"][
+        "declares-device-tokens"]["status"] == "fail"
+
+
+def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "vtcore.cli.main", "conformance", "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "qwen3_dense" in proc.stdout and proc.stdout.rstrip().endswith("PASSED: 1 family")
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True

@@ -1,0 +1,20 @@
+"""The conformance gate: every registered model family proven against its oracle and on the async path.
+
+This package's ``__init__`` stays light (the pytest plugin imports it); the checks import torch
+and transformers when they run.
+"""
+
+#: The checks, in the order they run; a failed prerequisite turns later checks into skips.
+CHECKS = (
+    "example",
+    "structure",
+    "declares-device-tokens",
+    "example-strength",
+    "weights",
+    "oracle-greedy",
+    "oracle-logprobs",
+    "async-abc",
+    "async-batch1-x5",
+    "async-concurrency",
+    "async-max-tokens",
+)

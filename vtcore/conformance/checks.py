@@ -1,0 +1,286 @@
+"""The checks the gate runs on one model family, each against an outside oracle.
+
+The gate, not the plugin, picks the prompts (1 token, block-1, block, block+1, three blocks),
+seeds, pool sizes and lengths; the plugin supplies only its tiny config and oracle class.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from vtcore.conformance import CHECKS
+from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
+from vtcore.engine.llm_engine import LLMEngine
+from vtcore.family import ConformanceExample, ModelFamily
+from vtcore.plugins.manager import Plugins
+from vtcore.sampling_params import SamplingParams
+
+BLOCK = 8
+PROMPT_LENGTHS = (1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK)
+MAX_TOKENS_BRACKET = (*range(1, 9), 16, 33)
+LOGPROB_TOL = 1e-4
+MIN_LAYERS, MIN_DISTINCT, STRENGTH_TOKENS = 2, 8, 32
+SEED = 0
+
+
+@attrs.define
+class CheckResult:
+    check: str
+    status: str  # "pass", "fail" or "skip"
+    detail: str = ""
+
+
+class Failed(Exception):
+    """A check failed; the message says what to fix."""
+
+
+class Skipped(Exception):
+    """A check could not run; the message says why."""
+
+
+class FamilyGate:
+    """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
+
+    def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str) -> None:
+        self.plugins, self.family, self.device, self.workdir = plugins, family, device, workdir
+        self.example: ConformanceExample | None = None
+        self._hf: Any = None
+        self._path: str | None = None
+        self.results: dict[str, CheckResult] = {}
+
+    # ------------------------------------------------------------------ fixtures
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def oracle(self) -> str:
+        return self.example.oracle if self.example else "-"
+
+    def _checkpoint(self) -> tuple[str, Any]:
+        if self._path is None:
+            from vtcore.testing.oracle import hf_model, save_checkpoint
+
+            self._hf = hf_model(self.example.hf_config, SEED, self.example.oracle)
+            self._path = save_checkpoint(self._hf, os.path.join(self.workdir, self.name))
+        return self._path, self._hf
+
+    def engine(self, mode: str = "sync") -> LLMEngine:
+        path, _ = self._checkpoint()
+        return build_engine(path, mode, device=self.device, dtype="float32", block_size=BLOCK,
+                            num_kv_blocks=256, max_model_len=128, max_num_seqs=32, seed=SEED)
+
+    def prompts(self) -> list[list[int]]:
+        rng = random.Random(SEED)
+        vocab = int(self.example.hf_config["vocab_size"])
+        return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> dict[str, CheckResult]:
+        for check in CHECKS:
+            method: Callable[[], str] = getattr(self, "check_" + check.replace("-", "_"))
+            try:
+                self._require(check)
+                result = CheckResult(check, "pass", method() or "")
+            except Skipped as exc:
+                result = CheckResult(check, "skip", str(exc))
+            except Failed as exc:
+                result = CheckResult(check, "fail", f"family {self.name!r}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - a crash in a check is a failure of the family
+                result = CheckResult(check, "fail", f"family {self.name!r}: {check} raised "
+                                                    f"{type(exc).__name__}: {exc}")
+            self.results[check] = result
+        return self.results
+
+    def _require(self, check: str) -> None:
+        def failed(name: str) -> bool:
+            return name in self.results and self.results[name].status != "pass"
+
+        if check != "example" and failed("example"):
+            raise Skipped("no usable conformance example")
+        if check not in ("example", "structure") and failed("structure"):
+            raise Skipped("the model does not build")
+        if check.startswith("async") and failed("declares-device-tokens"):
+            raise Skipped("async scheduling is refused for a family that does not declare device-token consumption")
+
+    # ------------------------------------------------------------------ checks
+    def check_example(self) -> str:
+        example = self.plugins.pm.hook.vtcore_conformance_example(family=self.family)
+        if example is None:
+            raise Failed("no conformance example: set ModelFamily.conformance_example to a 'module:function' "
+                         "returning a ConformanceExample (a tiny config and its HF oracle class)")
+        if not isinstance(example, ConformanceExample):
+            raise Failed(f"the conformance example is {type(example).__name__}, expected a ConformanceExample")
+        arch = (example.hf_config.get("architectures") or [None])[0]
+        if arch not in self.family.architectures:
+            raise Failed(f"the example's architecture {arch!r} is not one of the family's {self.family.architectures}")
+        self.example = example
+        return f"oracle {example.oracle}"
+
+    def check_structure(self) -> str:
+        from vtcore.layers.embedding import EmbedInto
+
+        info = self.plugins.infos.get(self.family.plugin)
+        if info is None or "vtcore_model_families" not in info.hooks:
+            raise Failed(f"plugin {self.family.plugin!r} does not implement vtcore_model_families")
+        engine = self.engine()
+        if engine.family.name != self.name:
+            raise Failed(f"its example's checkpoint builds family {engine.family.name!r}, not {self.name!r}")
+        model = engine.runner.model
+        for attr in ("forward", "compute_logits"):
+            if not callable(getattr(model, attr, None)):
+                raise Failed(f"{type(model).__name__} has no {attr}()")
+        if not any(isinstance(m, EmbedInto) for m in model.modules()):
+            raise Failed(f"{type(model).__name__} has no EmbedInto module: embed tokens through "
+                         "vtcore.layers.embedding.EmbedInto so the device-token override reaches it")
+        return f"{type(model).__name__} from plugin {self.family.plugin!r}"
+
+    def check_declares_device_tokens(self) -> str:
+        if not self.family.consumes_device_tokens:
+            raise Failed("does not declare consumes_device_tokens=True, so async serving is refused for it; "
+                         "embed through EmbedInto and declare it in its ModelFamily")
+        return "consumes_device_tokens=True"
+
+    def check_example_strength(self) -> str:
+        from vtcore.testing.oracle import teacher_forced_logits
+
+        cfg = self.example.hf_config
+        layers = int(cfg.get("num_hidden_layers") or len(cfg.get("layer_types") or []))
+        if layers < MIN_LAYERS:
+            raise Failed(f"weak example: {layers} layer(s); the gate needs at least {MIN_LAYERS} "
+                         "(a cache bug between layers would go unseen)")
+        _, hf = self._checkpoint()
+        ids = self.prompts()[2]
+        for _ in range(STRENGTH_TOKENS):
+            ids.append(int(teacher_forced_logits(hf, ids)[-1].argmax()))
+        distinct = len(set(ids[-STRENGTH_TOKENS:]))
+        if distinct < MIN_DISTINCT:
+            raise Failed(f"weak example: {STRENGTH_TOKENS} greedy oracle tokens hold only {distinct} distinct "
+                         f"tokens (need {MIN_DISTINCT}); use initializer_range near 0.1")
+        return f"{layers} layers, {distinct} distinct tokens in {STRENGTH_TOKENS}"
+
+    def check_weights(self) -> str:
+        from safetensors import safe_open
+
+        from vtcore.loading.weights import WeightMapper
+
+        path, _ = self._checkpoint()
+        model = self.engine().runner.model
+        mapper = WeightMapper(model)
+        checked = 0
+        with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+            for name in f.keys():
+                target = mapper.target(name)
+                if target is None:
+                    continue
+                pname, shard = target
+                param = mapper.params[pname].data
+                if shard is not None:
+                    module = model.get_submodule(pname.rpartition(".")[0])
+                    param = param[module.shard_slices[shard]]
+                tensor = f.get_tensor(name).to(param.dtype)
+                if param.shape != tensor.shape or not torch.equal(param.cpu(), tensor):
+                    where = f"{pname!r}" + (f" shard {shard!r}" if shard else "")
+                    raise Failed(f"checkpoint tensor {name!r} does not land bit for bit in parameter {where}: "
+                                 "fix the family's weight mapping (packed_modules_mapping / weight_loader)")
+                checked += 1
+        return f"{checked} tensors land bit for bit"
+
+    def check_oracle_greedy(self) -> str:
+        from vtcore.testing.oracle import near_tie_violations
+
+        _, hf = self._checkpoint()
+        prompts = self.prompts()
+        tokens, _ = run_engine(self.engine(), {0: [(str(i), p, greedy(16)) for i, p in enumerate(prompts)]})
+        for i, p in enumerate(prompts):
+            bad = near_tie_violations(hf, p, tokens[str(i)], LOGPROB_TOL)
+            if bad or len(tokens[str(i)]) != 16:
+                pos, ours, theirs, gap = bad[0] if bad else (len(tokens[str(i)]), -1, -1, 0.0)
+                raise Failed(f"greedy tokens differ from {self.oracle} beyond near-ties: prompt of {len(p)} tokens, "
+                             f"position {pos}: ours {ours}, oracle {theirs} (logit gap {gap:.3g})")
+        return f"prompts of {', '.join(map(str, PROMPT_LENGTHS))} tokens, 16 greedy tokens each"
+
+    def check_oracle_logprobs(self) -> str:
+        from vtcore.testing.oracle import teacher_forced_logits
+
+        _, hf = self._checkpoint()
+        prompts = self.prompts()
+        params = [SamplingParams(temperature=1.0, seed=SEED + i, max_tokens=12, ignore_eos=True, logprobs=0)
+                  for i in range(len(prompts))]
+        engine = self.engine()
+        final: dict[str, Any] = {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params[i])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.outputs[0]
+        worst = 0.0
+        for i, p in enumerate(prompts):
+            out = final[str(i)]
+            lp = torch.log_softmax(teacher_forced_logits(hf, p + out.token_ids[:-1])[len(p) - 1:].double(), -1)
+            for pos, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+                err = abs(entry[tok].logprob - float(lp[pos, tok]))
+                worst = max(worst, err)
+                if err > LOGPROB_TOL:
+                    raise Failed(f"sampled-token logprob differs from {self.oracle} by {err:.3g} "
+                                 f"(> {LOGPROB_TOL}) at position {pos} of the prompt of {len(p)} tokens")
+        return f"worst logprob error {worst:.2g}"
+
+    def check_async_abc(self) -> str:
+        arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}
+        ref, _ = run_engine(self.engine("sync"), arrivals)
+        withheld = self.engine("async")
+        withheld.runner.withhold_override = True
+        try:
+            b, _ = run_engine(withheld, arrivals)
+        except Exception:  # noqa: BLE001 - B must raise (or differ): that is the poison biting
+            b = None
+        if b == ref:
+            raise Failed("withholding the device-token override changed nothing: the placeholder poison "
+                         "did not reach the model's embedding")
+        engine = self.engine("async")
+        try:
+            got, _ = run_engine(engine, arrivals)
+        except Exception as exc:  # noqa: BLE001
+            raise Failed(f"EmbedInto ignores the device-token override (async with the mirror raised "
+                         f"{type(exc).__name__}: {exc})") from None
+        runner = engine.runner
+        if got != ref:
+            raise Failed("EmbedInto ignores the device-token override: async with the mirror differs from sync")
+        if runner.stale_forwards == 0 or runner.consuming_forwards != runner.stale_forwards:
+            raise Failed(f"the override was consumed in {runner.consuming_forwards} of {runner.stale_forwards} "
+                         "decode steps: EmbedInto must embed the override's device ids on every one")
+        return f"B {'raised' if b is None else 'differed'}; C equal, override consumed on all " \
+               f"{runner.stale_forwards} decode steps"
+
+    def _same_as_sync(self, arrivals: dict, modes: tuple[str, ...] = ("async", "mirror-off"), repeat: int = 1) -> None:
+        ref, ref_batches = run_engine(self.engine("sync"), arrivals)
+        for mode in modes:
+            engine = self.engine(mode)
+            for _ in range(repeat):
+                got, batches = run_engine(engine, arrivals)
+                if batches != ref_batches:
+                    raise Failed(f"{mode} scheduled different batches than sync for the same requests")
+                if got != ref:
+                    bad = next(r for r in ref if got.get(r) != ref[r])
+                    raise Failed(f"{mode} differs from sync for request {bad!r}: {got.get(bad)} vs {ref[bad]}")
+
+    def check_async_batch1_x5(self) -> str:
+        self._same_as_sync({0: [("one", self.prompts()[3], greedy(24))]}, ("async",), repeat=5)
+        return "5 runs of one engine equal sync"
+
+    def check_async_concurrency(self) -> str:
+        vocab = int(self.example.hf_config["vocab_size"])
+        for n in (4, 12):
+            self._same_as_sync(mixed_arrivals(n, n, vocab))
+        return "brackets of 4 and 12 requests (late arrivals, sampled and greedy), mirror on and off"
+
+    def check_async_max_tokens(self) -> str:
+        prompt = self.prompts()[2]
+        self._same_as_sync({0: [(f"m{n}", prompt[:n % BLOCK + 1], greedy(n)) for n in MAX_TOKENS_BRACKET]})
+        return f"max_tokens {', '.join(map(str, MAX_TOKENS_BRACKET))}"
