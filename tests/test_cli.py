@@ -89,15 +89,19 @@ def test_plugins_json_reports_a_broken_plugin() -> None:
 
 
 # --------------------------------------------------------------------------------------------- models
+def qwen3_only() -> list[md.EntryPoint]:
+    return [e for e in md.entry_points(group="vtcore") if e.name == "qwen3_dense"]
+
+
 def test_models_maps_qwen3_to_qwen3_dense() -> None:
+    reset_plugins(Plugins(entry_points=qwen3_only()))
     rc, out = run_cli("models")
     assert rc == 0
     assert out.splitlines() == [f"{'Qwen3ForCausalLM':<40} family=qwen3_dense plugin=qwen3_dense device-tokens"]
 
 
 def test_models_shows_conflicts() -> None:
-    eps = list(md.entry_points(group="vtcore")) + [fixture_ep("clash_a"), fixture_ep("clash_b"),
-                                                    fixture_ep("good_family")]
+    eps = qwen3_only() + [fixture_ep("clash_a"), fixture_ep("clash_b"), fixture_ep("good_family")]
     reset_plugins(Plugins(entry_points=eps))
     rc, out = run_cli("models")
     assert rc == 0

@@ -74,5 +74,7 @@ def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "vtcore.cli.main", "conformance", "--json", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "qwen3_dense" in proc.stdout and proc.stdout.rstrip().endswith("PASSED: 1 family")
-    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is True and "qwen3_dense" in report["families"]
+    assert proc.stdout.rstrip().endswith(f"PASSED: {len(report['families'])} famil" +
+                                         ("y" if len(report["families"]) == 1 else "ies"))

@@ -61,9 +61,9 @@ class HFConfig:
         return float(params.get("rope_theta", self._data.get("rope_theta", 10000.0)))
 
     @property
-    def rope_type(self) -> str:
-        params = self._data.get("rope_parameters") or self._data.get("rope_scaling") or {}
-        return params.get("rope_type", params.get("type", "default"))
+    def rope_parameters(self) -> dict[str, Any]:
+        """HF's ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x), or {} for plain RoPE."""
+        return dict(self._data.get("rope_parameters") or self._data.get("rope_scaling") or {})
 
     @property
     def eos_token_ids(self) -> list[int]:

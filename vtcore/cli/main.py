@@ -68,6 +68,15 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     return gate_main(args.family or None, args.device, args.json, out)
 
 
+def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
+    from vtcore.cli.scaffold import new_plugin
+
+    root = new_plugin(args.name, args.arch, args.dir)
+    out.write(f"wrote {root}\nnext: write the model in {root}/vtcore_{args.name}/model.py, then\n"
+              f"  pip install -e {root} && vtcore conformance --family {args.name}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vtcore", description="An LLM inference engine extended by plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_conformance)
+    p = sub.add_parser("new-plugin", help="scaffold a pip-installable model-family plugin package")
+    p.add_argument("name", help="the family name, a lowercase identifier (package vtcore-NAME)")
+    p.add_argument("--arch", required=True, help="the HF architecture it serves, e.g. LlamaForCausalLM")
+    p.add_argument("--dir", default=".", help="where to create the package (default: here)")
+    p.set_defaults(func=cmd_new_plugin)
     p = sub.add_parser("generate", help="generate text, streamed to the terminal")
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
@@ -102,7 +116,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, out or sys.stdout)
-    except (VtcoreError, ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+    except (VtcoreError, ValueError, TypeError, OSError, NotImplementedError) as exc:
         sys.stderr.write(f"vtcore {args.command}: error: {exc}\n")
         return 2
 

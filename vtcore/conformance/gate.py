@@ -39,10 +39,16 @@ def write_table(gates: list[FamilyGate], out: TextIO, device: str) -> None:
         cells = [g.name.ljust(width), g.oracle.ljust(oracle_w)]
         cells += [g.results[c].status.upper().ljust(len(c)) for c in CHECKS]
         out.write("  ".join(cells) + "\n")
-    notes = [(g.name, r) for g in gates for r in g.results.values() if r.status != "pass"]
-    for name, r in notes:
-        prefix = "FAIL" if r.status == "fail" else f"skip {name}"
-        out.write(f"{prefix} {r.check}: {r.detail}\n")
+    for g in gates:
+        for r in g.results.values():
+            if r.status == "fail":
+                out.write(f"FAIL {r.check}: {r.detail}\n")
+        skips: dict[str, list[str]] = {}
+        for r in g.results.values():
+            if r.status == "skip":
+                skips.setdefault(r.detail, []).append(r.check)
+        for reason, checks in skips.items():
+            out.write(f"skip {g.name} ({', '.join(checks)}): {reason}\n")
     out.write(("PASSED" if passed(gates) else "FAILED") + f": {len(gates)} famil{'y' if len(gates) == 1 else 'ies'}\n")
 
 

@@ -71,7 +71,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config: HFConfig, max_position: int) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_type)
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_parameters)
         self.embed_tokens = EmbedInto(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,85 @@
+"""Llama (``LlamaForCausalLM``) from vtcore's shared layers: GQA, RoPE (llama3 scaling), SwiGLU."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vtcore.config import HFConfig
+from vtcore.layers.activation import silu_and_mul
+from vtcore.layers.attention import Attention
+from vtcore.layers.embedding import EmbedInto
+from vtcore.layers.linear import Linear
+from vtcore.layers.norm import RMSNorm
+from vtcore.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        bias = bool(config.get("attention_bias", False))
+        self.sizes = [nq * hd, nkv * hd, nkv * hd]
+        self.heads, self.kv_heads, self.head_dim = nq, nkv, hd
+        self.qkv_proj = Linear(config.hidden_size, [("q", nq * hd), ("k", nkv * hd), ("v", nkv * hd)], bias=bias)
+        self.o_proj = Linear(nq * hd, config.hidden_size, bias=bias)
+        self.rotary = rotary
+        self.attn = Attention(nq, nkv, hd, hd ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, -1)
+        q, k = self.rotary(positions, q.view(-1, self.heads, self.head_dim), k.view(-1, self.kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q, k, v.view(-1, self.kv_heads, self.head_dim)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        bias = bool(config.get("mlp_bias", False))
+        self.self_attn = LlamaAttention(config, rotary)
+        self.gate_up_proj = Linear(config.hidden_size, [("gate", config.intermediate_size),
+                                                        ("up", config.intermediate_size)], bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x))), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    #: checkpoint name part -> (fused parameter, shard); the MLP's projections live under ``mlp.``
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: HFConfig, max_position: int) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_parameters)
+        self.embed_tokens = EmbedInto(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        tied = bool(config.get("tie_word_embeddings", False))
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.skipped_tensors = ("lm_head.weight",) if tied else ()
+
+    def checkpoint_name(self, name: str) -> str:
+        """HF names (``model.layers.0.mlp.down_proj.weight``) to ours (``layers.0.down_proj.weight``)."""
+        return name.removeprefix("model.").replace(".mlp.", ".")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
