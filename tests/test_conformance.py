@@ -78,3 +78,22 @@ def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     assert report["passed"] is True and "qwen3_dense" in report["families"]
     assert proc.stdout.rstrip().endswith(f"PASSED: {len(report['families'])} famil" +
                                          ("y" if len(report["families"]) == 1 else "ies"))
+
+
+def test_conformance_suite_fails_a_broken_family_in_a_plugins_own_tests(tmp_path) -> None:
+    """The pytest route: a plugin's test suite subclasses ConformanceSuite; a broken check fails its test."""
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.metadata as md, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from vtcore.plugins.manager import Plugins, reset_plugins\n"
+        "reset_plugins(Plugins(entry_points=[*md.entry_points(group='vtcore'), md.EntryPoint(\n"
+        "    name='fixture_async', value='tests.fixture_async.families', group='vtcore')]))\n")
+    (tmp_path / "test_undeclared.py").write_text(
+        "from vtcore.conformance.suite import ConformanceSuite\n\n"
+        "class TestUndeclared(ConformanceSuite):\n    family = 'undeclared'\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED test_undeclared.py::TestUndeclared::test_conformance[declares-device-tokens]" in proc.stdout
+    assert "family 'undeclared': does not declare consumes_device_tokens=True" in proc.stdout
+    assert "1 failed, 6 passed, 4 skipped" in proc.stdout
