@@ -180,8 +180,7 @@ class FamilyGate:
                 pname, shard = target
                 param = mapper.params[pname].data
                 if shard is not None:
-                    module = model.get_submodule(pname.rpartition(".")[0])
-                    param = param[module.shard_slices[shard]]
+                    param = model.get_submodule(pname.rpartition(".")[0]).shard_view(mapper.params[pname], shard)
                 tensor = f.get_tensor(name).to(param.dtype)
                 if param.shape != tensor.shape or not torch.equal(param.cpu(), tensor):
                     where = f"{pname!r}" + (f" shard {shard!r}" if shard else "")

@@ -25,6 +25,9 @@ class AttentionMetadata:
     ``query_valid`` [seqs, max_query]: which entries of the padded layout are real tokens.
     ``token_index`` [tokens]: where each token sits in the flattened padded layout (gathering by
     index, unlike boolean masking, needs no device-to-host sync).
+    Host lists, for stateful (linear-attention) layers: ``seq_rows`` (first row, token count) per
+    sequence, ``state_slots`` (its state slot) and ``has_state`` (False when its first scheduled
+    token is position 0, so its state starts from zero).
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +36,9 @@ class AttentionMetadata:
     query_positions: torch.Tensor
     query_valid: torch.Tensor
     token_index: torch.Tensor
+    seq_rows: list[tuple[int, int]] = attrs.Factory(list)
+    state_slots: list[int] = attrs.Factory(list)
+    has_state: list[bool] = attrs.Factory(list)
     attn_mask: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:

@@ -33,9 +33,13 @@ class Linear(nn.Module):
         param.weight_loader = self.weight_loader
         return param
 
+    def shard_view(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
+        """The part of ``param`` that checkpoint shard ``shard`` fills (all of it for None)."""
+        return param.data if shard is None else param.data[self.shard_slices[shard]]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor into ``param`` (its shard's rows when ``shard`` is given)."""
-        target = param.data if shard is None else param.data[self.shard_slices[shard]]
+        target = self.shard_view(param, shard)
         if tuple(target.shape) != tuple(loaded.shape):
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)

@@ -27,8 +27,8 @@ class WeightMapper:
         rename = getattr(self.model, "checkpoint_name", None)
         if rename is not None:
             name = rename(name)
-            if name is None:
-                return None
+            if name is None or isinstance(name, tuple):
+                return name  # skipped, or already (parameter, shard)
         if name in self.skipped:
             return None
         parts = name.split(".")
@@ -63,14 +63,17 @@ class WeightMapper:
         """Checkpoint names of every parameter (shard) that no tensor filled."""
         reverse = {(fused, shard): part for part, (fused, shard) in self.packed.items()}
         for pname, param in self.params.items():
+            if None in self.loaded[pname]:
+                continue  # a whole tensor loaded at once covers every shard
             for shard in getattr(param, "shards", (None,)):
                 if shard not in self.loaded[pname]:
                     if shard is None:
                         yield pname
                     else:
                         parts = pname.split(".")
-                        i = next(i for i, p in enumerate(parts) if (p, shard) in reverse)
-                        yield ".".join(parts[:i] + [reverse[(parts[i], shard)]] + parts[i + 1:])
+                        i = next((i for i, p in enumerate(parts) if (p, shard) in reverse), None)
+                        yield f"{pname} shard {shard}" if i is None else \
+                            ".".join(parts[:i] + [reverse[(parts[i], shard)]] + parts[i + 1:])
 
 
 def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:

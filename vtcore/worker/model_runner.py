@@ -33,6 +33,7 @@ from vtcore.engine.scheduler import Batch
 from vtcore.family import ModelFamily
 from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_metadata
 from vtcore.layers.embedding import device_token_scope
+from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 
@@ -77,6 +78,9 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.depth = depth
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.stateful_layers = [m for m in model.modules() if isinstance(m, StatefulLayer)]
+        for layer in self.stateful_layers:  # one state slot per running request (its mirror slot)
+            layer.allocate_state(max_num_seqs, device)
         self.num_kv_blocks = num_kv_blocks or self._auto_blocks(gpu_memory_utilization, max_model_len * max_num_seqs)
         self._allocate_kv_cache()
         self.sampler = Sampler(vocab_size, device, eos_token_ids, seed)
@@ -174,6 +178,7 @@ class ModelRunner:
         query_pos: list[int] = []
         query_valid: list[int] = []
         token_index: list[int] = []
+        seq_rows: list[tuple[int, int]] = []
         for b, s in enumerate(batch):
             req, start, n = s.request, s.start, s.num_tokens
             row0 = len(ids)
@@ -192,6 +197,7 @@ class ModelRunner:
             query_pos += pos + [0] * (max_q - n)
             query_valid += [1] * n + [0] * (max_q - n)
             token_index += range(b * max_q, b * max_q + n)
+            seq_rows.append((row0, n))
             if s.samples:
                 sample_rows.append(row0 + n - 1)
                 metas.append(SampleMeta(req, req.token_ids[:start + n - 1], start + n - req.num_prompt_tokens))
@@ -204,6 +210,8 @@ class ModelRunner:
                     plp.append((req, row0 + first - start, first, last - first))
                     req.prompt_logprobs_scheduled = last + 1
         sample_slots = [m.request.mirror_slot for m in metas]
+        state_slots = [s.request.mirror_slot for s in batch]
+        has_state = [s.start > 0 for s in batch]
         index, (d_ids, d_pos, d_slots, d_table, d_qidx, d_qpos, d_qvalid, d_tidx, d_crows, d_cslots, d_srows,
                 d_sslots) = self._stage([ids, positions, slots, block_table, query_index, query_pos, query_valid,
                                         token_index, combine_rows, combine_slots, sample_rows, sample_slots])
@@ -222,7 +230,7 @@ class ModelRunner:
             set_attention_metadata(AttentionMetadata(
                 slot_mapping=d_slots, key_slots=key_slots[:, :max_ctx], query_index=d_qidx.view(len(batch), max_q),
                 query_positions=d_qpos.view(len(batch), max_q), query_valid=d_qvalid.view(len(batch), max_q).bool(),
-                token_index=d_tidx))
+                token_index=d_tidx, seq_rows=seq_rows, state_slots=state_slots, has_state=has_state))
             try:
                 override_ids = input_ids if stale and not self.withhold_override else None
                 with torch.inference_mode(), self.scope(override_ids, stale) as override:

@@ -1,0 +1,1 @@
+"""vtcore plugin: the Qwen3.5 families (dense and MoE)."""

@@ -1,0 +1,44 @@
+"""Hook implementations: the Qwen3.5 dense and MoE families and their conformance examples."""
+from __future__ import annotations
+
+from typing import Any
+
+from vtcore import hookimpl
+from vtcore.family import ConformanceExample, ModelFamily
+
+_TINY: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4, "tie_word_embeddings": False, "initializer_range": 0.1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
+
+@hookimpl
+def vtcore_model_families() -> list[ModelFamily]:
+    return [
+        ModelFamily(name="qwen3_5", architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+                    model_cls="vtcore_qwen3_5.model:Qwen3_5ForCausalLM", consumes_device_tokens=True,
+                    conformance_example="vtcore_qwen3_5.plugin:dense_example"),
+        ModelFamily(name="qwen3_5_moe",
+                    architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+                    model_cls="vtcore_qwen3_5.model:Qwen3_5MoeForCausalLM", consumes_device_tokens=True,
+                    conformance_example="vtcore_qwen3_5.plugin:moe_example"),
+    ]
+
+
+def dense_example() -> ConformanceExample:
+    """Linear- and full-attention layers alternating, GDN with 2 key / 4 value heads, partial RoPE."""
+    return ConformanceExample(hf_config={**_TINY, "architectures": ["Qwen3_5ForCausalLM"],
+                                         "model_type": "qwen3_5_text", "intermediate_size": 128},
+                              oracle="transformers:Qwen3_5ForCausalLM")
+
+
+def moe_example() -> ConformanceExample:
+    """As the dense one, with 8 experts, top-2 routing and a gated shared expert in every layer."""
+    return ConformanceExample(hf_config={**_TINY, "architectures": ["Qwen3_5MoeForCausalLM"],
+                                         "model_type": "qwen3_5_moe_text", "num_experts": 8, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+                              oracle="transformers:Qwen3_5MoeForCausalLM")
