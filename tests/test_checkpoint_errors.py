@@ -261,7 +261,11 @@ def test_unknown_architecture_in_config(ckpt: str) -> None:
     assert "qwen3_dense: Qwen3ForCausalLM" in msg
 
 
-def test_first_party_architecture_in_config_says_what_to_install(ckpt: str) -> None:
+def test_first_party_architecture_in_config_says_what_to_install(ckpt: str, monkeypatch) -> None:
+    from vtcore.plugins.manager import reset_plugins
+
+    monkeypatch.setenv("VTCORE_PLUGINS", "qwen3_dense")  # as if vtcore-qwen3-5 were not installed
+    reset_plugins(None)
     edit_config(ckpt, architectures=["Qwen3_5ForCausalLM"])
     with pytest.raises(UnknownArchitectureError, match="To serve it: pip install vtcore-qwen3-5"):
         build(ckpt)
