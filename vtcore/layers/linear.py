@@ -2,7 +2,10 @@
 
 A fused layer names its shards (``("q", 2048), ("k", 512), ("v", 512)``); the loader calls
 ``weight_loader(param, tensor, shard)`` once per checkpoint tensor and each shard lands in its
-row slice. The loader uses ``param.shards`` to check that every shard arrived.
+row slice (or, for a parameter marked ``per_shard``, such as a quantized layer's global scales,
+its shard's own entry). The loader uses ``param.shards`` to check that every shard arrived.
+A quant method may take a Linear over (``quant_method.prepare``): it replaces ``weight`` with its
+packed parameters and sets ``self.quant``, whose ``apply(layer, x)`` then computes the layer.
 """
 from __future__ import annotations
 
@@ -24,18 +27,32 @@ class Linear(nn.Module):
         for name, size in shards:
             self.shard_slices[name] = slice(start, start + size)
             start += size
-        self.weight = self._param(torch.empty(self.out_features, in_features))
-        self.bias = self._param(torch.empty(self.out_features)) if bias else None
+        self.weight = self.new_param(torch.empty(self.out_features, in_features))
+        self.bias = self.new_param(torch.empty(self.out_features)) if bias else None
+        self.quant: object | None = None
 
-    def _param(self, data: torch.Tensor) -> nn.Parameter:
+    @property
+    def shard_names(self) -> list[str | None]:
+        return list(self.shard_slices) or [None]
+
+    def new_param(self, data: torch.Tensor, per_shard: bool = False, exact_dtype: bool = False) -> nn.Parameter:
+        """A parameter loaded by shard rows (or, ``per_shard``, one entry per shard); ``exact_dtype``
+        makes the loader refuse a checkpoint tensor of any other dtype instead of casting it."""
         param = nn.Parameter(data, requires_grad=False)
         param.shards = tuple(self.shard_slices) or (None,)
         param.weight_loader = self.weight_loader
+        param.per_shard = per_shard
+        param.exact_dtype = exact_dtype
         return param
 
     def shard_view(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
         """The part of ``param`` that checkpoint shard ``shard`` fills (all of it for None)."""
-        return param.data if shard is None else param.data[self.shard_slices[shard]]
+        if shard is None:
+            return param.data
+        if getattr(param, "per_shard", False):
+            i = list(self.shard_slices).index(shard)
+            return param.data[i:i + 1]
+        return param.data[self.shard_slices[shard]]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor into ``param`` (its shard's rows when ``shard`` is given)."""
@@ -45,4 +62,6 @@ class Linear(nn.Module):
         target.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x)
         return F.linear(x, self.weight, self.bias)

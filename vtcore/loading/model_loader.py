@@ -26,7 +26,7 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
         torch.set_default_dtype(previous)
     quant = hf_config.get("quantization_config")
     if quant:
-        plugins.quant_method(quant.get("format", quant.get("quant_method")))(quant).prepare(model)
+        plugins.quant_method(quant_format(quant))(quant).prepare(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, EmbedInto):
             module.family = family.name
@@ -46,3 +46,14 @@ def _replace_module(model: nn.Module, name: str, old: nn.Module, new: nn.Module)
     if isinstance(getattr(new, "weight", None), nn.Parameter):
         for m in tied:
             m.weight = new.weight
+
+
+def quant_format(quant_config: dict) -> str:
+    """The compressed-tensors format of a quantization_config (top level, or shared by its groups)."""
+    formats = {g.get("format") for g in (quant_config.get("config_groups") or {}).values() if g.get("format")}
+    fmt = quant_config.get("format") or (formats.pop() if len(formats) == 1 else None)
+    if not fmt:
+        raise ValueError(f"quantization_config: no single 'format' found (quant_method="
+                         f"{quant_config.get('quant_method')!r}, group formats {sorted(formats)}); expected a "
+                         "compressed-tensors format such as 'nvfp4-pack-quantized'")
+    return fmt

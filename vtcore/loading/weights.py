@@ -10,6 +10,8 @@ from vtcore.errors import CheckpointError
 
 #: safetensors dtype tags a float weight may be stored in.
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+#: safetensors dtype tags of the packed formats' tensors (parameters marked ``exact_dtype``).
+EXACT_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "I32": torch.int32}
 
 
 class WeightMapper:
@@ -48,12 +50,16 @@ class WeightMapper:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}: {type(self.model).__name__} "
                                   f"has no parameter {pname!r}")
         param = self.params[pname]
-        if param.dtype.is_floating_point and dtype_tag not in FLOAT_DTYPES:
+        if getattr(param, "exact_dtype", False):
+            if EXACT_DTYPES.get(dtype_tag) != param.dtype:
+                raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_tag}, expected "
+                                      f"{str(param.dtype).removeprefix('torch.')} for parameter {pname!r}")
+        elif param.dtype.is_floating_point and dtype_tag not in FLOAT_DTYPES:
             raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype_tag}, "
                                   f"expected one of {sorted(FLOAT_DTYPES)}")
         try:
-            param.weight_loader(param, read().to(param.dtype), shard) if hasattr(param, "weight_loader") \
-                else _copy(param, read().to(param.dtype))
+            tensor = read() if getattr(param, "exact_dtype", False) else read().to(param.dtype)
+            param.weight_loader(param, tensor, shard) if hasattr(param, "weight_loader") else _copy(param, tensor)
         except ValueError as exc:
             raise CheckpointError(f"{file}: tensor {name!r} has {exc} for parameter {pname!r}"
                                   + (f" shard {shard!r}" if shard else "")) from None

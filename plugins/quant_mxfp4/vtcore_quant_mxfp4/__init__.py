@@ -1,0 +1,1 @@
+"""vtcore plugin: the compressed-tensors MXFP4 packed format."""

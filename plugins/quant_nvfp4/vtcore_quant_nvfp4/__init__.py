@@ -1,0 +1,1 @@
+"""vtcore plugin: the compressed-tensors NVFP4 packed format."""
