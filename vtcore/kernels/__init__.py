@@ -1,0 +1,1 @@
+"""Triton kernels; each module imports triton itself, so import them lazily."""
