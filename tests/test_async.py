@@ -242,3 +242,24 @@ def test_engine_death_reaches_every_pending_request(async_llm) -> None:
             await _collect(async_llm, "later", [1], greedy(2))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_prompt_logprobs_only_request_runs_every_prefill_chunk(tiny_checkpoint, mode) -> None:
+    """max_tokens=0 with prompt_logprobs must not leave the scheduler before its last prefill chunk."""
+    eng = engine(tiny_checkpoint[0], mode, max_num_batched_tokens=7)
+    eng.add_request("p", {"prompt_token_ids": list(range(1, 26))}, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    outs = [o for _ in range(50) if eng.has_unfinished_requests() for o in eng.step()]
+    final = [o for o in outs if o.finished]
+    assert len(final) == 1 and final[0].outputs[0].token_ids == []
+    assert len(final[0].prompt_logprobs) == 25 and final[0].prompt_logprobs[0] is None
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.requests
+
+
+def test_a_stop_with_a_step_in_flight_is_reported_once(tiny_checkpoint) -> None:
+    eng = engine(tiny_checkpoint[0], "async")
+    probe = run(engine(tiny_checkpoint[0], "sync"), {0: [("p", [11, 12], greedy(6))]})[0]["p"]
+    eng.add_request("p", {"prompt_token_ids": [11, 12]}, SamplingParams(temperature=0, max_tokens=6,
+                                                                          stop_token_ids=[probe[2]]))
+    finished = [o for _ in range(30) if eng.has_unfinished_requests() for o in eng.step() if o.finished]
+    assert len(finished) == 1 and finished[0].outputs[0].token_ids[-1] == probe[2]

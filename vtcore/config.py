@@ -19,6 +19,8 @@ class HFConfig:
         if isinstance(data.get("text_config"), dict):
             merged.update(data["text_config"])
             merged["architectures"] = data.get("architectures")
+            if "tie_word_embeddings" in data:  # transformers ties a multimodal model by its top-level key
+                merged["tie_word_embeddings"] = data["tie_word_embeddings"]
         self._data = merged
 
     @classmethod

@@ -209,7 +209,8 @@ class LLMEngine:
                         for pos in result.prompt_logprobs[s.request.request_id])
             touched += [s.request for s in done]
         outputs = []
-        for r in dict.fromkeys(touched):
+        # A request that stopped while a later step was in flight was reported already: skip it.
+        for r in (r for r in dict.fromkeys(touched) if self.requests.get(r.request_id) is r):
             out = self._output(r)
             if out is not None:
                 outputs.append(out)

@@ -68,7 +68,8 @@ class Request:
 
     @property
     def host_knows_end(self) -> bool:
-        """True once the in-flight tokens reach max_tokens or the context end: nothing left to schedule."""
+        """True once the in-flight tokens reach max_tokens or the context end (the scheduler also waits for
+        every known token to be computed: max_tokens=0 with prompt_logprobs needs every prefill chunk)."""
         return self.num_output_tokens + self.num_inflight >= self.max_output
 
     @property

@@ -90,7 +90,7 @@ class Scheduler:
         return Scheduled(req, start, n, samples)
 
     def schedule(self) -> Batch:
-        for req in [r for r in self.running if r.host_knows_end]:
+        for req in [r for r in self.running if r.host_knows_end and r.num_computed_tokens >= r.num_tokens]:
             self._leave_running(req)
             req.status = RequestStatus.DRAINING
         budget = self.max_num_batched_tokens

@@ -68,12 +68,15 @@ class WeightMapper:
     def missing(self) -> Iterator[str]:
         """Checkpoint names of every parameter (shard) that no tensor filled."""
         reverse = {(fused, shard): part for part, (fused, shard) in self.packed.items()}
+        own_name = getattr(self.model, "checkpoint_name_for", lambda p, s: None)
         for pname, param in self.params.items():
             if None in self.loaded[pname]:
                 continue  # a whole tensor loaded at once covers every shard
             for shard in getattr(param, "shards", (None,)):
                 if shard not in self.loaded[pname]:
-                    if shard is None:
+                    if own_name(pname, shard):
+                        yield own_name(pname, shard)
+                    elif shard is None:
                         yield pname
                     else:
                         parts = pname.split(".")

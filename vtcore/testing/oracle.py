@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from typing import Any
 
 import torch
@@ -74,3 +75,9 @@ def near_tie_violations(model: torch.nn.Module, prompt: list[int], generated: li
         if tok != top and gap > tol:
             bad.append((i, tok, top, gap))
     return bad
+
+
+def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    """``n`` token ids drawn uniformly from the vocabulary with a fixed seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]

@@ -88,6 +88,8 @@ class Experts(nn.Module):
         target = param.data
         if shard is not None:
             expert, _, part = shard.partition(".")
+            if not 0 <= int(expert) < self.num_experts:
+                raise ValueError(f"expert index {expert} outside num_experts={self.num_experts}")
             target = target[int(expert)]
             if part:
                 target = target[:self.intermediate] if part == "gate" else target[self.intermediate:]
@@ -209,6 +211,14 @@ class Qwen3_5ForCausalLM(nn.Module):
             experts, index, proj = match.groups()
             return (f"{experts}.down_proj", index) if proj == "down" else (f"{experts}.gate_up_proj", f"{index}.{proj}")
         return name
+
+    def checkpoint_name_for(self, param: str, shard: str | None) -> str | None:
+        """The per-expert checkpoint name of a missing expert shard (for the loader's error)."""
+        if shard is None or not param.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return None
+        experts, _, fused = param.rpartition(".")
+        expert, _, part = shard.partition(".")
+        return f"{experts}.{expert}.{part or 'down'}_proj.weight"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -1,0 +1,156 @@
+"""Prometheus metrics of the server, in the text exposition format (0.0.4), written by hand.
+
+Names follow vLLM's (``vtcore:`` instead of ``vllm:``) so dashboards carry over. Counters and
+histograms are updated from the server's event loop; gauges are read from the engine at scrape time.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Any, Callable
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+
+
+def _num(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    if value == float("-inf"):
+        return "-Inf"
+    if value != value:
+        return "NaN"
+    return repr(float(value)) if not float(value).is_integer() else f"{float(value):.1f}"
+
+
+class Counter:
+    def __init__(self, name: str, help: str) -> None:
+        assert name.endswith("_total")
+        self.name, self.help = name, help
+        self.values: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self, base: dict[str, str]) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        for key, value in sorted(self.values.items()):
+            lines.append(f"{self.name}{_labels({**base, **dict(key)})} {_num(value)}")
+        if not self.values and not base:
+            lines.append(f"{self.name} 0.0")
+        elif not self.values:
+            lines.append(f"{self.name}{_labels(base)} 0.0")
+        return lines
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help = name, help
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.buckets) + 1)  # the last is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, base: dict[str, str]) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        running = 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts):
+            running += n
+            lines.append(f"{self.name}_bucket{_labels({**base, 'le': _num(bound)})} {_num(running)}")
+        lines.append(f"{self.name}_sum{_labels(base)} {_num(self.sum)}")
+        lines.append(f"{self.name}_count{_labels(base)} {_num(self.count)}")
+        return lines
+
+
+class Gauge:
+    def __init__(self, name: str, help: str, read: Callable[[], float]) -> None:
+        self.name, self.help, self.read = name, help, read
+
+    def render(self, base: dict[str, str]) -> list[str]:
+        try:
+            value = float(self.read())
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is gone
+            value = float("nan")
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
+                f"{self.name}{_labels(base)} {_num(value)}"]
+
+
+class ServerMetrics:
+    """Every metric the server exports; ``render()`` is the /metrics body."""
+
+    def __init__(self, model_name: str, engine: Any) -> None:
+        self.base = {"model_name": model_name}
+        self._lock = threading.Lock()
+        core = engine.engine
+        self.http_requests = Counter("vtcore:http_requests_total", "HTTP requests answered, by endpoint and status.")
+        self.requests = Counter("vtcore:request_success_total",
+                                "Generation requests (one per prompt) finished, by finish reason.")
+        self.prompt_tokens = Counter("vtcore:prompt_tokens_total", "Prompt tokens of the requests admitted.")
+        self.generation_tokens = Counter("vtcore:generation_tokens_total", "Tokens generated.")
+        self.ttft = Histogram("vtcore:time_to_first_token_seconds",
+                              "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.tpot = Histogram("vtcore:time_per_output_token_seconds",
+                              "Mean time between a request's generated tokens after the first.", TPOT_BUCKETS)
+        self.e2e = Histogram("vtcore:e2e_request_latency_seconds", "Time from a request's arrival to its end.",
+                             E2E_BUCKETS)
+        self.gauges = [
+            Gauge("vtcore:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                  lambda: core.pool.usage),
+            Gauge("vtcore:num_requests_running", "Requests the scheduler is running.",
+                  lambda: len(core.scheduler.running)),
+            Gauge("vtcore:num_requests_waiting", "Requests waiting to be scheduled.",
+                  lambda: len(core.scheduler.waiting)),
+        ]
+
+    def http(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.http_requests.inc(endpoint=endpoint, status=str(status))
+
+    def finished(self, reason: str, prompt_tokens: int, generation_tokens: int, arrival: float,
+                 first_token: float | None, end: float) -> None:
+        """Record one finished generation request (times from ``time.monotonic``)."""
+        with self._lock:
+            self.requests.inc(finished_reason=reason or "unknown")
+            self.prompt_tokens.inc(prompt_tokens)
+            self.generation_tokens.inc(generation_tokens)
+            self.e2e.observe(max(end - arrival, 0.0))
+            if first_token is not None:
+                self.ttft.observe(max(first_token - arrival, 0.0))
+                if generation_tokens > 1:
+                    self.tpot.observe(max(end - first_token, 0.0) / (generation_tokens - 1))
+
+    def render(self) -> str:
+        lines: list[str] = []
+        with self._lock:
+            for c in (self.http_requests, self.requests, self.prompt_tokens, self.generation_tokens):
+                lines += c.render(self.base)
+            for h in (self.ttft, self.tpot, self.e2e):
+                lines += h.render(self.base)
+        for g in self.gauges:
+            lines += g.render(self.base)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,161 @@
+"""``vtcore serve``: the OpenAI-compatible server under uvicorn, with a graceful shutdown.
+
+On SIGTERM or SIGINT the server stops accepting connections, lets in-flight requests finish for
+``--shutdown-timeout`` seconds, cancels (and so aborts) whatever is still running, then shuts the
+engine down and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any, Generator, Sequence, TextIO
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_MODEL_NAME = "vtcore-default"
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand to ``sub`` (the parser's subparsers)."""
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model as given, or 'vtcore-default')")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $VTCORE_API_KEY, else none)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+#: After the grace period and the aborts, how long uvicorn still waits before it cancels what is left.
+BACKSTOP_S = 5.0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with a graceful shutdown that ends in a clean exit.
+
+        On SIGTERM/SIGINT uvicorn stops accepting and waits for open connections; after ``grace``
+        seconds every engine request still in flight is aborted, so each response ends properly
+        (streams with finish_reason "abort" and [DONE]) rather than being cut. uvicorn's own timeout
+        (grace + BACKSTOP_S) then cancels anything still stuck. The signal is not re-raised at exit.
+        """
+
+        def __init__(self, config: Any, openai_server: Any, grace: float) -> None:
+            super().__init__(config)
+            self.openai_server = openai_server
+            self.grace = grace
+
+        async def _abort_after_grace(self) -> None:
+            await asyncio.sleep(self.grace)
+            n = await self.openai_server.abort_all()
+            if n:
+                logging.getLogger("vtcore.server").warning(
+                    "vtcore serve: grace period of %.1fs over: aborted %d request(s) in flight", self.grace, n)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            self.openai_server.draining = True
+            aborter = asyncio.create_task(self._abort_after_grace())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                aborter.cancel()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
+    import uvicorn
+
+    from vtcore.engine.async_llm import AsyncLLM
+    from vtcore.server.app import build_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: expected 0..65535")
+    if args.max_request_bytes <= 0:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
+    api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    if not _is_loopback(args.host) and api_key is None:
+        out.write(f"vtcore serve: warning: listening on {args.host} without --api-key: anyone who can reach "
+                  "this address can use the server\n")
+    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    try:
+        app = build_app(engine, name, api_key, args.max_request_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
+                                access_log=args.log_level == "debug")
+        server = _server_class()(config, app.state.server, args.shutdown_timeout)
+        out.write(f"vtcore serve: model {name!r} on http://{args.host}:{args.port}/v1\n")
+        out.flush()
+        try:
+            asyncio.run(server.serve())
+        except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+            return int(exc.code or 0) if isinstance(exc.code, int) else 1
+        if not server.started:
+            return 1
+    finally:
+        engine.shutdown()
+    out.write("vtcore serve: stopped\n")
+    out.flush()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from vtcore.errors import VtcoreError
+
+    parser = argparse.ArgumentParser(prog="vtcore")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return args.func(args, sys.stdout)
+    except (VtcoreError, ValueError, TypeError, OSError, NotImplementedError) as exc:
+        sys.stderr.write(f"vtcore serve: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
