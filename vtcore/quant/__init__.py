@@ -1,4 +1,2 @@
-"""The quantization interface that quant-method plugins implement."""
-from vtcore.quant.base import QuantMethod
-
-__all__ = ["QuantMethod"]
+"""Quantization: the ``QuantMethod`` interface (``vtcore.quant.base``), the FP4 formats' shared
+method and reference decode, and ``vtcore quantize``. Nothing here is imported by ``import vtcore``."""

@@ -36,12 +36,13 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
-from typing import Any, TextIO
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, TextIO
 
 from vtcore.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, *, ignore: Iterable[str
     regexes (compressed-tensors syntax, matched against transformers module names) to ``lm_head``.
     ``dst`` must not exist or be empty.
     """
+    import torch
+    from torch import nn
+
     scheme = normalize_scheme(scheme)
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     src_config = _read_src_config(src)
@@ -319,6 +323,8 @@ def _group_scales(w: torch.Tensor, args: Any, global_scale: torch.Tensor | None)
 
 
 def _input_global_scale(name: str, amax: torch.Tensor | None) -> torch.Tensor:
+    import torch
+
     from compressed_tensors.quantization.utils import generate_gparam
 
     if amax is None:
@@ -330,6 +336,8 @@ def _input_global_scale(name: str, amax: torch.Tensor | None) -> torch.Tensor:
 def _compress_experts(name: str, module: nn.Module, scheme: Any, compressor: Any, nv: bool, static_input: bool,
                       input_amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert compressed tensors ``{name}.{e}.{gate,up,down}_proj.{param}`` of a fused-experts module."""
+    import torch
+
     from compressed_tensors.quantization.utils import generate_gparam
 
     out: dict[str, torch.Tensor] = {}
@@ -375,6 +383,9 @@ def _calibration_ids(src: str, config: dict[str, Any], text: str) -> list[int]:
 def _calibrate(model: nn.Module, src: str, config: dict[str, Any], linears: dict[str, nn.Linear],
                experts: dict[str, nn.Module], text: str) -> dict[str, torch.Tensor]:
     """Static min-max: the largest |input| each targeted Linear and expert projection sees on ``text``."""
+    import torch
+    from torch import nn
+
     amax: dict[str, torch.Tensor] = {}
 
     def observe(key: str, x: torch.Tensor) -> None:
@@ -426,6 +437,8 @@ def _write_checkpoint(model: nn.Module, src: str, dst: str, src_config: dict[str
                       products: dict[str, torch.Tensor], linears: dict[str, nn.Module],
                       experts: dict[str, nn.Module]) -> list[str]:
     """Write the tensors and files; returns the top-level name prefixes of SRC tensors the model lacks."""
+    import torch
+
     from safetensors import safe_open
     from safetensors.torch import save_file
 
