@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--arm", default=None)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--timing-only", action="store_true", help="skip the correctness checks")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per mode")
     args = ap.parse_args()
     if args.arm:
         arm(args.arm, args.batch)
@@ -147,7 +149,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(tmp)
         run(path, 4, False)  # warm-up: allocator, cuBLAS handles, clocks
-        for batch in (1, 16):
+        for batch in () if args.timing_only else (1, 16):
             ref, t_sync, _ = run(path, batch, False)
             rows = {"sync": (True, t_sync)}
             for mode, asyn, env, dbg in (
@@ -191,13 +193,13 @@ def main() -> int:
         run(path, 4, False)
         for batch in (1, 16):
             rounds: dict[str, list[float]] = {"sync": [], "async": [], "mirror-off": []}
-            for _ in range(3):
+            for _ in range(args.rounds):
                 for mode, asyn, env in (("sync", False, {}), ("async", True, {}),
                                         ("mirror-off", True, {"VTCORE_ASYNC_DEVICE_MIRROR": "0"})):
                     rounds[mode].append(statistics.median(run(path, batch, asyn, env)[1]) * 1e3)
             timing = {m: round(statistics.median(v), 3) for m, v in rounds.items()}
             report[f"b{batch}_timing_ms"] = {**timing, "rounds": rounds}
-            print(f"batch={batch:<3} timing (median of 3 interleaved rounds, ms/step): {timing}; "
+            print(f"batch={batch:<3} timing (median of {args.rounds} interleaved rounds, ms/step): {timing}; "
                   f"sync/async = {timing['sync'] / timing['async']:.2f}")
     if args.out:
         with open(os.path.join(args.out, "gpu_async_check.json"), "w") as f:
