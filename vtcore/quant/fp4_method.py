@@ -78,6 +78,11 @@ class FP4Method(QuantMethod):
 
     def prepare(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):
+            if callable(getattr(module, "fp4_take_over", None)):
+                # Non-Linear weights a family packs itself (MoE experts): it gets the method and the
+                # matcher, and decides per expert projection.
+                module.fp4_take_over(self, name, lambda n: _matches(n, self.targets) and not _matches(n, self.ignore))
+                continue
             if not isinstance(module, Linear):
                 continue
             names = checkpoint_names(model, name, module)
