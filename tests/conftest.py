@@ -7,18 +7,8 @@ from typing import Any, Callable
 
 import pytest
 
-TINY_QWEN3: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    "tie_word_embeddings": False, "initializer_range": 0.1,
-}
+from vtcore.testing.oracle import tiny_config
 
-
-def tiny_config(**overrides: Any) -> dict[str, Any]:
-    """TINY_QWEN3 with ``overrides`` applied."""
-    return {**TINY_QWEN3, **overrides}
 
 
 @pytest.fixture(autouse=True)

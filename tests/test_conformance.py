@@ -37,13 +37,13 @@ def plugins() -> Plugins:
                               "not land bit for bit in parameter 'model.layers.0.self_attn.o_proj.weight'"),
 ])
 def test_gate_fails_each_broken_family_naming_it(plugins: Plugins, family: str, check: str, message: str) -> None:
-    (gate,) = run_gate([family], plugins=plugins)
+    (gate,) = run_gate([family], plugins=plugins, quant=[])
     result = gate.results[check]
     assert result.status == "fail" and result.detail.startswith(message), result.detail
     out = io.StringIO()
     write_table([gate], out, "cpu")
     text = out.getvalue()
-    assert f"FAIL {check}: {message}" in text and text.rstrip().endswith("FAILED: 1 family")
+    assert f"FAIL {check}: {message}" in text and text.rstrip().endswith("FAILED: 1 family, 0 quant methods")
     if family == "undeclared":  # the async checks cannot run for it, and say why
         assert {gate.results[c].status for c in CHECKS if c.startswith("async")} == {"skip"}
         assert gate.results["oracle-greedy"].status == "pass"
@@ -52,7 +52,7 @@ def test_gate_fails_each_broken_family_naming_it(plugins: Plugins, family: str, 
 
 
 def test_gate_report_names_the_oracle_and_json(plugins: Plugins) -> None:
-    gates = run_gate(["qwen3_dense", "undeclared"], plugins=plugins)
+    gates = run_gate(["qwen3_dense", "undeclared"], plugins=plugins, quant=[])
     report = to_json(gates, "cpu")
     assert report["passed"] is False
     assert report["families"]["qwen3_dense"]["oracle"] == "transformers:Qwen3ForCausalLM"
@@ -65,7 +65,8 @@ def test_gate_report_names_the_oracle_and_json(plugins: Plugins) -> None:
 def test_cli_exit_code_and_json(plugins: Plugins, tmp_path) -> None:
     reset_plugins(plugins)
     out = io.StringIO()
-    assert main(["conformance", "--family", "undeclared", "--json", str(tmp_path / "r.json")], out=out) == 1
+    assert main(["conformance", "--family", "undeclared", "--no-quant", "--json", str(tmp_path / "r.json")],
+                out=out) == 1
     assert json.loads((tmp_path / "r.json").read_text())["families"]["undeclared"]["checks"][
         "declares-device-tokens"]["status"] == "fail"
 
@@ -76,8 +77,10 @@ def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["passed"] is True and "qwen3_dense" in report["families"]
-    assert proc.stdout.rstrip().endswith(f"PASSED: {len(report['families'])} famil" +
-                                         ("y" if len(report["families"]) == 1 else "ies"))
+    n, q = len(report["families"]), len(report["quant"])
+    assert proc.stdout.rstrip().endswith(f"PASSED: {n} famil{'y' if n == 1 else 'ies'}, {q} quant method"
+                                         + ("" if q == 1 else "s"))
+    assert {"nvfp4-pack-quantized", "mxfp4-pack-quantized"} <= set(report["quant"])
 
 
 def test_conformance_suite_fails_a_broken_family_in_a_plugins_own_tests(tmp_path) -> None:
@@ -97,3 +100,23 @@ def test_conformance_suite_fails_a_broken_family_in_a_plugins_own_tests(tmp_path
     assert "FAILED test_undeclared.py::TestUndeclared::test_conformance[declares-device-tokens]" in proc.stdout
     assert "family 'undeclared': does not declare consumes_device_tokens=True" in proc.stdout
     assert "1 failed, 6 passed, 4 skipped" in proc.stdout
+
+
+def test_quant_section_passes_and_fails_a_nibble_swapping_method() -> None:
+    pytest.importorskip("compressed_tensors")
+    sys.path.insert(0, ROOT)
+    real = [ep for ep in md.entry_points(group="vtcore") if ep.name in ("qwen3_dense", "quant_nvfp4", "quant_mxfp4")]
+    good = run_gate(["qwen3_dense"], plugins=Plugins(entry_points=real))
+    assert [g.name for g in good[1:]] == ["mxfp4-pack-quantized", "nvfp4-pack-quantized"]
+    assert all(r.status == "pass" for g in good for r in g.results.values()), to_json(good, "cpu")
+    swapped = Plugins(entry_points=[ep for ep in real if ep.name != "quant_nvfp4"] + [md.EntryPoint(
+        name="swapped_nibbles", value="tests.fixture_async.quant", group="vtcore")])
+    gates = run_gate(["qwen3_dense"], plugins=swapped, quant=["nvfp4-pack-quantized"])
+    quant = gates[-1].results
+    assert quant["decode"].status == "fail"
+    assert quant["decode"].detail.startswith("quant method 'nvfp4-pack-quantized': decode differs from "
+                                             "compressed-tensors' decompress")
+    assert quant["tokens"].status == "fail" and "'qwen3_dense' quantized with NVFP4A16" in quant["tokens"].detail
+    out = io.StringIO()
+    write_table(gates, out, "cpu")
+    assert "FAIL decode: quant method 'nvfp4-pack-quantized'" in out.getvalue()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_QWEN3
+from vtcore.testing.oracle import TINY_QWEN3
 from safetensors.torch import load_file
 
 pytest.importorskip("compressed_tensors")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from conftest import tiny_config
+from vtcore.testing.oracle import tiny_config
 from vtcore import LLM, SamplingParams
 from vtcore.testing.oracle import hf_model, near_tie_violations, save_checkpoint
 

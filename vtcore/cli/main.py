@@ -65,7 +65,8 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore.conformance.gate import main as gate_main
 
-    return gate_main(args.family or None, args.device, args.json, out)
+    quant = [] if args.no_quant else (args.quant or None)
+    return gate_main(args.family or None, args.device, args.json, out, quant)
 
 
 def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", action="append", help="check only this family (repeatable)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--quant", action="append", metavar="FORMAT",
+                   help="check only this quant format (repeatable; default: every registered one)")
+    p.add_argument("--no-quant", action="store_true", help="skip the quant section")
     p.set_defaults(func=cmd_conformance)
     p = sub.add_parser("new-plugin", help="scaffold a pip-installable model-family plugin package")
     p.add_argument("name", help="the family name, a lowercase identifier (package vtcore-NAME)")

@@ -18,3 +18,6 @@ CHECKS = (
     "async-concurrency",
     "async-max-tokens",
 )
+
+#: The quant section's checks, per registered quant format.
+QUANT_CHECKS = ("decode", "tokens")

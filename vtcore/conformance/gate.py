@@ -1,21 +1,26 @@
-"""Running the gate over the registered families, and reporting it (table, JSON, exit code)."""
+"""Running the gate over the registered families and quant methods, and reporting it (table, JSON, exit code)."""
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from typing import TextIO
+from typing import TextIO, Union
 
-from vtcore.conformance import CHECKS
+from vtcore.conformance import CHECKS, QUANT_CHECKS
 from vtcore.conformance.checks import CheckResult, FamilyGate
+from vtcore.conformance.quant_checks import QuantGate
 from vtcore.plugins.manager import Plugins, get_plugins, use_plugins
 
+Gate = Union[FamilyGate, QuantGate]
 
-def run_gate(families: list[str] | None = None, device: str = "cpu",
-             plugins: Plugins | None = None) -> list[FamilyGate]:
-    """Run every check on each named family (default: every registered family)."""
+
+def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Plugins | None = None,
+             quant: list[str] | None = None) -> list[Gate]:
+    """Run every check on each named family (default: all registered), then the quant checks of each
+    named quant format (default: all registered; ``[]`` for none) over those families."""
     plugins = plugins or get_plugins()
     names = families or sorted(plugins.families)
+    formats = sorted(plugins.quant_methods) if quant is None else quant
     if device == "cuda":
         # The async checks demand token-exact equality across runs; GPU kernels are only
         # run-to-run exact in deterministic mode (docs/BENCHMARKS.md shows two sync runs differing
@@ -24,30 +29,43 @@ def run_gate(families: list[str] | None = None, device: str = "cpu",
         import torch
 
         torch.use_deterministic_algorithms(True)
-    gates = []
+    gates: list[Gate] = []
     with tempfile.TemporaryDirectory(prefix="vtcore-conformance-") as workdir, use_plugins(plugins):
         for name in names:
             gate = FamilyGate(plugins, plugins.family(name), device, workdir)
             gate.run()
             gates.append(gate)
+        for fmt in formats:
+            plugins.quant_method(fmt)  # an unknown format is an error naming the registered ones
+            gate = QuantGate(plugins, fmt, [plugins.family(n) for n in names], device, workdir)
+            gate.run()
+            gates.append(gate)
     return gates
 
 
-def passed(gates: list[FamilyGate]) -> bool:
+def passed(gates: list[Gate]) -> bool:
     return bool(gates) and all(r.status != "fail" for g in gates for r in g.results.values())
 
 
-def write_table(gates: list[FamilyGate], out: TextIO, device: str) -> None:
-    """Family x check, then what to fix for each failure and why each skip happened."""
-    width = max([len("family")] + [len(g.name) for g in gates])
-    oracle_w = max([len("oracle")] + [len(g.oracle) for g in gates])
-    header = ["family".ljust(width), "oracle".ljust(oracle_w)] + [c for c in CHECKS]
-    out.write(f"vtcore conformance (device {device})\n")
+def _section(gates: list[Gate], checks: tuple[str, ...], title: str, out: TextIO) -> None:
+    if not gates:
+        return
+    width = max([len(title)] + [len(g.name) for g in gates])
+    families = [g for g in gates if isinstance(g, FamilyGate)]
+    oracle_w = max([len("oracle")] + [len(g.oracle) for g in families]) if families else 0
+    header = [title.ljust(width)] + (["oracle".ljust(oracle_w)] if families else []) + list(checks)
     out.write("  ".join(header) + "\n")
     for g in gates:
-        cells = [g.name.ljust(width), g.oracle.ljust(oracle_w)]
-        cells += [g.results[c].status.upper().ljust(len(c)) for c in CHECKS]
+        cells = [g.name.ljust(width)] + ([g.oracle.ljust(oracle_w)] if families else [])
+        cells += [g.results[c].status.upper().ljust(len(c)) for c in checks]
         out.write("  ".join(cells) + "\n")
+
+
+def write_table(gates: list[Gate], out: TextIO, device: str) -> None:
+    """Family x check and quant method x check, then what to fix for each failure and why each skip happened."""
+    out.write(f"vtcore conformance (device {device})\n")
+    _section([g for g in gates if isinstance(g, FamilyGate)], CHECKS, "family", out)
+    _section([g for g in gates if isinstance(g, QuantGate)], QUANT_CHECKS, "quant method", out)
     for g in gates:
         for r in g.results.values():
             if r.status == "fail":
@@ -58,19 +76,27 @@ def write_table(gates: list[FamilyGate], out: TextIO, device: str) -> None:
                 skips.setdefault(r.detail, []).append(r.check)
         for reason, checks in skips.items():
             out.write(f"skip {g.name} ({', '.join(checks)}): {reason}\n")
-    out.write(("PASSED" if passed(gates) else "FAILED") + f": {len(gates)} famil{'y' if len(gates) == 1 else 'ies'}\n")
+    n_fam = sum(isinstance(g, FamilyGate) for g in gates)
+    n_quant = len(gates) - n_fam
+    out.write(("PASSED" if passed(gates) else "FAILED") + f": {n_fam} famil{'y' if n_fam == 1 else 'ies'}, "
+              f"{n_quant} quant method{'' if n_quant == 1 else 's'}\n")
 
 
-def to_json(gates: list[FamilyGate], device: str) -> dict:
-    return {"device": device, "passed": passed(gates), "families": {
-        g.name: {"plugin": g.family.plugin, "oracle": g.oracle,
-                 "checks": {c: {"status": r.status, "detail": r.detail} for c, r in g.results.items()}}
-        for g in gates}}
+def to_json(gates: list[Gate], device: str) -> dict:
+    def checks(g: Gate) -> dict:
+        return {c: {"status": r.status, "detail": r.detail} for c, r in g.results.items()}
+
+    return {"device": device, "passed": passed(gates),
+            "families": {g.name: {"plugin": g.family.plugin, "oracle": g.oracle, "checks": checks(g)}
+                         for g in gates if isinstance(g, FamilyGate)},
+            "quant": {g.name: {"plugin": g.plugins.quant_methods[g.fmt][0], "checks": checks(g)}
+                      for g in gates if isinstance(g, QuantGate)}}
 
 
-def main(families: list[str] | None, device: str, json_path: str | None, out: TextIO) -> int:
-    """The ``vtcore conformance`` command: exit code 1 on any failure (or no family at all)."""
-    gates = run_gate(families, device)
+def main(families: list[str] | None, device: str, json_path: str | None, out: TextIO,
+         quant: list[str] | None = None) -> int:
+    """The ``vtcore conformance`` command: exit code 1 on any failure (or nothing to check)."""
+    gates = run_gate(families, device, quant=quant)
     write_table(gates, out, device)
     if json_path:
         with open(json_path, "w") as f:

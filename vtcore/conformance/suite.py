@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from vtcore.conformance import CHECKS
+from vtcore.conformance import CHECKS, QUANT_CHECKS
 
 
 class ConformanceSuite:
@@ -34,6 +34,36 @@ class ConformanceSuite:
     @pytest.mark.parametrize("check", CHECKS)
     def test_conformance(self, conformance_results: dict[str, Any], check: str) -> None:
         result = conformance_results[check]
+        if result.status == "skip":
+            pytest.skip(result.detail)
+        if result.status == "fail":
+            pytest.fail(result.detail, pytrace=False)
+
+
+class QuantConformanceSuite:
+    """Set ``format`` to a registered compressed-tensors format; each quant check becomes one test,
+    run over every registered family with a conformance example."""
+
+    format: str = ""
+
+    @pytest.fixture(scope="class")
+    def quant_results(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+        from vtcore.conformance.quant_checks import QuantGate
+        from vtcore.plugins.manager import get_plugins, use_plugins
+
+        if not self.format:
+            pytest.fail(f"{type(self).__name__}.format is not set: name the quant format to check")
+        plugins = get_plugins()
+        plugins.quant_method(self.format)
+        device = request.config.getoption("vtcore_device", default="cpu")
+        gate = QuantGate(plugins, self.format, [plugins.families[n] for n in sorted(plugins.families)], device,
+                         str(tmp_path_factory.mktemp("quant-conformance")))
+        with use_plugins(plugins):
+            return gate.run()
+
+    @pytest.mark.parametrize("check", QUANT_CHECKS)
+    def test_quant_conformance(self, quant_results: dict[str, Any], check: str) -> None:
+        result = quant_results[check]
         if result.status == "skip":
             pytest.skip(result.detail)
         if result.status == "fail":

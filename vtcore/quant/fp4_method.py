@@ -9,6 +9,13 @@ decodes transiently inside the matmul; on CUDA the Triton kernel decodes in regi
 
 Targets and ignores are matched against checkpoint module names (a fused ``qkv_proj`` is checked as
 its ``q_proj``/``k_proj``/``v_proj``), as class names (``Linear``), exact names, or ``re:`` regexes.
+
+W4A4 (config groups with ``input_activations``): ``apply`` fake-quantizes the Linear's input
+(``vtcore.quant.fp4_activations``, compressed-tensors' dynamic per-group e2m1 quantize-dequantize)
+before the weight-only path, on CPU and CUDA alike. NVFP4 also loads a static float32
+``input_global_scale`` per checkpoint shard; the shards of a fused projection see one input, so
+they must carry one value (compressed-tensors/llm-compressor calibrate them on the same tensor);
+different values are refused at load (vLLM would silently take their maximum).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from torch import nn
 from vtcore.errors import CheckpointError, NotSupportedError
 from vtcore.layers.linear import Linear
 from vtcore.quant.base import QuantMethod
+from vtcore.quant.fp4_activations import fake_quantize_mxfp4_input, fake_quantize_nvfp4_input
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -45,6 +53,19 @@ def checkpoint_names(model: nn.Module, name: str, layer: Linear) -> list[str]:
     return names
 
 
+#: The ``input_activations`` of a W4A4 group, per scale kind (compressed-tensors' NVFP4 / MXFP4 presets):
+#: NVFP4 quantizes inputs per 16 with e4m3 scales, dynamic but for the static global scale; MXFP4 per
+#: 32 with e8m0 scales, fully dynamic. Any other value is refused, naming the field.
+INPUT_ACTIVATIONS: dict[str, dict[str, Any]] = {
+    "e4m3": {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": "local", "strategy": "tensor_group",
+             "symmetric": True, "scale_dtype": "torch.float8_e4m3fn"},
+    "e8m0": {"num_bits": 4, "type": "float", "group_size": 32, "dynamic": True, "strategy": "group",
+             "symmetric": True, "scale_dtype": "torch.uint8"},
+}
+#: Fields a checkpoint may leave out (or null): older compressed-tensors wrote no scale_dtype.
+_OPTIONAL_INPUT_FIELDS = ("strategy", "symmetric", "scale_dtype")
+
+
 class FP4Method(QuantMethod):
     """A compressed-tensors FP4 pack-quantized format; subclasses set the class attributes."""
 
@@ -61,6 +82,8 @@ class FP4Method(QuantMethod):
                                     "a quantized KV cache is not supported; expected null")
         self.ignore: list[str] = list(quant_config.get("ignore") or [])
         self.targets: list[str] = []
+        self.quantize_inputs = False  # W4A4: every group has input_activations
+        seen_groups = False
         for gname, group in (quant_config.get("config_groups") or {}).items():
             weights = group.get("weights") or {}
             want = {"num_bits": 4, "type": "float", "group_size": self.group_size}
@@ -68,10 +91,22 @@ class FP4Method(QuantMethod):
             if got != want:
                 raise CheckpointError(f"quantization_config.config_groups.{gname}.weights: {got}, expected {want} "
                                       f"for format {self.format!r}")
-            if group.get("input_activations"):
-                raise NotSupportedError(f"quantization_config.config_groups.{gname}.input_activations="
-                                        f"{group['input_activations']!r}: activation quantization (W4A4) is not "
-                                        "implemented yet; weight-only (A16) checkpoints load")
+            acts = group.get("input_activations")
+            if acts:
+                want_in = INPUT_ACTIVATIONS[self.scale_kind]
+                for field, expected in want_in.items():
+                    if acts.get(field) is None and field in _OPTIONAL_INPUT_FIELDS:
+                        continue
+                    if acts.get(field) != expected:
+                        raise NotSupportedError(
+                            f"quantization_config.config_groups.{gname}.input_activations.{field}="
+                            f"{acts.get(field)!r}: expected {expected!r} for W4A4 format {self.format!r} "
+                            f"(input_activations {want_in})")
+            if seen_groups and bool(acts) != self.quantize_inputs:
+                raise NotSupportedError(f"quantization_config.config_groups.{gname}: mixes weight-only and W4A4 "
+                                        "config groups; expected every group with input_activations or none")
+            self.quantize_inputs = bool(acts)
+            seen_groups = True
             self.targets += list(group.get("targets") or [])
         if not self.targets:
             raise CheckpointError(f"quantization_config has no config_groups with targets for format {self.format!r}")
@@ -80,8 +115,22 @@ class FP4Method(QuantMethod):
         for name, module in list(model.named_modules()):
             if callable(getattr(module, "fp4_take_over", None)):
                 # Non-Linear weights a family packs itself (MoE experts): it gets the method and the
-                # matcher, and decides per expert projection.
-                module.fp4_take_over(self, name, lambda n: _matches(n, self.targets) and not _matches(n, self.ignore))
+                # matcher, and decides per expert projection. Under W4A4 it must also quantize their
+                # inputs (``quantize_input``) and say so with ``fp4_quantizes_inputs = True``.
+                targeted: list[str] = []
+
+                def is_targeted(n: str) -> bool:
+                    hit = _matches(n, self.targets) and not _matches(n, self.ignore)
+                    if hit:
+                        targeted.append(n)
+                    return hit
+
+                module.fp4_take_over(self, name, is_targeted)
+                if targeted and self.quantize_inputs and not getattr(module, "fp4_quantizes_inputs", False):
+                    raise NotSupportedError(f"{name}: {type(module).__name__} packs {targeted[0]} (and its other "
+                                            "targeted projections) without quantizing their inputs; W4A4 "
+                                            "(input_activations) is implemented for Linear layers only; "
+                                            "expected a weight-only (A16) checkpoint")
                 continue
             if not isinstance(module, Linear):
                 continue
@@ -112,10 +161,38 @@ class FP4Method(QuantMethod):
             sizes = [s.stop - s.start for s in layer.shard_slices.values()] or [out]
             row_shard = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
             layer.register_buffer("row_shard", row_shard.to(device), persistent=False)
+        if self.quantize_inputs and self.has_global_scale:
+            layer.input_global_scale = layer.new_param(
+                torch.full((len(layer.shard_names),), float("nan"), dtype=torch.float32, device=device),
+                per_shard=True, exact_dtype=True)
+            layer.input_global_scale.weight_loader = _shared_scale_loader(layer)
         layer.quant = self
+
+    def quantize_input(self, x: torch.Tensor, input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` fake-quantized as this format's W4A4 input (unchanged for A16); NVFP4 needs the global scale."""
+        if not self.quantize_inputs:
+            return x
+        if self.has_global_scale:
+            return fake_quantize_nvfp4_input(x, input_global_scale)
+        return fake_quantize_mxfp4_input(x)
+
+    def decode_weight(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The float32 dense weight of one Linear's checkpoint tensors (``weight_packed``,
+        ``weight_scale`` and, for NVFP4, ``weight_global_scale``): the conformance gate holds this to
+        compressed-tensors' own decompress."""
+        from vtcore.quant.fp4 import dequantize_fp4, mxfp4_group_scales, nvfp4_group_scales
+
+        packed, scale = tensors["weight_packed"], tensors["weight_scale"]
+        if self.has_global_scale:
+            scales = nvfp4_group_scales(scale, tensors["weight_global_scale"].float())
+        else:
+            scales = mxfp4_group_scales(scale)
+        return dequantize_fp4(packed, scales, self.group_size)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         row_global = layer.weight_global_scale[layer.row_shard] if self.has_global_scale else None
+        if self.quantize_inputs:  # shards share one value (checked at load): a float32 [1]
+            x = self.quantize_input(x, layer.input_global_scale[:1] if self.has_global_scale else None)
         if x.is_cuda:
             from vtcore.kernels.fp4_gemm import fp4_matmul
 
@@ -135,9 +212,26 @@ class FP4Method(QuantMethod):
         scale = 1.0 / (2.93 * math.sqrt(layer.in_features))  # e2m1 codes drawn uniformly have rms 2.93
         if self.has_global_scale:
             layer.weight_global_scale.fill_(64.0)  # lifts the fp8 scales out of e4m3's subnormal range
+            if self.quantize_inputs:
+                # as calibrated for inputs of |x| <= 8 (generate_gparam: 448 * 6 / amax): dummy
+                # activations are O(1), so their group scales land in e4m3's normal range
+                layer.input_global_scale.fill_(448.0 * 6.0 / 8.0)
             layer.weight_scale.copy_(torch.full(layer.weight_scale.shape, scale * 64.0, device=device)
                                      .to(self.scale_dtype))
         else:
             layer.weight_scale.fill_(round(math.log2(scale)) + 127)
         if layer.bias is not None:
             layer.bias.zero_()
+
+
+def _shared_scale_loader(layer: Linear):
+    """Load one shard's ``input_global_scale``, refusing a value that differs from a shard already loaded."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        layer.weight_loader(param, loaded, shard)
+        values = param.data[~torch.isnan(param.data)]
+        if values.numel() and not bool((values == values[0]).all()):
+            shown = {n: float(v) for n, v in zip(layer.shard_names, param.data.tolist()) if v == v}
+            raise ValueError(f"value {float(loaded.reshape(-1)[0])!r} while the fused shards loaded so far hold "
+                             f"{shown}: the shards of a fused projection share one input, so one "
+                             "input_global_scale is expected")
+    return load

@@ -3,10 +3,15 @@
 vtcore's float32 decode is checked bit for bit (rounded to bf16) against compressed-tensors'
 ``decompress`` in tests/test_fp4.py; this builds the dense model from that decode, so greedy
 tokens of the quantized engine can be held to the near-tie rule.
+
+MoE experts are packed per expert (``<experts>.<e>.gate_proj|up_proj|down_proj``) while transformers
+holds them fused in memory (``<experts>.gate_up_proj`` [E, 2I, H], gate rows then up rows, and
+``<experts>.down_proj`` [E, H, I]): ``expert_weight_view`` finds the slice each decode fills.
 """
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -36,10 +41,38 @@ def decoded_weights(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj$")
+
+
+def expert_weight_view(params: dict[str, Any], module: str) -> torch.Tensor | None:
+    """The part of transformers' fused 3-D expert parameters that the per-expert checkpoint module
+    ``module`` (``model.layers.0.mlp.experts.3.up_proj``) holds, as a view (``[I, H]`` or ``[H, I]``);
+    None when ``module`` is not a per-expert name or the model has no fused experts there."""
+    match = _PER_EXPERT.match(module)
+    if match is None:
+        return None
+    experts, e, proj = match[1], int(match[2]), match[3]
+    fused = params.get(f"{experts}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
+    if fused is None or fused.ndim != 3:
+        return None
+    if proj == "down":
+        return fused.data[e]
+    inter = fused.shape[1] // 2
+    return fused.data[e, :inter] if proj == "gate" else fused.data[e, inter:]
+
+
 def dense_oracle(hf_model: torch.nn.Module, quantized_path: str) -> torch.nn.Module:
-    """``hf_model`` (float32) with every packed Linear's weight replaced by its decode (in place)."""
+    """``hf_model`` (float32) with every packed Linear's weight, and every packed expert's slice of
+    the fused expert parameters, replaced by its decode (in place)."""
     decoded = decoded_weights(quantized_path)
     params: dict[str, Any] = dict(hf_model.named_parameters())
     for module, weight in decoded.items():
-        params[module + ".weight"].data.copy_(weight)
+        target = params[module + ".weight"].data if module + ".weight" in params else \
+            expert_weight_view(params, module)
+        if target is None:
+            raise KeyError(f"{quantized_path}: packed {module!r} has no weight in {type(hf_model).__name__} "
+                           "(neither a Linear nor a fused expert)")
+        if tuple(target.shape) != tuple(weight.shape):
+            raise ValueError(f"{module}: decoded weight {tuple(weight.shape)}, model has {tuple(target.shape)}")
+        target.copy_(weight)
     return hf_model

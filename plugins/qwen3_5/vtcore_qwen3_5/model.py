@@ -9,19 +9,24 @@ top-k, renormalised, plus a shared expert scaled by sigmoid(shared_expert_gate).
 Checkpoints: ``*ForCausalLM`` text weights under ``model.``, or ``*ForConditionalGeneration`` ones
 under ``model.language_model.`` beside a vision tower (``model.visual.``, skipped) and, in real
 releases, the multi-token-prediction head (``mtp.``, used only for speculative decoding, skipped).
-Experts load fused 3-D (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj.weight``).
+Experts load fused 3-D (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj.weight``). In
+an FP4 (NVFP4 / MXFP4) compressed-tensors checkpoint the experts arrive per expert as
+``experts.N.{gate,up,down}_proj.weight_packed|weight_scale|weight_global_scale`` and stay packed
+(``Experts.fp4_take_over``).
 """
 from __future__ import annotations
 
 import logging
 import math
 import re
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from vtcore.config import HFConfig
+from vtcore.errors import CheckpointError
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
 from vtcore.layers.embedding import EmbedInto
@@ -31,7 +36,11 @@ from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger("vtcore")
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\."
+                         r"(weight|weight_packed|weight_scale|weight_global_scale)$")
+#: Our expert parameters: ``experts.gate_up_proj`` / ``experts.down_proj`` (dense, 3-D) or, packed,
+#: ``experts.gate_up_weight_packed`` / ``..._weight_scale`` / ``..._weight_global_scale`` (and ``down_...``).
+_EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(gate_up|down)_(proj|weight_packed|weight_scale|weight_global_scale)$")
 _SKIPPED_PREFIXES = {"mtp.": "the multi-token-prediction head (speculative decoding only)",
                      "model.visual.": "the vision tower", "visual.": "the vision tower"}
 
@@ -68,30 +77,119 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Expert weights as 3-D tensors ([E, 2I, H] gate|up and [E, H, I] down), loadable fused or per expert."""
+    """Expert weights as 3-D tensors ([E, 2I, H] gate|up and [E, H, I] down), loadable fused or per expert.
+
+    Under an FP4 quant method (``fp4_take_over``) they are held packed instead, never dense:
+    ``gate_up_weight_packed`` uint8 [E, 2I, H/2], ``gate_up_weight_scale`` [E, 2I, H/g] and, for NVFP4,
+    ``gate_up_weight_global_scale`` float32 [E, 2] (gate, up); ``down_weight_packed`` [E, H, I/2],
+    ``down_weight_scale`` [E, H, I/g], ``down_weight_global_scale`` [E, 1]. Each is filled per expert
+    from the checkpoint's ``experts.{e}.{gate,up,down}_proj.{weight_packed,...}`` tensors.
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.gate_up_proj = self._param((num_experts, 2 * intermediate, hidden),
-                                        [f"{e}.{p}" for e in range(num_experts) for p in ("gate", "up")])
-        self.down_proj = self._param((num_experts, hidden, intermediate), [str(e) for e in range(num_experts)])
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up")
+        self.down_proj = self._param(torch.empty(num_experts, hidden, intermediate), "down")
+        self.quant: Any = None
 
-    def _param(self, shape: tuple[int, ...], shards: list[str]) -> nn.Parameter:
-        param = nn.Parameter(torch.empty(shape), requires_grad=False)
-        param.shards = tuple(shards)
+    def _param(self, data: torch.Tensor, which: str, exact_dtype: bool = False, per_shard: bool = False
+               ) -> nn.Parameter:
+        param = nn.Parameter(data, requires_grad=False)
+        param.shards = tuple(f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")) \
+            if which == "gate_up" else tuple(str(e) for e in range(self.num_experts))
         param.weight_loader = self.weight_loader
+        param.exact_dtype = exact_dtype
+        param.per_shard = per_shard  # a global scale: one entry per shard ([E, 2] gate|up, [E, 1] down)
         return param
 
+    # ------------------------------------------------------------------------------ FP4 packed experts
+    def fp4_take_over(self, method: Any, name: str, is_targeted: Callable[[str], bool]) -> None:
+        """Hold the experts packed in ``method``'s FP4 format if the checkpoint quantized them.
+
+        ``name`` is this module's path (``model.layers.0.mlp.experts``); the checkpoint names its
+        projections ``{name}.{e}.gate_proj`` etc. Quantized experts are all or none: a block the
+        quantization_config ignores by name (as ``vtcore quantize`` lists experts it left dense), or
+        whose every projection is ignored, stays dense; a mix is a CheckpointError.
+        """
+        if _ignored(name, getattr(method, "ignore", [])):
+            return
+        projs = [f"{name}.{e}.{p}_proj" for e in range(self.num_experts) for p in ("gate", "up", "down")]
+        chosen = {n: bool(is_targeted(n)) for n in projs}
+        if not any(chosen.values()):
+            return
+        if not all(chosen.values()):
+            on, off = [n for n, c in chosen.items() if c], [n for n, c in chosen.items() if not c]
+            raise CheckpointError(f"{name}: the quantization_config quantizes {_some(on)} but not {_some(off)}; "
+                                  f"the experts of a layer must be quantized all or none")
+        g = int(method.group_size)
+        for proj, k in (("gate_proj/up_proj", self.hidden), ("down_proj", self.intermediate)):
+            if k % g:
+                raise CheckpointError(f"{name}: expert {proj} in_features={k} is not divisible by the "
+                                      f"{method.format} group size {g}")
+        device = self.gate_up_proj.device
+        n_exp, hid, inter = self.num_experts, self.hidden, self.intermediate
+        self.gate_up_proj = None
+        self.down_proj = None
+        for which, rows, k, n_global in (("gate_up", 2 * inter, hid, 2), ("down", hid, inter, 1)):
+            setattr(self, f"{which}_weight_packed", self._param(
+                torch.empty(n_exp, rows, k // 2, dtype=torch.uint8, device=device), which, exact_dtype=True))
+            setattr(self, f"{which}_weight_scale", self._param(
+                torch.empty(n_exp, rows, k // g, dtype=method.scale_dtype, device=device), which, exact_dtype=True))
+            if method.has_global_scale:
+                setattr(self, f"{which}_weight_global_scale", self._param(
+                    torch.empty(n_exp, n_global, dtype=torch.float32, device=device), which, exact_dtype=True,
+                    per_shard=True))
+        self.quant = method
+
+    def _fp4(self, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        """``x @ W_e.T`` for expert ``e``'s packed ``which`` ("gate_up" or "down") weight."""
+        method = self.quant
+        packed = getattr(self, f"{which}_weight_packed")[e]
+        scale = getattr(self, f"{which}_weight_scale")[e]
+        row_global = None
+        if method.has_global_scale:
+            pair = getattr(self, f"{which}_weight_global_scale")[e]  # [2] (gate, up) or [1] (down)
+            row_global = pair.repeat_interleave(packed.shape[0] // pair.numel())
+        if _fp4_kernel(x):
+            from vtcore.kernels.fp4_gemm import fp4_matmul
+
+            return fp4_matmul(x, packed, scale.view(torch.uint8), method.scale_kind, row_global, method.group_size)
+        from vtcore.quant.fp4 import fp4_linear_reference
+
+        return fp4_linear_reference(x, packed, scale, method.scale_kind, row_global, method.group_size)
+
+    @torch.no_grad()
+    def _fp4_dummy_init(self, gen: torch.Generator) -> None:
+        """Random codes; scales of the checkpoint's dtypes chosen so the weights' rms is about 1/sqrt(in),
+        as ``FP4Method.dummy_init`` does for a Linear."""
+        method = self.quant
+        for which, k in (("gate_up", self.hidden), ("down", self.intermediate)):
+            packed = getattr(self, f"{which}_weight_packed")
+            scale_param = getattr(self, f"{which}_weight_scale")
+            device = packed.device
+            packed.copy_(torch.randint(0, 256, packed.shape, generator=gen, device=device,
+                                       dtype=torch.int32).to(torch.uint8))
+            scale = 1.0 / (2.93 * math.sqrt(k))  # e2m1 codes drawn uniformly have rms 2.93
+            if method.has_global_scale:
+                getattr(self, f"{which}_weight_global_scale").fill_(64.0)  # fp8 scales out of e4m3's subnormals
+                scale_param.copy_(torch.full(scale_param.shape, scale * 64.0, device=device).to(scale_param.dtype))
+            else:
+                scale_param.fill_(round(math.log2(scale)) + 127)
+
+    # ------------------------------------------------------------------------------ loading
     def shard_view(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
-        """Whole 3-D tensors (``shard=None``) or one expert's matrix (``"3.gate"``, ``"3.up"``, ``"3"``)."""
+        """Whole 3-D tensors (``shard=None``) or one expert's matrix (``"3.gate"``, ``"3.up"``, ``"3"``);
+        for a global-scale parameter one expert's entry of the shard ([1])."""
         target = param.data
         if shard is not None:
             expert, _, part = shard.partition(".")
             if not 0 <= int(expert) < self.num_experts:
                 raise ValueError(f"expert index {expert} outside num_experts={self.num_experts}")
             target = target[int(expert)]
-            if part:
+            if part and getattr(param, "per_shard", False):
+                target = target[0:1] if part == "gate" else target[1:2]
+            elif part:
                 target = target[:self.intermediate] if part == "gate" else target[self.intermediate:]
         return target
 
@@ -102,16 +200,38 @@ class Experts(nn.Module):
         target.copy_(loaded)
 
     def dummy_init(self, gen: torch.Generator) -> None:
+        if self.quant is not None:
+            self._fp4_dummy_init(gen)
+            return
         for p in (self.gate_up_proj, self.down_proj):
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device) / math.sqrt(p.shape[-1]))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
+        quant = self.quant is not None
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
-            h = silu_and_mul(F.linear(x[token], self.gate_up_proj[e]))
-            out.index_add_(0, token, F.linear(h, self.down_proj[e]) * weights[token, slot, None])
+            xs = x[token]
+            gate_up = self._fp4(xs, "gate_up", e) if quant else F.linear(xs, self.gate_up_proj[e])
+            h = silu_and_mul(gate_up)
+            down = self._fp4(h, "down", e) if quant else F.linear(h, self.down_proj[e])
+            out.index_add_(0, token, down * weights[token, slot, None])
         return out
+
+
+def _fp4_kernel(x: torch.Tensor) -> bool:
+    """Packed experts run the Triton FP4 kernel on CUDA and the float32 torch reference elsewhere
+    (a test may point this at the kernel under TRITON_INTERPRET on CPU)."""
+    return x.is_cuda
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    """``name`` is listed in a quantization_config ``ignore`` (exactly or by a ``re:`` regex)."""
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
+
+
+def _some(names: list[str], shown: int = 6) -> str:
+    return repr(names) if len(names) <= shown else f"{names[:shown]!r} and {len(names) - shown} more"
 
 
 class SparseMoE(nn.Module):
@@ -208,17 +328,21 @@ class Qwen3_5ForCausalLM(nn.Module):
         name = name.replace("model.language_model.", "model.", 1)
         match = _PER_EXPERT.match(name)
         if match:
-            experts, index, proj = match.groups()
-            return (f"{experts}.down_proj", index) if proj == "down" else (f"{experts}.gate_up_proj", f"{index}.{proj}")
+            experts, index, proj, kind = match.groups()
+            param = "proj" if kind == "weight" else kind  # experts.{gate_up,down}_proj or _weight_packed, ...
+            return (f"{experts}.down_{param}", index) if proj == "down" else \
+                (f"{experts}.gate_up_{param}", f"{index}.{proj}")
         return name
 
     def checkpoint_name_for(self, param: str, shard: str | None) -> str | None:
-        """The per-expert checkpoint name of a missing expert shard (for the loader's error)."""
-        if shard is None or not param.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        """The per-expert checkpoint name of a missing expert shard (for the loader's error), dense
+        (``experts.3.up_proj.weight``) or packed (``experts.3.up_proj.weight_scale``)."""
+        match = _EXPERT_PARAM.match(param)
+        if shard is None or match is None:
             return None
-        experts, _, fused = param.rpartition(".")
+        experts, _, kind = match.groups()
         expert, _, part = shard.partition(".")
-        return f"{experts}.{expert}.{part or 'down'}_proj.weight"
+        return f"{experts}.{expert}.{part or 'down'}_proj.{'weight' if kind == 'proj' else kind}"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

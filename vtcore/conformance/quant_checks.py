@@ -1,0 +1,125 @@
+"""The gate's quant section: every registered quant method against compressed-tensors, its packed-format oracle.
+
+Two checks per method (compressed-tensors format):
+- ``decode``: on random packed tensors (random codes, fp8/e8m0 scales, global scales), the method's
+  float32 decode rounded to bf16 equals compressed-tensors' own ``decompress`` bit for bit;
+- ``tokens``: each family's conformance model, quantized by compressed-tensors (``vtcore quantize``,
+  the format's weight-only preset), greedy-decodes in vtcore like the dense float32 model its
+  tensors decode to (the near-tie rule).
+compressed-tensors is needed only here (never to load or run); without it both checks skip.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+
+from vtcore.conformance import QUANT_CHECKS
+from vtcore.conformance.checks import BLOCK, CheckResult, Failed, Skipped
+from vtcore.family import ModelFamily
+from vtcore.plugins.manager import Plugins
+
+#: compressed-tensors format -> its weight-only preset (what ``vtcore quantize`` writes)
+PRESETS = {"nvfp4-pack-quantized": "NVFP4A16", "mxfp4-pack-quantized": "MXFP4A16"}
+SEED = 0
+
+
+def _random_tensors(fmt: str, group: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    n, k = 48, 8 * group
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    if fmt.startswith("nvfp4"):
+        raw = torch.randint(0, 256, (n, k // group), generator=gen, dtype=torch.int32).to(torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0x38  # no NaN scales: 1.0 instead
+        glob = torch.rand(1, generator=gen) * 1000 + 1
+        return {"weight_packed": packed, "weight_scale": raw.view(torch.float8_e4m3fn), "weight_global_scale": glob}
+    scale = torch.randint(110, 140, (n, k // group), generator=gen, dtype=torch.int32).to(torch.uint8)
+    return {"weight_packed": packed, "weight_scale": scale}
+
+
+class QuantGate:
+    """Runs the quant checks of one registered format against the given families."""
+
+    def __init__(self, plugins: Plugins, fmt: str, families: list[ModelFamily], device: str, workdir: str) -> None:
+        self.plugins, self.fmt, self.families, self.device, self.workdir = plugins, fmt, families, device, workdir
+        self.results: dict[str, CheckResult] = {}
+
+    @property
+    def name(self) -> str:
+        return self.fmt
+
+    def run(self) -> dict[str, CheckResult]:
+        for check in QUANT_CHECKS:
+            try:
+                result = CheckResult(check, "pass", getattr(self, "check_" + check)() or "")
+            except Skipped as exc:
+                result = CheckResult(check, "skip", str(exc))
+            except Failed as exc:
+                result = CheckResult(check, "fail", f"quant method {self.fmt!r}: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                result = CheckResult(check, "fail", f"quant method {self.fmt!r}: {check} raised "
+                                                    f"{type(exc).__name__}: {exc}")
+            self.results[check] = result
+        return self.results
+
+    def _oracle(self) -> Any:
+        try:
+            from compressed_tensors.compressors import BaseCompressor
+            from compressed_tensors.quantization import preset_name_to_scheme
+        except ImportError:
+            raise Skipped("compressed-tensors (the packed-format oracle) is not installed") from None
+        if self.fmt not in PRESETS:
+            raise Skipped(f"no compressed-tensors preset known for format {self.fmt!r}")
+        scheme = preset_name_to_scheme(PRESETS[self.fmt], ["Linear"])
+        return BaseCompressor.get_value_from_registry(self.fmt), scheme
+
+    def check_decode(self) -> str:
+        compressor, scheme = self._oracle()
+        group = int(scheme.weights.group_size)
+        config = {"format": self.fmt, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "float", "group_size": group}}}}
+        method = self.plugins.quant_method(self.fmt)(config)
+        gen = torch.Generator().manual_seed(SEED)
+        for trial in range(4):
+            tensors = _random_tensors(self.fmt, group, gen)
+            ours = method.decode_weight(dict(tensors)).to(torch.bfloat16)
+            theirs = compressor.decompress(dict(tensors), scheme)["weight"].to(torch.bfloat16)
+            if not torch.equal(ours.view(torch.int16), theirs.view(torch.int16)):
+                bad = int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
+                raise Failed(f"decode differs from compressed-tensors' decompress in {bad} of {ours.numel()} "
+                             f"weights (trial {trial}): check the nibble order, scale decoding and op order")
+        return f"4 random {tuple(ours.shape)} tensors bit-exact in bf16"
+
+    def check_tokens(self) -> str:
+        self._oracle()
+        from vtcore.conformance.harness import greedy, run_engine
+        from vtcore.engine.llm import LLM
+        from vtcore.quant.quantize import quantize_checkpoint
+        from vtcore.testing.oracle import hf_model, near_tie_violations, random_prompt, save_checkpoint
+        from vtcore.testing.quant_oracle import dense_oracle
+
+        checked = []
+        for family in self.families:
+            example = self.plugins.pm.hook.vtcore_conformance_example(family=family)
+            if example is None:
+                continue
+            hf = hf_model(example.hf_config, SEED, example.oracle)
+            src = save_checkpoint(hf, os.path.join(self.workdir, f"{family.name}-dense"))
+            dst = os.path.join(self.workdir, f"{family.name}-{PRESETS[self.fmt]}")
+            quantize_checkpoint(src, dst, PRESETS[self.fmt], show_progress=False)
+            oracle = dense_oracle(copy.deepcopy(hf), dst)
+            engine = LLM(dst, device=self.device, dtype="float32", block_size=BLOCK, num_kv_blocks=128,
+                         max_model_len=128, async_scheduling=False).engine
+            vocab = int(example.hf_config["vocab_size"])
+            prompts = [random_prompt(n, SEED + n, vocab) for n in (1, BLOCK + 1, 3 * BLOCK)]
+            tokens, _ = run_engine(engine, {0: [(str(i), p, greedy(12)) for i, p in enumerate(prompts)]})
+            for i, p in enumerate(prompts):
+                bad = near_tie_violations(oracle, p, tokens[str(i)])
+                if bad:
+                    raise Failed(f"family {family.name!r} quantized with {PRESETS[self.fmt]}: greedy token at "
+                                 f"position {bad[0][0]} differs from its decoded dense model beyond a near-tie")
+            checked.append(family.name)
+        if not checked:
+            raise Skipped("no family with a conformance example to quantize")
+        return f"{', '.join(checked)} agree with their decoded dense models"
