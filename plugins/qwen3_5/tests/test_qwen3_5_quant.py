@@ -23,12 +23,12 @@ from typing import Any, Callable
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from vtcore import LLM
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
 from vtcore.errors import CheckpointError
-from vtcore.testing.oracle import hf_model, near_tie_violations, random_prompt, save_checkpoint
+from vtcore.testing.checkpoints import edited_copy
+from vtcore.testing.oracle import near_tie_violations, random_prompt
 from vtcore_qwen3_5.model import Experts
 from vtcore_qwen3_5.plugin import dense_example, moe_example
 
@@ -60,38 +60,9 @@ def experts_of(llm: LLM) -> list[Experts]:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
 
 
-@torch.no_grad()
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Move HF's initial norms (0 or 1) and dt_bias (1), so that loading them matters."""
-    gen = torch.Generator().manual_seed(seed + 1000)
-    for name, p in model.named_parameters():
-        if "norm" in name or name.endswith("dt_bias"):
-            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-
-
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
-    """``store(family, scheme)``: {"hf": the dense HF model, "src", "path": the quantized folder,
-    "tokens": vtcore's greedy tokens on PROMPTS (filled by the first test)}; built once each."""
-    from vtcore.quant.quantize import quantize_checkpoint
-
-    hf: dict[str, tuple[torch.nn.Module, str]] = {}
-    made: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def get(family: str, scheme: str) -> dict[str, Any]:
-        if family not in hf:
-            example = EXAMPLES[family]
-            model = hf_model(example.hf_config, seed=41, oracle=example.oracle)
-            _perturb(model, 41)
-            hf[family] = model, save_checkpoint(model, str(tmp_path_factory.mktemp(f"{family}-src")))
-        if (family, scheme) not in made:
-            model, src = hf[family]
-            dst = str(tmp_path_factory.mktemp(f"{family}-{scheme}"))
-            quantize_checkpoint(src, dst, scheme, show_progress=False)
-            made[family, scheme] = {"hf": model, "src": src, "path": dst, "tokens": None}
-        return made[family, scheme]
-
-    return get
+def store(quantized_store: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    return quantized_store
 
 
 def cases() -> list[Any]:
@@ -242,13 +213,7 @@ def test_experts_through_the_fp4_kernel(store, monkeypatch: pytest.MonkeyPatch, 
     ("MXFP4A16", "model.layers.3.mlp.experts.7.down_proj.weight_scale"),
 ])
 def test_missing_per_expert_packed_tensor(store, tmp_path: Any, scheme: str, deleted: str) -> None:
-    src = store("moe", scheme)["path"]
-    bad = str(tmp_path / "broken")
-    shutil.copytree(src, bad)
-    tensors = load_file(os.path.join(bad, "model.safetensors"))
-    assert deleted in tensors
-    del tensors[deleted]
-    save_file(tensors, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    bad = edited_copy(store("moe", scheme)["path"], str(tmp_path / "broken"), lambda t: t.pop(deleted))
     with pytest.raises(CheckpointError, match=re.escape(f"missing tensor {deleted!r}")) as info:
         _llm(bad)
     assert str(info.value).count("missing tensor") == 1

@@ -12,7 +12,8 @@ releases, the multi-token-prediction head (``mtp.``, used only for speculative d
 Experts load fused 3-D (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj.weight``). In
 an FP4 (NVFP4 / MXFP4) compressed-tensors checkpoint the experts arrive per expert as
 ``experts.N.{gate,up,down}_proj.weight_packed|weight_scale|weight_global_scale`` and stay packed
-(``Experts.fp4_take_over``).
+(``Experts.fp4_take_over``); a W4A4 checkpoint adds, for NVFP4, each projection's static
+``input_global_scale`` (MXFP4's input quantization stores nothing).
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ from vtcore.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger("vtcore")
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\."
-                         r"(weight|weight_packed|weight_scale|weight_global_scale)$")
+                         r"(weight|weight_packed|weight_scale|weight_global_scale|input_global_scale)$")
 #: Our expert parameters: ``experts.gate_up_proj`` / ``experts.down_proj`` (dense, 3-D) or, packed,
 #: ``experts.gate_up_weight_packed`` / ``..._weight_scale`` / ``..._weight_global_scale`` (and ``down_...``).
-_EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(gate_up|down)_(proj|weight_packed|weight_scale|weight_global_scale)$")
+_EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(gate_up|down)_"
+                           r"(proj|weight_packed|weight_scale|weight_global_scale|input_global_scale)$")
 _SKIPPED_PREFIXES = {"mtp.": "the multi-token-prediction head (speculative decoding only)",
                      "model.visual.": "the vision tower", "visual.": "the vision tower"}
 
@@ -84,6 +86,15 @@ class Experts(nn.Module):
     ``gate_up_weight_global_scale`` float32 [E, 2] (gate, up); ``down_weight_packed`` [E, H, I/2],
     ``down_weight_scale`` [E, H, I/g], ``down_weight_global_scale`` [E, 1]. Each is filled per expert
     from the checkpoint's ``experts.{e}.{gate,up,down}_proj.{weight_packed,...}`` tensors.
+
+    W4A4 (the method's ``quantize_inputs``): each expert's input is fake-quantized with
+    ``method.quantize_input`` before its gate_up matmul and again before its down matmul
+    (``fp4_quantizes_inputs``). NVFP4 keeps the static per-expert input global scales as float32
+    ``gate_up_input_global_scale`` [E, 2] (gate, up) and ``down_input_global_scale`` [E, 1], from
+    ``experts.{e}.{gate,up,down}_proj.input_global_scale``. Gate and up see the same input, so they
+    must hold one value (compressed-tensors/llm-compressor calibrate them on the same tensor):
+    differing values are refused at load, naming both tensors; the forward uses the gate's.
+    MXFP4's input quantization is fully dynamic: nothing is stored.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
@@ -92,6 +103,8 @@ class Experts(nn.Module):
         self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up")
         self.down_proj = self._param(torch.empty(num_experts, hidden, intermediate), "down")
         self.quant: Any = None
+        self.fp4_quantizes_inputs = False
+        self.checkpoint_prefix = "experts"  # our checkpoint name, set by fp4_take_over (for load errors)
 
     def _param(self, data: torch.Tensor, which: str, exact_dtype: bool = False, per_shard: bool = False
                ) -> nn.Parameter:
@@ -140,11 +153,41 @@ class Experts(nn.Module):
                 setattr(self, f"{which}_weight_global_scale", self._param(
                     torch.empty(n_exp, n_global, dtype=torch.float32, device=device), which, exact_dtype=True,
                     per_shard=True))
+            if method.quantize_inputs and method.has_global_scale:  # NaN until loaded: see _input_scale_loader
+                param = self._param(torch.full((n_exp, n_global), float("nan"), dtype=torch.float32, device=device),
+                                    which, exact_dtype=True, per_shard=True)
+                param.weight_loader = self._input_scale_loader
+                setattr(self, f"{which}_input_global_scale", param)
+        self.checkpoint_prefix = name
+        self.fp4_quantizes_inputs = bool(method.quantize_inputs)
         self.quant = method
+
+    def _input_scale_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """Load one expert projection's ``input_global_scale``; gate and up of an expert share one input,
+        so a value differing from the other one already loaded is refused (naming both tensors)."""
+        self.weight_loader(param, loaded, shard)
+        if shard is None or param.shape[-1] != 2:
+            return
+        expert = int(shard.partition(".")[0])
+        gate, up = param.data[expert].tolist()
+        if gate == gate and up == up and gate != up:  # both loaded (not NaN) and different
+            names = [f"{self.checkpoint_prefix}.{expert}.{p}_proj.input_global_scale" for p in ("gate", "up")]
+            raise ValueError(f"value {float(loaded.reshape(-1)[0])!r} while {names[0]} = {gate!r} and "
+                             f"{names[1]} = {up!r} differ: gate_proj and up_proj of an expert share one input, "
+                             "so one input_global_scale is expected")
+
+    def _quantize_input(self, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
+        """W4A4: expert ``e``'s input to its ``which`` matmul, fake-quantized (unchanged for A16)."""
+        method = self.quant
+        if not method.quantize_inputs:
+            return x
+        scale = getattr(self, f"{which}_input_global_scale")[e, :1] if method.has_global_scale else None
+        return method.quantize_input(x, scale)  # gate_up: the gate's value (equal to up's, checked at load)
 
     def _fp4(self, x: torch.Tensor, which: str, e: int) -> torch.Tensor:
         """``x @ W_e.T`` for expert ``e``'s packed ``which`` ("gate_up" or "down") weight."""
         method = self.quant
+        x = self._quantize_input(x, which, e)
         packed = getattr(self, f"{which}_weight_packed")[e]
         scale = getattr(self, f"{which}_weight_scale")[e]
         row_global = None
@@ -173,6 +216,8 @@ class Experts(nn.Module):
             scale = 1.0 / (2.93 * math.sqrt(k))  # e2m1 codes drawn uniformly have rms 2.93
             if method.has_global_scale:
                 getattr(self, f"{which}_weight_global_scale").fill_(64.0)  # fp8 scales out of e4m3's subnormals
+                if method.quantize_inputs:  # as calibrated for inputs of |x| <= 8 (as FP4Method.dummy_init)
+                    getattr(self, f"{which}_input_global_scale").fill_(448.0 * 6.0 / 8.0)
                 scale_param.copy_(torch.full(scale_param.shape, scale * 64.0, device=device).to(scale_param.dtype))
             else:
                 scale_param.fill_(round(math.log2(scale)) + 127)
@@ -336,7 +381,8 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def checkpoint_name_for(self, param: str, shard: str | None) -> str | None:
         """The per-expert checkpoint name of a missing expert shard (for the loader's error), dense
-        (``experts.3.up_proj.weight``) or packed (``experts.3.up_proj.weight_scale``)."""
+        (``experts.3.up_proj.weight``) or packed (``experts.3.up_proj.weight_scale``,
+        ``experts.3.up_proj.input_global_scale``)."""
         match = _EXPERT_PARAM.match(param)
         if shard is None or match is None:
             return None
