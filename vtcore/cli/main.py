@@ -100,11 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", required=True, help="the HF architecture it serves, e.g. LlamaForCausalLM")
     p.add_argument("--dir", default=".", help="where to create the package (default: here)")
     p.set_defaults(func=cmd_new_plugin)
+    from vtcore.bench.serving import add_bench_parser
     from vtcore.quant.quantize import add_quantize_parser
     from vtcore.server.serve import add_serve_parser
 
     add_quantize_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
     p = sub.add_parser("generate", help="generate text, streamed to the terminal")
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
