@@ -4,12 +4,16 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
+import os
 
 import pytest
 
-from vtcore.bench.serving import add_bench_parser, parse_concurrency, resolve_lengths
+from vtcore.bench.serving import add_bench_parser, parse_concurrency, resolve_lengths, resolve_offline_lengths
+from vtcore.config import DEFAULT_MODEL
 
 INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS = 16, 8, 4
+COPY_MIB = "16"  # the default 256 MiB copy is the real measurement; small here to keep CPU tests quick
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,10 +27,28 @@ def bench_doc(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     args = _parser().parse_args(["bench", "--device", "cpu", "--concurrency", "1,2", "--input-len", str(INPUT_LEN),
                                  "--output-len", str(OUTPUT_LEN), "--num-prompts", str(NUM_PROMPTS),
-                                 "--json", str(path), "--no-progress"])
+                                 "--peer", "hf", "--copy-mib", COPY_MIB, "--json", str(path), "--no-progress"])
     out = io.StringIO()
     assert args.func(args, out) == 0
     return json.loads(path.read_text()), out.getvalue()
+
+
+def _run(tmp_path, argv: list[str]) -> tuple[dict, str]:
+    path = tmp_path / "bench.json"
+    args = _parser().parse_args(["bench", "--device", "cpu", "--no-progress", "--json", str(path), *argv])
+    out = io.StringIO()
+    assert args.func(args, out) == 0
+    return json.loads(path.read_text()), out.getvalue()
+
+
+def _rows(table: str) -> list[list[str]]:
+    """The per-concurrency rows: after the two header lines, up to the first blank line."""
+    rows = []
+    for line in table.splitlines()[2:]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
 
 
 def test_bench_json_structure(bench_doc):
@@ -42,8 +64,9 @@ def test_bench_json_structure(bench_doc):
         assert isinstance(run["steps"], int) and run["steps"] > 0
         assert run["host_submit_ms_mean"] is not None and run["host_submit_ms_mean"] > 0
     # the table has one row per concurrency
-    rows = [line.split() for line in table.splitlines()[2:] if line.strip() and not line.startswith("wrote")]
+    rows = _rows(table)
     assert [int(r[0]) for r in rows] == [1, 2]
+    assert "roofline: copy bandwidth" in table and "peer hf (transformers" in table
 
 
 def test_bench_per_request_consistency(bench_doc):
@@ -110,3 +133,94 @@ def test_input_len_clamp_and_error():
     assert resolve_lengths(1024, 16, 8) == (16, False)
     with pytest.raises(ValueError, match=r"--input-len=1000 .*--output-len=128.*max_model_len=1024"):
         resolve_lengths(1024, 1000, 128)
+
+
+# ---------------------------------------------------------------------------------------- --peer hf
+def test_peer_hf_measured_and_ratio(bench_doc):
+    doc, _ = bench_doc
+    peer = doc["peer"]
+    assert peer["name"] == "hf" and peer["skipped"] is False and peer["skip_reason"] is None
+    k = min(NUM_PROMPTS, 4)
+    hf = peer["hf"]
+    assert peer["num_prompts"] == hf["num_prompts"] == len(hf["prompts"]) == k
+    assert peer["same_prompts_as_concurrency_1"] is True
+    for p in hf["prompts"]:
+        assert p["prompt_tokens"] == INPUT_LEN and p["output_tokens"] == OUTPUT_LEN
+        assert 0 < p["first_token_s"] < p["total_s"]
+        assert p["tpot_s"] == pytest.approx((p["total_s"] - p["first_token_s"]) / (OUTPUT_LEN - 1))
+    assert peer["hf_tpot_s"] == hf["tpot_s"] > 0
+    assert hf["tpot_s"] == pytest.approx(sum(p["tpot_s"] for p in hf["prompts"]) / k)
+    assert hf["output_tok_s"] == pytest.approx(k * OUTPUT_LEN / sum(p["total_s"] for p in hf["prompts"]))
+    assert hf["decode_tok_s"] == pytest.approx(1 / hf["tpot_s"])
+    c1 = next(r for r in doc["runs"] if r["concurrency"] == 1)
+    vt = sum(r["tpot_s"] for r in c1["requests"][:k]) / k
+    assert peer["vtcore_tpot_s"] == pytest.approx(vt) and vt > 0
+    assert peer["tpot_ratio"] == pytest.approx(peer["vtcore_tpot_s"] / peer["hf_tpot_s"])
+
+
+def test_peer_hf_skipped_for_dummy_weights(tmp_path):
+    doc, table = _run(tmp_path, ["--load-format", "dummy", "--peer", "hf", "--concurrency", "1", "--num-prompts", "1",
+                                 "--input-len", "8", "--output-len", "4", "--copy-mib", COPY_MIB])
+    peer = doc["peer"]
+    assert peer["skipped"] is True and "hf" not in peer and "tpot_ratio" not in peer
+    assert "--load-format dummy" in peer["skip_reason"] and "weights" in peer["skip_reason"]
+    assert "peer hf: skipped: --load-format dummy" in table
+
+
+# ---------------------------------------------------------------------------------------- roofline
+def _independent_bytes() -> tuple[int, int]:
+    """(parameter bytes, KV bytes per token) of the default model in float32, from its files alone."""
+    from safetensors import safe_open
+
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    with safe_open(os.path.join(DEFAULT_MODEL, "model.safetensors"), framework="pt") as f:
+        numel = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    if not cfg.get("tie_word_embeddings"):
+        pytest.skip("the independent count assumes the default model's tied LM head")
+    kv = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    return numel * 4, kv
+
+
+def test_roofline_bytes_and_bandwidth(bench_doc):
+    doc, table = bench_doc
+    assert doc["dtype"] == "float32"
+    param_bytes, kv_per_token = _independent_bytes()
+    rl = doc["roofline"]
+    assert rl["param_bytes"] == param_bytes and rl["kv_bytes_per_token"] == kv_per_token
+    copy = rl["copy"]
+    assert copy["nbytes"] == int(COPY_MIB) * 2**20 and copy["bytes_moved_per_copy"] == 2 * copy["nbytes"]
+    assert len(copy["times_s"]) >= 3 and all(t > 0 for t in copy["times_s"])
+    assert copy["median_s"] == pytest.approx(sorted(copy["times_s"])[len(copy["times_s"]) // 2])
+    bw = rl["copy_bandwidth_bytes_s"]
+    assert bw > 0 and bw == pytest.approx(copy["bytes_moved_per_copy"] / copy["median_s"])
+    for run, row in zip(doc["runs"], _rows(table)):
+        c = run["concurrency"]
+        r = run["roofline"]
+        kv = c * kv_per_token * (INPUT_LEN + OUTPUT_LEN / 2)
+        assert r["param_bytes"] == param_bytes and r["kv_bytes"] == kv and r["bytes"] == param_bytes + kv
+        assert r["roofline_ms"] == pytest.approx(r["bytes"] / bw * 1e3)
+        assert r["tpot_over_roofline"] == pytest.approx(run["tpot_s"]["mean"] / (r["roofline_ms"] / 1e3))
+        assert float(row[-2]) == pytest.approx(r["roofline_ms"], abs=1e-3)
+
+
+# ---------------------------------------------------------------------------------------- --offline
+def test_offline_counts_tokens(tmp_path):
+    doc, table = _run(tmp_path, ["--offline", "--offline-min-len", "4", "--offline-max-len", "12",
+                                 "--num-prompts", "6"])
+    o = doc["offline"]
+    assert doc["mode"] == "offline" and doc["runs"] == []
+    assert o["num_prompts"] == 6 and (o["min_len"], o["max_len"]) == (4, 12) and o["lengths_clamped"] is False
+    assert 6 * 4 <= o["prompt_tokens"] <= 6 * 12 and 6 * 4 <= o["requested_output_tokens"] <= 6 * 12
+    # ignore_eos: every request produced exactly its max_tokens
+    assert o["output_tokens"] == o["requested_output_tokens"] and o["finish_reasons"] == ["length"]
+    assert o["wall_s"] > 0 and o["output_throughput_tok_s"] == pytest.approx(o["output_tokens"] / o["wall_s"])
+    assert f"output tokens {o['output_tokens']}" in table
+
+
+def test_offline_lengths_clamped_and_validated():
+    assert resolve_offline_lengths(4096, 100, 1024) == (100, 1024, False)
+    assert resolve_offline_lengths(1024, 100, 1024) == (100, 512, True)
+    assert resolve_offline_lengths(100, 60, 80) == (50, 50, True)
+    with pytest.raises(ValueError, match="--offline-min-len=9 exceeds --offline-max-len=8"):
+        resolve_offline_lengths(1024, 9, 8)
