@@ -7,6 +7,7 @@ from torch import nn
 from vtcore.config import HFConfig
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
+from vtcore.layers.decoder import FUSED_QKV_GATE_UP
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
@@ -54,10 +55,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     #: checkpoint name part -> (fused parameter, shard); the MLP's projections live under ``mlp.``
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
-    }
+    packed_modules_mapping = FUSED_QKV_GATE_UP
 
     def __init__(self, config: HFConfig, max_position: int) -> None:
         super().__init__()

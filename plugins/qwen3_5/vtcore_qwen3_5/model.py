@@ -30,6 +30,7 @@ from vtcore.config import HFConfig
 from vtcore.errors import CheckpointError
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
+from vtcore.layers.decoder import CausalLM, DecoderStack
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.gated_deltanet import GatedDeltaNet
 from vtcore.layers.linear import Linear
@@ -326,40 +327,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3_5Model(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     def __init__(self, config: HFConfig, max_position: int) -> None:
-        super().__init__()
-        rope = config.rope_parameters
-        rotary_dim = int(config.head_dim * float(rope.get("partial_rotary_factor", 1.0)))
-        rotary = RotaryEmbedding(rotary_dim, max_position, config.rope_theta, rope)
-        self.embed_tokens = EmbedInto(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, t, rotary) for t in config.layer_types)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
-
-
-class Qwen3_5ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
-    }
-
-    def __init__(self, config: HFConfig, max_position: int) -> None:
-        super().__init__()
         if len(config.layer_types) != config.num_hidden_layers:
             raise ValueError(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers="
                              f"{config.num_hidden_layers}")
-        self.model = Qwen3_5Model(config, max_position)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        tied = bool(config.get("tie_word_embeddings", False))
-        if tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.skipped_tensors = ("lm_head.weight",) if tied else ()
+        rope = config.rope_parameters
+        rotary_dim = int(config.head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+        rotary = RotaryEmbedding(rotary_dim, max_position, config.rope_theta, rope)
+        super().__init__(config, DecoderStack(
+            EmbedInto(config.vocab_size, config.hidden_size),
+            [DecoderLayer(config, t, rotary) for t in config.layer_types],
+            RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)))
         self._logged: set[str] = set()
 
     def checkpoint_name(self, name: str) -> str | tuple[str, str] | None:
@@ -389,12 +368,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         experts, _, kind = match.groups()
         expert, _, part = shard.partition(".")
         return f"{experts}.{expert}.{part or 'down'}_proj.{'weight' if kind == 'proj' else kind}"
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

@@ -11,6 +11,7 @@ from torch import nn
 from vtcore.config import HFConfig
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
+from vtcore.layers.decoder import CausalLM, DecoderStack
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
@@ -68,40 +69,10 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class Qwen3Model(nn.Module):
+class Qwen3ForCausalLM(CausalLM):
     def __init__(self, config: HFConfig, max_position: int) -> None:
-        super().__init__()
         rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_parameters)
-        self.embed_tokens = EmbedInto(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
-
-
-class Qwen3ForCausalLM(nn.Module):
-    #: checkpoint projection -> (fused parameter, shard)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
-    }
-
-    def __init__(self, config: HFConfig, max_position: int) -> None:
-        super().__init__()
-        self.model = Qwen3Model(config, max_position)
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        # HF ignores a stored lm_head.weight when the embeddings are tied; so do we.
-        self.skipped_tensors = ("lm_head.weight",) if self.tie_word_embeddings else ()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        super().__init__(config, DecoderStack(
+            EmbedInto(config.vocab_size, config.hidden_size),
+            [Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)],
+            RMSNorm(config.hidden_size, config.rms_norm_eps)))
