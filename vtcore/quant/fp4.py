@@ -45,6 +45,7 @@ __all__ = [
     "decode_e8m0",
     "nvfp4_group_scales",
     "mxfp4_group_scales",
+    "group_scales",
     "dequantize_fp4",
     "fp4_linear_reference",
 ]
@@ -146,7 +147,8 @@ def dequantize_fp4(packed: torch.Tensor, group_scales: torch.Tensor, group_size:
     return w.flatten(-2)
 
 
-def _group_scales(weight_scale, scale_kind, row_global_scale) -> torch.Tensor:
+def group_scales(weight_scale: torch.Tensor, scale_kind: str, row_global_scale: torch.Tensor | None) -> torch.Tensor:
+    """Float32 per-group scales of either format (``"e4m3"`` with an optional global scale, or ``"e8m0"``)."""
     if scale_kind == "e4m3":
         if row_global_scale is None:
             return decode_e4m3(weight_scale)
@@ -172,6 +174,6 @@ def fp4_linear_reference(
     ``x`` is ``[..., K]``; ``scale_kind`` is ``"e4m3"`` (NVFP4, with ``row_global_scale`` ``[N]``
     or a single value) or ``"e8m0"`` (MXFP4, ``row_global_scale=None``).
     """
-    w = dequantize_fp4(packed, _group_scales(weight_scale, scale_kind, row_global_scale), group_size)
+    w = dequantize_fp4(packed, group_scales(weight_scale, scale_kind, row_global_scale), group_size)
     b = None if bias is None else bias.to(torch.float32)
     return F.linear(x.to(torch.float32), w.to(x.device), b).to(x.dtype)

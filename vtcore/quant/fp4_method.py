@@ -180,14 +180,11 @@ class FP4Method(QuantMethod):
         """The float32 dense weight of one Linear's checkpoint tensors (``weight_packed``,
         ``weight_scale`` and, for NVFP4, ``weight_global_scale``): the conformance gate holds this to
         compressed-tensors' own decompress."""
-        from vtcore.quant.fp4 import dequantize_fp4, mxfp4_group_scales, nvfp4_group_scales
+        from vtcore.quant.fp4 import dequantize_fp4, group_scales
 
-        packed, scale = tensors["weight_packed"], tensors["weight_scale"]
-        if self.has_global_scale:
-            scales = nvfp4_group_scales(scale, tensors["weight_global_scale"].float())
-        else:
-            scales = mxfp4_group_scales(scale)
-        return dequantize_fp4(packed, scales, self.group_size)
+        glob = tensors["weight_global_scale"].float() if self.has_global_scale else None
+        scales = group_scales(tensors["weight_scale"], self.scale_kind, glob)
+        return dequantize_fp4(tensors["weight_packed"], scales, self.group_size)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         row_global = layer.weight_global_scale[layer.row_shard] if self.has_global_scale else None
