@@ -2,7 +2,8 @@
 
 On a GPU machine, after `pip install --no-deps --no-build-isolation -e . -e plugins/qwen3_dense`:
     python scripts/gpu_async_check.py --out DIR
-A Qwen3-0.6B-shaped model with dummy bfloat16 weights, greedy, ignore_eos, at batch 1 and 16:
+A Qwen3-0.6B-shaped model with dummy bfloat16 weights, greedy, ignore_eos, at batch 1, 3 (a padded graph
+of 4) and 16, with decode CUDA graphs (``--enforce-eager``: without):
 - sync, async (mirror on) and mirror-off give the same tokens; so do async runs with a
   `torch.cuda._sleep` before every sampler call and with each host staging buffer poisoned (-1)
   at the first moment the engine's guard lets it be reused;
@@ -11,7 +12,7 @@ A Qwen3-0.6B-shaped model with dummy bfloat16 weights, greedy, ignore_eos, at ba
   override withheld (the B arm); the device-assert arms run in subprocesses;
 - no host sync inside `ModelRunner.submit` (torch's sync debug mode set to error there);
 - the median wall time of one engine step in the decode phase for sync, async and mirror-off
-  (eager, no CUDA graphs), timed in a separate pass with the default (fast) kernels, the modes
+  (batch 1 and 16), timed in a separate pass with the default (fast) kernels, the modes
   interleaved over 3 rounds, reported as the median of the rounds' medians.
 
 Deterministic kernels are switched on (`torch.use_deterministic_algorithms`): without them two
@@ -36,22 +37,17 @@ import torch  # noqa: E402
 
 torch.use_deterministic_algorithms(True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-             "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
-             "torch_dtype": "bfloat16"}
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from model_shapes import write_shape  # noqa: E402
+
 MAX_TOKENS = 96
+EAGER = False  # --enforce-eager: no CUDA graphs
 SLEEP = {"VTCORE_DEBUG_SAMPLER_SLEEP": "20000000"}  # ~10 ms of GPU spin before every sampler call
 ENV_KNOBS = ("VTCORE_ASYNC_DEVICE_MIRROR", "VTCORE_DEBUG_STAGING_POISON", "VTCORE_DEBUG_SAMPLER_SLEEP")
 
 
 def checkpoint(tmp: str, arch: str = "Qwen3ForCausalLM") -> str:
-    path = os.path.join(tmp, arch)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**QWEN3_06B, "architectures": [arch]}, f)
-    return path
+    return write_shape(os.path.join(tmp, arch), "qwen3-0.6b", arch)
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -69,7 +65,7 @@ def run(path: str, batch: int, async_scheduling: bool, env: dict[str, str] | Non
         os.environ.pop(k, None)
     os.environ.update(env or {})
     llm = LLM(path, device="cuda", load_format="dummy", async_scheduling=async_scheduling, num_kv_blocks=2048,
-              max_model_len=1024, enforce_eager=True)
+              max_model_len=1024, max_num_seqs=16, enforce_eager=EAGER)
     engine = llm.engine
     if sync_debug:
         submit = engine.runner.submit
@@ -138,18 +134,22 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--timing-only", action="store_true", help="skip the correctness checks")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per mode")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (default: decode graphs on)")
     args = ap.parse_args()
+    global EAGER
+    EAGER = args.enforce_eager
     if args.arm:
         arm(args.arm, args.batch)
         return 0
     from vtcore.errors import DeviceTokenOverrideIgnored
 
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "max_tokens": MAX_TOKENS}
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "max_tokens": MAX_TOKENS,
+                    "cuda_graphs": not EAGER}
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(tmp)
         run(path, 4, False)  # warm-up: allocator, cuBLAS handles, clocks
-        for batch in () if args.timing_only else (1, 16):
+        for batch in () if args.timing_only else (1, 3, 16):
             ref, t_sync, _ = run(path, batch, False)
             rows = {"sync": (True, t_sync)}
             for mode, asyn, env, dbg in (

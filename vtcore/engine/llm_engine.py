@@ -95,14 +95,13 @@ class LLMEngine:
         self.vocab_size = int(hf.vocab_size)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = self._eos_ids()
-        if not config.enforce_eager:
-            log.info("vtcore: CUDA graphs are not implemented yet; running eagerly")
         model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
         self.runner = ModelRunner(model, self.family, self.vocab_size, self.device, self.dtype, config.block_size,
                                   config.num_kv_blocks, config.gpu_memory_utilization, self.max_model_len,
-                                  config.max_num_seqs, self.eos_token_ids, config.seed, self.depth)
+                                  config.max_num_seqs, self.eos_token_ids, config.seed, self.depth,
+                                  config.enforce_eager)
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vtcore.errors import NotSupportedError
+from vtcore.layers.norm import rms_norm
 
 ROPE_TYPES = ("default", "llama3")
 
@@ -55,16 +56,38 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q`` and ``k`` are [tokens, heads, head_dim]; ``positions`` is [tokens]."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` and ``k`` are [tokens, heads, head_dim]; ``positions`` is [tokens]. ``q_norm`` / ``k_norm``
+        (per-head ``RMSNorm``, Qwen3's q/k norm) run first. On CUDA one fused Triton kernel does both,
+        in place in ``q`` and ``k`` (views into the fused qkv projection)."""
+        if q.is_cuda:
+            from vtcore.kernels.rope import qk_norm_rope
+            norm = q_norm or k_norm
+            qk_norm_rope(q, k, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
+                         norm.eps if norm else 0.0, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
+                         zero_centered=bool(norm and norm.zero_centered))
+            return q, k
+        return qk_norm_rope_torch(q, k, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
+                                  q_norm.eps if q_norm else 0.0, self.cos_cache, self.sin_cache, positions,
+                                  self.rotary_dim, bool(q_norm and q_norm.zero_centered))
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        d = self.rotary_dim
-        if d == x.shape[-1]:
-            return x * cos + _rotate_half(x) * sin
-        rot, rest = x[..., :d], x[..., d:]
-        return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+def qk_norm_rope_torch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                       eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
+                       rotary_dim: int, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (when weights are given), then RoPE, in torch (new tensors). The CPU path and
+    the reference of ``vtcore.kernels.rope.qk_norm_rope``."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps, zero_centered), rms_norm(k, k_weight, eps, zero_centered)
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return apply_rotary(q, cos, sin, rotary_dim), apply_rotary(k, cos, sin, rotary_dim)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
+    """HF's rotate-half RoPE on the first ``d`` channels of each head (``cos``/``sin`` in ``x``'s dtype)."""
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :d], x[..., d:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)

@@ -39,6 +39,8 @@ from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_devic
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
+DECODE_GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
+DECODE_GRAPH_MAX = 256  # larger decode batches run eagerly
 
 
 @attrs.define
@@ -72,7 +74,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, family: ModelFamily, vocab_size: int, device: torch.device,
                  dtype: torch.dtype, block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float,
                  max_model_len: int, max_num_seqs: int, eos_token_ids: Sequence[int], seed: int,
-                 depth: int = 1) -> None:
+                 depth: int = 1, enforce_eager: bool = False) -> None:
         self.model, self.family, self.device, self.dtype = model, family, device, dtype
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -86,7 +88,9 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device, eos_token_ids, seed)
         self.scope = get_plugins().pm.hook.vtcore_device_token_scope(family=family, scope=device_token_scope) \
             or device_token_scope
-        self.last_sampled_tokens = torch.full((max_num_seqs,), PLACEHOLDER, dtype=torch.int64, device=device)
+        # one slot per running request, and a dummy slot (the last) that padded decode rows name
+        self.dummy_slot = max_num_seqs
+        self.last_sampled_tokens = torch.full((max_num_seqs + 1,), PLACEHOLDER, dtype=torch.int64, device=device)
         self.cuda = device.type == "cuda"
         self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
         self._staging_owner: list[int | None] = [None] * depth
@@ -97,6 +101,10 @@ class ModelRunner:
         self.withhold_override = False  # test hook: the conformance B arm
         self.debug_poison = os.environ.get("VTCORE_DEBUG_STAGING_POISON", "")  # "guard" | "early" (GPU race tests)
         self.debug_sleep_cycles = int(os.environ.get("VTCORE_DEBUG_SAMPLER_SLEEP", "0"))
+        self.graph_sizes: list[int] = []
+        self.padded_decode_steps = self.graph_replays = 0
+        if not enforce_eager and not self.stateful_layers:
+            self._setup_decode_graphs(max_model_len, max_num_seqs, capture=self.cuda)
 
     # ------------------------------------------------------------------ memory
     def _bytes_per_block(self) -> int:
@@ -121,10 +129,11 @@ class ModelRunner:
             shape = (slots, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.block_size = self.block_size
 
     # ------------------------------------------------------------------ staging
-    def _stage(self, sections: list[list[int]]) -> tuple[int, list[torch.Tensor]]:
-        """Pack int sections into this step's staging buffer and upload it; returns device views."""
+    def _stage(self, sections: list[list[int]]) -> tuple[int, torch.Tensor, list[int]]:
+        """Pack int sections into this step's pinned staging buffer; returns (index, host slice, offsets)."""
         index = self._steps % self.depth
         owner = self._staging_owner[index]
         if owner is not None:
@@ -137,14 +146,17 @@ class ModelRunner:
             self._staging[index] = host
         host[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
         self._staging_owner[index] = self._steps
-        dev = host[:len(flat)].to(self.device, non_blocking=True) if self.cuda else host[:len(flat)]
+        offsets = [0]
+        for s in sections:
+            offsets.append(offsets[-1] + len(s))
+        return index, host[:len(flat)], offsets
+
+    def _upload(self, host: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
+        """Device views of the staged sections (one non-blocking copy on CUDA)."""
+        dev = host.to(self.device, non_blocking=True) if self.cuda else host
         if self.debug_poison == "early":
             host.fill_(PLACEHOLDER)  # control arm: reuse without the guard
-        views, offset = [], 0
-        for s in sections:
-            views.append(dev[offset:offset + len(s)])
-            offset += len(s)
-        return index, views
+        return [dev[a:b] for a, b in zip(offsets, offsets[1:])]
 
     def _retire(self, handle: StepHandle) -> None:
         self._staging_owner[handle.staging_index] = None
@@ -161,6 +173,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ a step
     def submit(self, batch: Batch) -> StepHandle:
         """Prepare ``batch`` on the host and enqueue its device work; returns without waiting for it."""
+        if self.graph_sizes and len(batch) <= self.graph_sizes[-1] and not self.withhold_override \
+                and all(s.num_tokens == 1 and s.samples for s in batch):
+            return self._submit_decode(batch)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -171,15 +186,13 @@ class ModelRunner:
         metas: list[SampleMeta] = []
         plp: list[tuple[Any, int, int, int]] = []  # (request, first row, first position, count)
         max_q = max(s.num_tokens for s in batch)
-        max_blocks = -(-max(s.start + s.num_tokens for s in batch) // bs)
         max_ctx = max(s.start + s.num_tokens for s in batch)
+        max_blocks = -(-max_ctx // bs)
         block_table: list[int] = []
-        query_index: list[int] = []
-        query_pos: list[int] = []
-        query_valid: list[int] = []
-        token_index: list[int] = []
+        context_lens: list[int] = []
+        query_start: list[int] = [0]
         seq_rows: list[tuple[int, int]] = []
-        for b, s in enumerate(batch):
+        for s in batch:
             req, start, n = s.request, s.start, s.num_tokens
             row0 = len(ids)
             known = req.token_ids[start:start + n]
@@ -188,15 +201,13 @@ class ModelRunner:
                 combine_slots.append(req.mirror_slot)
                 known = known + [PLACEHOLDER]
             ids += known
-            pos = list(range(start, start + n))
+            pos = range(start, start + n)
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
             table = req.block_ids[:max_blocks]
             block_table += table + [0] * (max_blocks - len(table))
-            query_index += list(range(row0, row0 + n)) + [0] * (max_q - n)
-            query_pos += pos + [0] * (max_q - n)
-            query_valid += [1] * n + [0] * (max_q - n)
-            token_index += range(b * max_q, b * max_q + n)
+            context_lens.append(start + n)
+            query_start.append(row0 + n)
             seq_rows.append((row0, n))
             if s.samples:
                 sample_rows.append(row0 + n - 1)
@@ -212,25 +223,24 @@ class ModelRunner:
         sample_slots = [m.request.mirror_slot for m in metas]
         state_slots = [s.request.mirror_slot for s in batch]
         has_state = [s.start > 0 for s in batch]
-        index, (d_ids, d_pos, d_slots, d_table, d_qidx, d_qpos, d_qvalid, d_tidx, d_crows, d_cslots, d_srows,
-                d_sslots) = self._stage([ids, positions, slots, block_table, query_index, query_pos, query_valid,
-                                        token_index, combine_rows, combine_slots, sample_rows, sample_slots])
+        index, host, offsets = self._stage([ids, positions, slots, block_table, context_lens, query_start,
+                                            combine_rows, combine_slots, sample_rows, sample_slots])
         sampling = self.sampler.prepare(metas)
         stale = bool(combine_rows)
         step = self._steps
         self._steps += 1
 
         def device_work() -> dict[str, Any]:
+            (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
+             d_sslots) = self._upload(host, offsets)
             input_ids = d_ids
             if stale:
                 input_ids = d_ids.clone()
                 input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
-            tables = d_table.view(len(batch), max_blocks)
-            key_slots = (tables[:, :, None] * bs + torch.arange(bs, device=self.device)).view(len(batch), -1)
             set_attention_metadata(AttentionMetadata(
-                slot_mapping=d_slots, key_slots=key_slots[:, :max_ctx], query_index=d_qidx.view(len(batch), max_q),
-                query_positions=d_qpos.view(len(batch), max_q), query_valid=d_qvalid.view(len(batch), max_q).bool(),
-                token_index=d_tidx, seq_rows=seq_rows, state_slots=state_slots, has_state=has_state))
+                slot_mapping=d_slots, block_tables=d_table.view(len(batch), max_blocks), context_lens=d_ctx,
+                query_start_loc=d_qstart, max_query_len=max_q, max_context_len=max_ctx, seq_rows=seq_rows,
+                state_slots=state_slots, has_state=has_state))
             try:
                 override_ids = input_ids if stale and not self.withhold_override else None
                 with torch.inference_mode(), self.scope(override_ids, stale) as override:
@@ -242,11 +252,7 @@ class ModelRunner:
             with torch.inference_mode():
                 if metas:
                     logits = self.model.compute_logits(hidden[d_srows]).float()
-                    if self.debug_sleep_cycles and self.cuda:
-                        torch.cuda._sleep(self.debug_sleep_cycles)
-                    sampled = self.sampler.sample(logits, sampling, input_ids[d_srows])
-                    self.last_sampled_tokens[d_sslots] = sampled["tokens"]
-                    out.update({k: self._to_host(v) for k, v in sampled.items()})
+                    self._sample(out, logits, sampling, input_ids[d_srows], d_sslots)
                 for req, row0, start, count in plp:
                     logits = self.model.compute_logits(hidden[row0:row0 + count])
                     targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
@@ -254,6 +260,19 @@ class ModelRunner:
                         logits, targets, req.params.prompt_logprobs).items()}
             return out
 
+        return self._enqueue(step, index, device_work)
+
+    def _sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
+                mirror_slots: torch.Tensor) -> None:
+        """Sample, write the tokens into the device mirror, and start their copies to the host."""
+        if self.debug_sleep_cycles and self.cuda:
+            torch.cuda._sleep(self.debug_sleep_cycles)
+        sampled = self.sampler.sample(logits, sampling, fed)
+        self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
+        out.update({k: self._to_host(v) for k, v in sampled.items()})
+
+    def _enqueue(self, step: int, index: int, device_work: Callable[[], dict[str, Any]]) -> StepHandle:
+        """Run ``device_work`` (on the worker thread on CPU at depth > 1) and hand back its handle."""
         if self._worker is not None:
             future: Future = self._worker.submit(device_work)
             return StepHandle(self, step, index, lambda: self._finish(future.result(), None))
@@ -264,11 +283,113 @@ class ModelRunner:
             event.record()
         return StepHandle(self, step, index, lambda: self._finish(out, event))
 
+    # ------------------------------------------------------------------ padded decode (CUDA graphs)
+    def _setup_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool) -> None:
+        """Persistent inputs for pure-decode steps, padded to a batch size of ``graph_sizes``.
+
+        One flat int64 buffer holds, for padded size P, six sections of P rows (ids, positions,
+        KV slots, context lengths, combine slots, mirror slots), then the real rows' block table;
+        a step uploads into it with one copy. The block table is then copied into the persistent
+        ``[P, max_blocks]`` table the kernels read. The combine (-1: the host id is current) runs
+        inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context 1, no
+        combine, the dummy mirror slot; their samples are never written to ``last_sampled_tokens``.
+        """
+        self._padding = [0, 0, -1, 1, -1, self.dummy_slot]
+        largest = min(max_num_seqs, DECODE_GRAPH_MAX)
+        self.graph_sizes = [p for p in DECODE_GRAPH_SIZES if p < largest] + [largest]
+        self.max_table = -(-max_model_len // self.block_size)
+        self._dec_buf = torch.zeros(6 * largest + largest * self.max_table, dtype=torch.int64, device=self.device)
+        self._dec_tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=self.device)
+        self._dec_qstart = torch.arange(largest + 1, dtype=torch.int32, device=self.device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], bool]] = {}
+        if capture:
+            self._capture_graphs(max_model_len)
+
+    def _decode_views(self, p: int) -> list[torch.Tensor]:
+        return [self._dec_buf[i * p:(i + 1) * p] for i in range(6)]
+
+    def _decode_forward(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The padded decode forward of size ``p``: combine, model, logits. Captured on CUDA."""
+        ids, pos, slots, ctx, combine, _ = self._decode_views(p)
+        fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
+        set_attention_metadata(AttentionMetadata(
+            slot_mapping=slots, block_tables=self._dec_tables[:p], context_lens=ctx,
+            query_start_loc=self._dec_qstart[:p + 1], max_query_len=1, max_context_len=max_context_len))
+        try:
+            with self.scope(fed, True) as override:
+                hidden = self.model(ids, pos)
+            consumed = bool(override is not None and override.consumed)
+        finally:
+            set_attention_metadata(None)
+        return fed, self.model.compute_logits(hidden).float(), consumed
+
+    def _capture_graphs(self, max_model_len: int) -> None:
+        pool = None
+        with torch.inference_mode():
+            for p in reversed(self.graph_sizes):  # largest first: the others reuse its memory pool
+                padding = torch.tensor(self._padding, device=self.device)[:, None]
+                self._dec_buf[:6 * p].view(6, p).copy_(padding)  # all rows padded: the capture writes no KV
+                self._decode_forward(p, max_model_len)  # warm-up: compiles kernels, sizes workspaces
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fed, logits, consumed = self._decode_forward(p, max_model_len)
+                pool = graph.pool()
+                self._graphs[p] = (graph, (fed, logits), consumed)
+        torch.cuda.synchronize(self.device)
+
+    def _submit_decode(self, batch: Batch) -> StepHandle:
+        bs, n = self.block_size, len(batch)
+        p = next(size for size in self.graph_sizes if size >= n)
+        pad = p - n
+        cols: list[list[int]] = [[] for _ in range(6)]
+        metas: list[SampleMeta] = []
+        width = max(len(s.request.block_ids) for s in batch)
+        table: list[int] = []
+        stale = False
+        for s in batch:
+            req, pos = s.request, s.start
+            known = pos < len(req.token_ids)
+            stale |= not known
+            for col, v in zip(cols, (req.token_ids[pos] if known else PLACEHOLDER, pos,
+                                     req.block_ids[pos // bs] * bs + pos % bs, pos + 1,
+                                     -1 if known else req.mirror_slot, req.mirror_slot)):
+                col.append(v)
+            table += req.block_ids + [0] * (width - len(req.block_ids))
+            metas.append(SampleMeta(req, req.token_ids[:pos], pos + 1 - req.num_prompt_tokens))
+        for col, v in zip(cols, self._padding):
+            col += [v] * pad
+        index, host, offsets = self._stage(cols + [table])
+        sampling = self.sampler.prepare(metas)
+        step = self._steps
+        self._steps += 1
+        graph = self._graphs.get(p)
+        max_ctx = max(s.start for s in batch) + 1
+        self.padded_decode_steps += 1
+
+        def device_work() -> dict[str, Any]:
+            self._dec_buf[:host.numel()].copy_(host, non_blocking=True)
+            if self.debug_poison == "early":
+                host.fill_(PLACEHOLDER)
+            self._dec_tables[:n, :width].copy_(self._dec_buf[6 * p:6 * p + n * width].view(n, width))
+            with torch.inference_mode():
+                if graph is not None:
+                    graph[0].replay()
+                    (fed, logits), consumed = graph[1], graph[2]
+                    self.graph_replays += 1
+                else:
+                    fed, logits, consumed = self._decode_forward(p, max_ctx)
+                out: dict[str, Any] = {"consumed": consumed, "stale": stale, "plp": {}}
+                self._sample(out, logits[:n], sampling, fed[:n], self._decode_views(p)[5][:n])
+            return out
+
+        return self._enqueue(step, index, device_work)
+
     def _finish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:
         if event is not None:
             event.synchronize()
         self.stale_forwards += out["stale"]
-        if out["consumed"]:
+        if out["consumed"] and out["stale"]:
             self.consuming_forwards += 1
         plp = {}
         for rid, t in out["plp"].items():

@@ -213,9 +213,8 @@ def set_seqs(seqs: list[tuple[int, int, bool]]) -> None:
         row += n
     dummy = torch.zeros(1, 1, dtype=torch.int64)
     set_attention_metadata(AttentionMetadata(
-        slot_mapping=torch.zeros(row, dtype=torch.int64), key_slots=dummy, query_index=dummy,
-        query_positions=dummy, query_valid=torch.ones(1, 1, dtype=torch.bool),
-        token_index=torch.zeros(row, dtype=torch.int64), seq_rows=rows,
+        slot_mapping=torch.zeros(row, dtype=torch.int64), block_tables=dummy, context_lens=dummy[0],
+        query_start_loc=dummy[0], max_query_len=1, max_context_len=1, seq_rows=rows,
         state_slots=[s for _, s, _ in seqs], has_state=[h for _, _, h in seqs]))
 
 

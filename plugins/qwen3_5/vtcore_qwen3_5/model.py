@@ -64,7 +64,7 @@ class GatedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qg, k, v = self.qkv_proj(x).split([2 * self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, gate = qg.view(-1, self.nq, 2 * self.hd).chunk(2, dim=-1)
-        q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k.view(-1, self.nkv, self.hd)))
+        q, k = self.rotary(positions, q, k.view(-1, self.nkv, self.hd), self.q_norm, self.k_norm)
         out = self.attn(q, k, v.view(-1, self.nkv, self.hd))
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
 

@@ -34,9 +34,8 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim),
+                           k.view(-1, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 

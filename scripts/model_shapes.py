@@ -1,0 +1,37 @@
+"""HF configs of real model shapes, for dummy-weight GPU runs (no network on the GPU machine).
+
+    python scripts/model_shapes.py DIR    # writes DIR/<name>/config.json for every shape below
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "head_dim": 128,
+          "num_key_value_heads": 8, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
+          "torch_dtype": "bfloat16"}
+SHAPES = {
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16},
+    "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32},
+}
+
+
+def write_shape(root: str, name: str, architecture: str | None = None) -> str:
+    """Write ``root/name/config.json`` (optionally under another architecture name); returns the folder."""
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    config = dict(SHAPES[name])
+    if architecture:
+        config["architectures"] = [architecture]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+if __name__ == "__main__":
+    for shape in SHAPES:
+        print(write_shape(sys.argv[1], shape))

@@ -1,0 +1,79 @@
+"""The padded decode path (the code CUDA graphs capture) run eagerly on CPU: same tokens as the
+unpadded path, padded rows invisible, async == sync on it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vtcore import SamplingParams
+from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
+from vtcore.worker.model_runner import PLACEHOLDER
+
+KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=400, max_num_seqs=8)
+
+
+def run(eng, arrivals):
+    tokens, _ = run_engine(eng, arrivals)
+    assert eng.pool.num_free == eng.pool.num_blocks
+    return tokens
+
+
+def test_graph_sizes_pad_to_the_next_size(tiny_checkpoint) -> None:
+    eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS)
+    assert eng.runner.graph_sizes == [1, 2, 4, 8]
+    assert build_engine(tiny_checkpoint[0], "sync", **{**KNOBS, "max_num_seqs": 20}).runner.graph_sizes == \
+        [1, 2, 4, 8, 16, 20]
+    assert build_engine(tiny_checkpoint[0], "sync", **KNOBS, enforce_eager=True).runner.graph_sizes == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_padded_decode_equals_the_unpadded_path(tiny_checkpoint, mode) -> None:
+    """Three requests decode as a batch padded to 4: tokens and logprobs equal the plain eager path."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [[5, 9, 2], [7], [3, 3, 8, 1]]
+    outs = {}
+    for eager in (True, False):
+        eng = build_engine(tiny_checkpoint[0], mode, **KNOBS, enforce_eager=eager)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), {"prompt_token_ids": p}, params)
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        outs[eager] = done
+        assert eng.runner.padded_decode_steps == (0 if eager else 11)
+        # the dummy slot is named by every padded row and must never receive a sample
+        assert eager or eng.runner.last_sampled_tokens[eng.runner.dummy_slot].item() == PLACEHOLDER
+    for rid, ref in outs[True].items():
+        got = outs[False][rid]
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs):
+            assert a.keys() == b.keys()
+            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-5) for t in a)
+
+
+@pytest.mark.parametrize("n", [3, 16])
+def test_async_equals_sync_on_the_padded_path(tiny_checkpoint, n) -> None:
+    """Late arrivals and uneven lengths: batches of every size pad, and async stays exact."""
+    arrivals = mixed_arrivals(n, n, vocab_size=512)
+    knobs = {**KNOBS, "max_num_seqs": 16}
+    sync = build_engine(tiny_checkpoint[0], "sync", **knobs)
+    asyn = build_engine(tiny_checkpoint[0], "async", **knobs)
+    assert run(asyn, arrivals) == run(sync, arrivals)
+    assert asyn.runner.padded_decode_steps > 0 and sync.runner.padded_decode_steps > 0
+    assert asyn.runner.consuming_forwards == asyn.runner.stale_forwards > 0
+
+
+def test_abc_triple_on_the_padded_path(tiny_checkpoint) -> None:
+    from vtcore.errors import DeviceTokenOverrideIgnored
+
+    arrivals = {0: [("a", [3, 1, 4], greedy(10)), ("b", [9, 2], greedy(10)), ("c", [6], greedy(10))]}
+    a = run(build_engine(tiny_checkpoint[0], "sync", **KNOBS), arrivals)
+    b = build_engine(tiny_checkpoint[0], "async", **KNOBS)
+    b.runner.withhold_override = True
+    with pytest.raises(DeviceTokenOverrideIgnored):
+        run(b, arrivals)
+    c = build_engine(tiny_checkpoint[0], "async", **KNOBS)
+    assert run(c, arrivals) == a and c.runner.padded_decode_steps > 0

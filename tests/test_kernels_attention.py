@@ -1,0 +1,352 @@
+"""Paged-attention kernels (``vtcore.kernels.paged_attention``) against their torch references, and
+the references against an independent oracle: float64 ``F.scaled_dot_product_attention`` over each
+sequence's contiguous (un-paged) K/V, GQA expanded by hand, causal mask built from positions.
+
+Caches are paged through shuffled block tables whose unused columns hold arbitrary valid ids.
+Unwritten slots hold large finite garbage for the references (it would dominate any output that
+read it) and NaN for the kernels (a kernel that loads one position past a context fails).
+
+On CPU the kernels run in the Triton interpreter (tiny shapes; small splits force multi-split
+decode). The interpreter's ``tl.dot`` is wrong for bfloat16 (it multiplies the raw bits), so
+16-bit kernel coverage here is float16; bfloat16 at real shapes, CUDA graphs and determinism are
+in the CUDA section at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+pytest.importorskip("triton")
+
+from vtcore.kernels.paged_attention import (  # noqa: E402
+    decode_split_size,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    write_kv_cache,
+    write_kv_cache_ref,
+)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@dataclasses.dataclass
+class Paged:
+    """A paged cache holding ``keys[b]``/``values[b]`` [ctx_b, kv_heads, dim] for each sequence."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    k_cache: torch.Tensor  # unwritten slots: finite garbage
+    v_cache: torch.Tensor
+    k_nan: torch.Tensor  # unwritten slots: NaN
+    v_nan: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+def _paged(ctx_lens: list[int], kv_heads: int, dim: int, block_size: int, seed: int, *,
+           dtype: torch.dtype = torch.float32, table_dtype: torch.dtype = torch.int32,
+           device: str = "cpu") -> Paged:
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.randint(0, num_blocks, (len(ctx_lens), max(need) + 2), generator=g)  # extra columns: any valid id
+    slots = num_blocks * block_size
+    k_cache = 100 * torch.randn(slots, kv_heads, dim, generator=g)
+    v_cache = 100 * torch.randn(slots, kv_heads, dim, generator=g)
+    written = torch.zeros(slots, dtype=torch.bool)
+    keys, values, first = [], [], 0
+    for b, (c, n) in enumerate(zip(ctx_lens, need)):
+        tables[b, :n] = perm[first:first + n]
+        first += n
+        pos = torch.arange(c)
+        s = tables[b, pos // block_size] * block_size + pos % block_size
+        keys.append(torch.randn(c, kv_heads, dim, generator=g).to(dtype))
+        values.append(torch.randn(c, kv_heads, dim, generator=g).to(dtype))
+        k_cache[s], v_cache[s], written[s] = keys[-1].float(), values[-1].float(), True
+    nan = torch.tensor(float("nan"))
+    to = dict(device=device, dtype=dtype)
+    return Paged([k.to(device) for k in keys], [v.to(device) for v in values], k_cache.to(**to), v_cache.to(**to),
+                 torch.where(written[:, None, None], k_cache, nan).to(**to),
+                 torch.where(written[:, None, None], v_cache, nan).to(**to),
+                 tables.to(device=device, dtype=table_dtype), torch.tensor(ctx_lens, device=device))
+
+
+def _oracle(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 SDPA of ``q`` [qlen, heads, dim] at the last qlen of ``len(keys)`` positions."""
+    qlen, heads, _ = q.shape
+    ctx, kv_heads, dim = keys.shape
+    if ctx == 0:
+        return torch.zeros(qlen, heads, dim, dtype=torch.float64, device=q.device)
+    rep = heads // kv_heads
+    k = keys.double().repeat_interleave(rep, dim=1).transpose(0, 1)
+    v = values.double().repeat_interleave(rep, dim=1).transpose(0, 1)
+    pos = torch.arange(ctx - qlen, ctx, device=q.device)
+    mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+def _decode_q(seqs: int, heads: int, dim: int, seed: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """[seqs, heads, dim] as a head-major transpose (non-contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, seqs, dim, generator=g).to(device=device, dtype=dtype).transpose(0, 1)
+
+
+def _varlen(qlens: list[int], heads: int, kv_heads: int, dim: int, seed: int, dtype: torch.dtype,
+            device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [tokens, heads, dim] sliced out of a fused qkv row, query_start_loc)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(qlens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(device=device, dtype=dtype)
+    qsl = torch.tensor([0] + qlens, device=device).cumsum(0).to(torch.int32)
+    return qkv[:, :heads * dim].view(tokens, heads, dim), qsl
+
+
+def _prefill_oracle(q: torch.Tensor, qsl: torch.Tensor, pc: Paged, scale: float) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    bounds = qsl.tolist()
+    for b in range(len(bounds) - 1):
+        lo, hi = bounds[b], bounds[b + 1]
+        if hi > lo:
+            out[lo:hi] = _oracle(q[lo:hi], pc.keys[b], pc.values[b], scale)
+    return out
+
+
+# ----------------------------------------------------------------------------- cache write
+
+
+@pytest.mark.parametrize("impl", [write_kv_cache, write_kv_cache_ref], ids=["kernel", "ref"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_honours_strides_and_skips_negative_slots(impl, dtype):
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim, slots = 7, 4, 2, 32, 20
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slot_mapping = torch.tensor([5, -1, 19, 0, -1, 11, 12])  # -1: padded rows; 19 is the last slot
+    # row 0 of each buffer guards the memory just before the cache, where slot -1 would land
+    k_buf = torch.randn(1 + slots, kv_heads, dim, generator=g).to(dtype)
+    v_buf = torch.randn(1 + slots, kv_heads, dim, generator=g).to(dtype)
+    k_want, v_want = k_buf.clone(), v_buf.clone()
+    for t, s in enumerate(slot_mapping.tolist()):
+        if s >= 0:
+            k_want[1 + s], v_want[1 + s] = k[t], v[t]
+    impl(k, v, k_buf[1:], v_buf[1:], slot_mapping)
+    assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want)
+
+
+# ----------------------------------------------------------------------------- references vs oracle
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (4, 1)])
+def test_references_match_oracle(heads, kv_heads):
+    dim, bs, scale = 16, 8, 0.3
+    # decode: contexts on and across block boundaries, a single position and an empty row
+    ctx = [1, 8, 17, 40, 0]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=heads * 10 + kv_heads, table_dtype=torch.int64)
+    q = _decode_q(len(ctx), heads, dim, seed=1, dtype=torch.float32)
+    got = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, 48)
+    want = torch.stack([_oracle(q[b:b + 1], pc.keys[b], pc.values[b], scale)[0] for b in range(len(ctx))])
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert not got[4].any()
+    # prefill: full prompt, chunk over cached context, decode row, empty sequence, block-aligned prompt
+    qlens, ctx = [13, 6, 1, 0, 16], [13, 30, 21, 5, 16]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=7)
+    q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=2, dtype=torch.float32)
+    got = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, qsl, pc.context_lens, scale, bs,
+                                      max(qlens), max(ctx))
+    torch.testing.assert_close(got.double(), _prefill_oracle(q, qsl, pc, scale), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- decode kernel
+
+
+@pytest.mark.parametrize("heads,kv_heads,bs,split,table_dtype", [
+    (2, 2, 8, 16, torch.int32),       # MHA, 5 splits of 16 (2 blocks each)
+    (4, 2, 16, 32, torch.int64),      # GQA 2, splits of 2 blocks, int64 tables
+    (4, 1, 16, None, torch.int32),    # GQA 4, one split: the single-kernel path
+])
+def test_decode_kernel_matches_reference(heads, kv_heads, bs, split, table_dtype):
+    dim, scale = 32, 0.2
+    ctx = [1, 16, 33, 79, 0, 48]  # within a block, on block/split boundaries, past them, empty
+    pc = _paged(ctx, kv_heads, dim, bs, seed=heads + bs, table_dtype=table_dtype)
+    q = _decode_q(len(ctx), heads, dim, seed=3, dtype=torch.float32)
+    max_ctx = 80  # grid sized beyond the batch's longest context, as in a captured graph
+    out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, scale, bs, max_ctx,
+                                 split_size=split)
+    ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, max_ctx)
+    assert out.shape == (len(ctx), heads, dim) and out.dtype == q.dtype
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not out[4].any()
+
+
+def test_decode_kernel_float16_and_out_argument():
+    heads, kv_heads, dim, bs, scale = 4, 2, 32, 8, 32 ** -0.5
+    ctx = [70, 9, 0]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=5, dtype=torch.float16)
+    q = _decode_q(len(ctx), heads, dim, seed=4, dtype=torch.float16)
+    buf = torch.full((len(ctx), heads * dim + 8), 7.0, dtype=torch.float16)
+    out = buf[:, :heads * dim].view(len(ctx), heads, dim)
+    got = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, scale, bs, 70, out,
+                                 split_size=32)
+    assert got is out and (buf[:, heads * dim:] == 7).all()
+    ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, 70)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_all_empty_and_split_size_heuristic():
+    pc = _paged([0, 0], 2, 16, 8, seed=6)
+    q = _decode_q(2, 2, 16, seed=6, dtype=torch.float32)
+    for split in (16, None):  # reduce over no splits; single kernel over no positions
+        out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40,
+                                     split_size=split)
+        assert torch.equal(out, torch.zeros_like(out))
+    assert decode_split_size(1, 8, 32768) == 256  # batch 1, long context: 128 splits x 8 kv heads
+    assert decode_split_size(1, 8, 100) == 256  # short context: one split, the single kernel
+    assert decode_split_size(16, 8, 1000) == 256  # 4 splits
+    assert decode_split_size(256, 8, 32768) == 32768  # a big batch needs no splits
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, split_size=24)
+
+
+# ----------------------------------------------------------------------------- prefill kernel
+
+
+@pytest.mark.parametrize("heads,kv_heads,bs,table_dtype", [
+    (2, 2, 8, torch.int64), (4, 2, 16, torch.int32), (4, 1, 8, torch.int32),
+])
+def test_prefill_kernel_matches_reference(heads, kv_heads, bs, table_dtype):
+    dim, scale = 32, 0.2
+    # a full prompt over 3 query blocks; chunks over context cached by earlier chunks, whose query
+    # blocks start at positions 30, 46, 62 and 15, 31 (one or two short of a key-tile boundary:
+    # where the unmasked key range ends); a decode row; a sequence with no queries
+    qlens, ctx = [37, 48, 1, 0, 17], [37, 78, 45, 9, 32]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=heads * 3 + bs, table_dtype=table_dtype)
+    q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=8, dtype=torch.float32)
+    args = (qsl, pc.context_lens, scale, bs, max(qlens), max(ctx))
+    out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, block_m=16, block_n=16)
+    ref = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, *args)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_float16_default_blocks_and_out_argument():
+    heads, kv_heads, dim, bs, scale = 4, 2, 32, 16, 32 ** -0.5
+    qlens, ctx = [18, 5], [18, 40]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=9, dtype=torch.float16)
+    q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=10, dtype=torch.float16)
+    out = torch.empty(sum(qlens), heads * dim, dtype=torch.float16).view(-1, heads, dim)
+    args = (qsl, pc.context_lens, scale, bs, max(qlens), max(ctx))
+    got = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, out=out)
+    assert got is out
+    torch.testing.assert_close(out, paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, *args),
+                               atol=2e-3, rtol=2e-3)
+
+
+# ----------------------------------------------------------------------------- CUDA, real shapes
+
+
+BF16 = dict(atol=1e-2, rtol=1e-2)  # bf16 output rounding (2^-8 relative) plus P rounded to bf16 before P @ V
+
+
+def _check_decode(device: str, dtype: torch.dtype, heads: int, kv_heads: int, ctx: list[int], max_ctx: int,
+                  tol: dict, **kw) -> torch.Tensor:
+    dim, bs, scale = 128, 16, 128 ** -0.5
+    pc = _paged(ctx, kv_heads, dim, bs, seed=len(ctx) + heads, dtype=dtype, device=device)
+    q = _decode_q(len(ctx), heads, dim, seed=11, dtype=dtype, device=device)
+    out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, scale, bs, max_ctx, **kw)
+    ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, max_ctx)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    want = torch.stack([_oracle(q[b:b + 1], pc.keys[b], pc.values[b], scale)[0] for b in range(len(ctx))])
+    torch.testing.assert_close(out.double(), want, **tol)
+    return out
+
+
+def _check_prefill(device: str, dtype: torch.dtype, heads: int, kv_heads: int, qlens: list[int], ctx: list[int],
+                   tol: dict) -> None:
+    dim, bs, scale = 128, 16, 128 ** -0.5
+    pc = _paged(ctx, kv_heads, dim, bs, seed=sum(qlens), dtype=dtype, device=device)
+    q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=12, dtype=dtype, device=device)
+    args = (qsl, pc.context_lens, scale, bs, max(qlens), max(ctx))
+    out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args)
+    torch.testing.assert_close(out.float(), paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables,
+                                                                       *args).float(), **tol)
+    torch.testing.assert_close(out.double(), _prefill_oracle(q, qsl, pc, scale), **tol)
+
+
+@cuda
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
+def test_cuda_decode_bf16_real_shapes(heads, kv_heads):
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, [5000], 5000, BF16)  # batch 1: 20 splits of 256
+    ctx = [1000 + 137 * i for i in range(15)] + [0]
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 32768, BF16)  # batch 16, grid sized for 32k
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 3000, BF16, split_size=4096)  # single kernel
+
+
+@cuda
+@pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
+def test_cuda_prefill_bf16_real_shapes(heads, kv_heads):
+    _check_prefill("cuda", torch.bfloat16, heads, kv_heads, [1500], [1500], BF16)  # batch 1 prompt
+    qlens = [300, 1, 512, 77, 1, 1000] + [1] * 10  # prompts, chunks over cached context, decode rows
+    ctx = [300, 1200, 2048, 1077, 999, 1000] + [1000 + 50 * i for i in range(10)]
+    _check_prefill("cuda", torch.bfloat16, heads, kv_heads, qlens, ctx, BF16)
+
+
+@cuda
+def test_cuda_write_kv_cache_bf16():
+    g = torch.Generator().manual_seed(13)
+    tokens, heads, kv_heads, dim, slots = 300, 16, 8, 128, 4096
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to("cuda", torch.bfloat16)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens].cuda()
+    slot_mapping[::7] = -1
+    caches = [torch.randn(slots, kv_heads, dim, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
+    write_kv_cache(k, v, caches[0], caches[1], slot_mapping)
+    write_kv_cache_ref(k, v, caches[2], caches[3], slot_mapping)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@cuda
+def test_cuda_decode_graph_replay_is_deterministic():
+    """Captured once with the grid sized for 32k, replayed with new lengths and tables in place."""
+    heads, kv_heads, dim, bs, seqs, max_ctx = 16, 8, 128, 16, 4, 32768
+    scale = dim ** -0.5
+    first = _paged([3000, 17, 1, 0], kv_heads, dim, bs, seed=14, dtype=torch.bfloat16, device="cuda")
+    second = _paged([40, 2900, 0, 1000], kv_heads, dim, bs, seed=15, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.zeros(max(first.k_cache.shape[0], second.k_cache.shape[0]), kv_heads, dim,
+                          dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    q = _decode_q(seqs, heads, dim, seed=16, dtype=torch.bfloat16, device="cuda")
+    tables = torch.zeros(seqs, max_ctx // bs, dtype=torch.int32, device="cuda")
+    lens = torch.zeros(seqs, dtype=torch.int64, device="cuda")
+    out = torch.empty(seqs, heads, dim, dtype=torch.bfloat16, device="cuda")
+
+    def load(pc: Paged) -> None:
+        k_cache[:pc.k_cache.shape[0]].copy_(pc.k_cache)
+        v_cache[:pc.v_cache.shape[0]].copy_(pc.v_cache)
+        tables.zero_()
+        tables[:, :pc.block_tables.shape[1]].copy_(pc.block_tables)
+        lens.copy_(pc.context_lens)
+
+    load(first)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm-up compiles outside the capture
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, max_ctx, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, max_ctx, out)
+    for pc in (first, second, first):
+        load(pc)
+        graph.replay()
+        ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs,
+                                         max_ctx)
+        torch.testing.assert_close(out.float(), ref.float(), **BF16)
+        again = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, bs, max_ctx)
+        assert torch.equal(out, again)  # eager and replayed, bit for bit

@@ -1,0 +1,467 @@
+"""Paged attention: KV-cache writes, decode (split-KV) and varlen causal prefill, in Triton.
+
+The cache of a layer is ``k_cache``/``v_cache`` ``[num_slots, kv_heads, head_dim]``; position
+``p`` of sequence ``b`` lives in slot ``block_tables[b, p // block_size] * block_size +
+p % block_size``. Query head ``h`` reads kv head ``h // (heads // kv_heads)`` (GQA).
+
+Every launch is sized from host ints only (shapes, ``max_query_len``, ``max_context_len``), never
+from tensor values, so the wrappers neither sync nor break CUDA-graph capture; lengths are read on
+the device and programs with nothing to do return at once. Accumulation is float32 with a fixed
+order (no atomics), so results are deterministic. Softmax runs in base 2 with ``scale * log2(e)``
+folded into the scores.
+
+The ``*_ref`` functions are the plain torch versions (float32 softmax through
+``F.scaled_dot_product_attention``, vectorised over sequences by padding to the host-int maxima):
+the oracle of the kernels and the CPU path of the engine. Only ``write_kv_cache_ref`` syncs on
+CUDA (boolean masking).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.nn import functional as F
+
+__all__ = [
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_split_size",
+    "write_kv_cache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
+]
+
+_LOG2E = 1.4426950408889634
+_MIN_SPLIT = 256  # smallest decode split (positions) the heuristic picks
+_TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
+_REDUCE_CHUNK = 16  # splits the reduce kernel combines per step
+
+
+# ----------------------------------------------------------------------------- cache write
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cs, stride_ch, stride_cd,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """``k_cache[slot_mapping[t]] = k[t]`` (same for v) for every token ``t`` whose slot is >= 0.
+
+    ``k``/``v`` [tokens, kv_heads, head_dim], any strides (views into a fused qkv output are fine);
+    ``slot_mapping`` [tokens] int64; a negative slot (a padded row of a graph batch) is skipped.
+    The caches must share one layout.
+    """
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    _write_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# ----------------------------------------------------------------------------- shared tile step
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, k_ptr, v_ptr, bt_row_ptr, kv_head_off, start, key_end, q_pos, scale_log2,
+    stride_cs, stride_cd, offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step of rows ``q`` [R, D] over key positions ``start + offs_n``.
+
+    ``BOUNDED``: positions >= ``key_end`` are masked (and not loaded); ``CAUSAL``: so are those
+    above the row's position ``q_pos`` [R] (read only then). Callers guarantee every row sees at least one key in
+    its first tile, so the running max is finite and no ``-inf - -inf`` arises.
+    """
+    pos = start + offs_n
+    if BOUNDED:
+        n_mask = pos < key_end
+        block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    kv = kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
+    k = tl.load(k_ptr + kv, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if BOUNDED:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
+    scale_log2, split_size,
+    stride_qs, stride_qh, stride_qd,
+    stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    stride_os, stride_oh, stride_od,
+    stride_ps, stride_ph, stride_pk,
+    stride_ms, stride_mh, stride_mk,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (split, kv head, seq): the GROUP query heads of a kv head over one split.
+
+    ``SPLIT_OUT``: writes the unnormalised partial (acc, max, sum) of the split to scratch, and
+    returns at once when the split starts past the context. Otherwise (one split covers every
+    context) writes the normalised output; a context of 0 gives zeros.
+    """
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    start = split * split_size
+    if SPLIT_OUT:
+        if start >= ctx:
+            return
+    end = tl.minimum(start + split_size, ctx)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for s0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, s0, end, offs_g, scale_log2,
+            stride_cs, stride_cd, offs_n, offs_d, d_mask,
+            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+        )
+    if SPLIT_OUT:
+        rows = b * stride_ps + heads * stride_ph + split * stride_pk
+        tl.store(part_ptr + rows[:, None] + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+        ml = b * stride_ms + heads * stride_mh + split * stride_mk
+        tl.store(ml_ptr + ml, m_i, mask=g_mask)
+        tl.store(ml_ptr + ml + 1, l_i, mask=g_mask)
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    lens_ptr, part_ptr, ml_ptr, out_ptr, split_size,
+    stride_ps, stride_ph, stride_pk,
+    stride_ms, stride_mh, stride_mk,
+    stride_os, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Program (head, seq): ``out = sum_s w_s acc_s / sum_s w_s l_s``, ``w_s = 2^(m_s - max m)``.
+
+    Only the splits that hold context are read, in index order; no context gives zeros.
+    """
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.cdiv(tl.load(lens_ptr + b), split_size)
+    offs_k = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    ml = ml_ptr + b * stride_ms + h * stride_mh
+    part = part_ptr + b * stride_ps + h * stride_ph
+    m_run = tl.full((CHUNK,), float("-inf"), dtype=tl.float32)
+    for k0 in range(0, n, CHUNK):
+        m_run = tl.maximum(m_run, tl.load(ml + (k0 + offs_k) * stride_mk, mask=k0 + offs_k < n, other=float("-inf")))
+    m_max = tl.max(m_run, 0)
+    l_run = tl.zeros((CHUNK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k0 in range(0, n, CHUNK):
+        k_mask = k0 + offs_k < n
+        m = tl.load(ml + (k0 + offs_k) * stride_mk, mask=k_mask, other=float("-inf"))
+        w = tl.where(k_mask, tl.exp2(m - m_max), 0.0)
+        l_run += w * tl.load(ml + (k0 + offs_k) * stride_mk + 1, mask=k_mask, other=0.0)
+        a = tl.load(part + (k0 + offs_k)[:, None] * stride_pk + offs_d[None, :],
+                    mask=k_mask[:, None] & d_mask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * a, 0)
+    l_sum = tl.sum(l_run, 0)
+    o = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(out_ptr + b * stride_os + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_split_size(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
+    """The decode split (positions per program), a power of two >= ``_MIN_SPLIT``.
+
+    As many splits as bring ``seqs * kv_heads * splits`` up to ``_TARGET_PROGRAMS``, none shorter
+    than ``_MIN_SPLIT``: batch 1 at 32k context gets 128 splits of 256, while a large batch (or a
+    graph captured at ``max_model_len``) gets one split per sequence, so a 32k-sized grid does not
+    launch 100k programs that only return.
+    """
+    splits = max(1, min(triton.cdiv(max_context_len, _MIN_SPLIT),
+                        triton.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))))
+    return max(_MIN_SPLIT, triton.next_power_of_2(triton.cdiv(max_context_len, splits)))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 (the default) is moot for 16-bit inputs
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, block_size: int, max_context_len: int,
+    out: torch.Tensor | None = None, *, split_size: int | None = None, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """One query per sequence over its first ``context_lens[b]`` cached positions (flash-decoding).
+
+    ``q`` [seqs, heads, head_dim] (any strides); ``block_tables`` [seqs, max_blocks] int32/int64;
+    ``context_lens`` [seqs] int32/int64, each <= ``max_context_len`` (a host int that sizes the
+    grid: eager, the batch maximum; in a CUDA graph, ``max_model_len``). Returns ``out`` (allocated
+    in q's dtype when None) [seqs, heads, head_dim]; a context of 0 gives zeros.
+
+    Programs are (split, kv head, seq), each covering all heads of the GQA group, so K/V are read
+    once per kv head. With ``splits = cdiv(max_context_len, split_size) > 1``, partial results go
+    to float32 scratch ``[seqs, heads, splits, head_dim]`` and ``[seqs, heads, splits, 2]``
+    (allocated per call, sized by host ints only) and a reduce kernel over (head, seq) combines
+    them; with one split the first kernel writes ``out`` directly. ``split_size`` (a power of two
+    >= 16) defaults to :func:`decode_split_size`.
+    """
+    seqs, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if out is None:
+        out = torch.empty((seqs, heads, head_dim), dtype=q.dtype, device=q.device)
+    if seqs == 0:
+        return out
+    if split_size is not None and (split_size < 16 or split_size & (split_size - 1)):
+        raise ValueError(f"split_size={split_size} must be a power of two >= 16")
+    split = split_size or decode_split_size(seqs, kv_heads, max_context_len)
+    num_splits = max(1, triton.cdiv(max_context_len, split))
+    group = heads // kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                  BLOCK_N=min(64, split), BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+                  num_stages=num_stages)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2))
+    grid = (num_splits, kv_heads, seqs)
+    if num_splits == 1:
+        _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, out, out,
+                             scale * _LOG2E, split, *strides, 0, 0, 0, 0, 0, 0, SPLIT_OUT=False, **common)
+        return out
+    part = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    ml = torch.empty((seqs, heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
+    _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
+                         scale * _LOG2E, split, *strides, *pml_strides, SPLIT_OUT=True, **common)
+    _decode_reduce_kernel[(heads, seqs)](context_lens, part, ml, out, split, *pml_strides,
+                                         out.stride(0), out.stride(1), out.stride(2),
+                                         HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK=_REDUCE_CHUNK, num_warps=num_warps)
+    return out
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (query block, head, seq): BLOCK_M queries of one head, causal over the paged context.
+
+    Keys below the block's first query position (rounded down to BLOCK_N) are visible to every row
+    and run unmasked; the tiles up to the last row's position run with the causal mask.
+    """
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    qlen = tl.load(qsl_ptr + b + 1) - q_start
+    m0 = pid_m * BLOCK_M
+    if m0 >= qlen:
+        return
+    ctx = tl.load(lens_ptr + b)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_mask = (offs_m < qlen)[:, None] & d_mask[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_mask, other=0.0)
+    q_pos = ctx - qlen + offs_m
+    first_pos = ctx - qlen + m0
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(ctx, first_pos + BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    kv_head_off = (h // GROUP) * stride_ch
+    for s0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, s0, ctx, q_pos, scale_log2,
+            stride_cs, stride_cd, offs_n, offs_d, d_mask,
+            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+        )
+    for s0 in range(full_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, s0, ctx, q_pos, scale_log2,
+            stride_cs, stride_cd, offs_n, offs_d, d_mask,
+            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
+        )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
+    max_query_len: int, max_context_len: int, out: torch.Tensor | None = None, *,
+    block_m: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal varlen attention of new query rows over the paged cache (chunked prefill included).
+
+    ``q`` [tokens, heads, head_dim] (any strides): sequence ``b`` owns rows
+    ``query_start_loc[b]:query_start_loc[b + 1]`` ([seqs + 1], int32/int64), the last ``qlen`` of
+    its ``context_lens[b]`` positions, all already in the cache; query ``i`` sees positions
+    ``<= context_lens[b] - qlen + i``. ``max_query_len`` (host int) sizes the grid and
+    ``max_context_len`` is only needed by the reference (the kernel reads lengths on the device).
+    Returns ``out`` [tokens, heads, head_dim] in q's dtype; rows past ``query_start_loc[-1]`` are
+    left unwritten. ``block_m`` defaults to ``clamp(next_pow2(max_query_len), 16, 64)``;
+    ``block_m``/``block_n`` must be powers of two >= 16.
+    """
+    tokens, heads, head_dim = q.shape
+    seqs = query_start_loc.shape[0] - 1
+    if out is None:
+        out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0 or seqs == 0 or max_query_len == 0:
+        return out
+    bm = block_m or min(64, max(16, triton.next_power_of_2(max_query_len)))
+    _prefill_kernel[(triton.cdiv(max_query_len, bm), heads, seqs)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- torch references
+
+
+def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """:func:`write_kv_cache` in torch. Negative slots are dropped explicitly: indexing with -1
+    would write the last slot."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache[slots] = k[keep].to(k_cache.dtype)
+    v_cache[slots] = v[keep].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """The first ``n`` positions of every sequence, float32 [seqs, kv_heads, n, head_dim] (past a
+    sequence's table, the last block's slots stand in: callers mask them)."""
+    pos = torch.arange(n, device=cache.device)
+    cols = (pos // block_size).clamp_max(block_tables.shape[1] - 1)
+    slots = block_tables[:, cols].long() * block_size + pos % block_size
+    return cache[slots].float().transpose(1, 2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 SDPA; rows that see nothing attend to key 0 instead of turning NaN (callers zero
+    them)."""
+    allowed = allowed | (torch.arange(k.shape[2], device=k.device) == 0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, block_size: int, max_context_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` in torch: gather every sequence's first ``max_context_len``
+    positions, mask those at or past its context length."""
+    n = max(1, max_context_len)
+    k = _gather_context(k_cache, block_tables, block_size, n)
+    v = _gather_context(v_cache, block_tables, block_size, n)
+    lens = context_lens.long()
+    allowed = torch.arange(n, device=q.device) < lens[:, None]  # [seqs, n]
+    o = _sdpa(q.float().unsqueeze(2), k, v, allowed[:, None, None, :], scale).squeeze(2)
+    o = torch.where((lens > 0)[:, None, None], o, 0.0).to(q.dtype)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
+    max_query_len: int, max_context_len: int, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_prefill_attention` in torch, over a padded [seqs, max_query_len] query layout;
+    each token is then gathered back by index (no boolean masking: no sync). Rows past
+    ``query_start_loc[-1]`` come out zero."""
+    tokens = q.shape[0]
+    if tokens == 0:
+        return out if out is not None else torch.empty_like(q)
+    qsl, lens = query_start_loc.long(), context_lens.long()
+    qlens = qsl[1:] - qsl[:-1]
+    i = torch.arange(max(1, max_query_len), device=q.device)
+    rows = (qsl[:-1, None] + i).clamp(0, max(0, tokens - 1))  # [seqs, max_q]
+    q_pos = lens[:, None] - qlens[:, None] + i
+    n = max(1, max_context_len)
+    key_pos = torch.arange(n, device=q.device)
+    allowed = (key_pos <= q_pos[:, :, None]) & (key_pos < lens[:, None, None])  # [seqs, max_q, n]
+    k = _gather_context(k_cache, block_tables, block_size, n)
+    v = _gather_context(v_cache, block_tables, block_size, n)
+    o = _sdpa(q[rows].float().transpose(1, 2), k, v, allowed[:, None], scale).transpose(1, 2)  # [seqs, max_q, heads, d]
+    t = torch.arange(tokens, device=q.device)
+    seq = (torch.searchsorted(qsl, t, right=True) - 1).clamp(0, qlens.shape[0] - 1)
+    idx = (t - qsl[seq]).clamp(0, i.shape[0] - 1)
+    o = torch.where((t < qsl[-1])[:, None, None], o[seq, idx], 0.0).to(q.dtype)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
