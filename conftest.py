@@ -7,3 +7,5 @@ import shutil
 
 if os.environ.get("TRITON_INTERPRET") is None and shutil.which("nvidia-smi") is None:
     os.environ["TRITON_INTERPRET"] = "1"
+# Deterministic cuBLAS (must be set before CUDA starts): the GPU tests compare engines token for token.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -19,57 +19,62 @@ import torch
 from vtcore import LLM, SamplingParams
 from vtcore.testing.oracle import hf_model, near_tie_violations, save_checkpoint
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_shapes import write_shape  # noqa: E402
+
 TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 512, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "initializer_range": 0.1}
-QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-             "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
-             "torch_dtype": "bfloat16"}
-
 
 def oracle_check(tmp: str) -> list[str]:
     failures = []
     model = hf_model(TINY)
     path = save_checkpoint(model, os.path.join(tmp, "tiny"))
     prompts = [[1], list(range(3, 10)), list(range(20, 60)), list(range(100, 117))]
-    for dtype in ("float32", "bfloat16"):
-        llm = LLM(path, device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64)
+    for dtype, eager in (("float32", True), ("float32", False), ("bfloat16", False)):
+        llm = LLM(path, device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64, enforce_eager=eager)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         for p, o in zip(prompts, outs):
             toks = o.outputs[0].token_ids
             bad = near_tie_violations(model, p, toks) if dtype == "float32" else []
-            print(f"oracle cuda {dtype} prompt_len={len(p)} tokens={len(toks)} violations={len(bad)}"
+            print(f"oracle cuda {dtype} {'eager' if eager else 'graphs'} prompt_len={len(p)} tokens={len(toks)} violations={len(bad)}"
                   + (f" first={bad[0]}" if bad else ""))
             if bad or len(toks) != 24:
-                failures.append(f"{dtype} prompt_len={len(p)}")
+                failures.append(f"{dtype} eager={eager} prompt_len={len(p)}")
+        if not eager and llm.engine.runner.graph_replays == 0:
+            failures.append(f"{dtype}: no CUDA graph was replayed")
     return failures
 
 
 def dummy_06b(tmp: str) -> dict:
-    path = os.path.join(tmp, "q06b")
-    os.makedirs(path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(QWEN3_06B, f)
-    t0 = time.perf_counter()
-    llm = LLM(path, device="cuda", load_format="dummy", max_model_len=2048, enforce_eager=True)
-    build = time.perf_counter() - t0
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    a = llm.generate({"prompt_token_ids": list(range(1000, 1100))}, params)[0].outputs[0].token_ids
-    b = llm.generate({"prompt_token_ids": list(range(5000, 5100))}, params)[0].outputs[0].token_ids
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate({"prompt_token_ids": list(range(1000, 1100))}, SamplingParams(temperature=0, max_tokens=129,
-                                                                                ignore_eos=True))
-    torch.cuda.synchronize()
-    total = time.perf_counter() - t0
-    res = {"build_s": round(build, 2), "distinct_tokens_a": len(set(a)), "outputs_differ": a != b,
-           "eager_ms_per_token_incl_prefill": round(total / 129 * 1e3, 2),
-           "kv_blocks": llm.engine.runner.num_kv_blocks}
-    print("dummy qwen3-0.6B shape bf16:", res)
+    """Build time, token sanity and a smoke reading of ms per token, eager and with decode graphs."""
+    path = write_shape(tmp, "qwen3-0.6b")
+    res = {}
+    for eager in (True, False):
+        t0 = time.perf_counter()
+        llm = LLM(path, device="cuda", load_format="dummy", max_model_len=2048, max_num_seqs=16,
+                  enforce_eager=eager)
+        build = time.perf_counter() - t0
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        a = llm.generate({"prompt_token_ids": list(range(1000, 1100))}, params)[0].outputs[0].token_ids
+        b = llm.generate({"prompt_token_ids": list(range(5000, 5100))}, params)[0].outputs[0].token_ids
+        times = {}
+        for n in (2, 129):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate({"prompt_token_ids": list(range(1000, 1100))},
+                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t0
+        res["eager" if eager else "graphs"] = {
+            "build_s": round(build, 2), "distinct_tokens_a": len(set(a)), "outputs_differ": a != b,
+            "ms_per_decode_token": round((times[129] - times[2]) / 127 * 1e3, 3),
+            "graph_replays": llm.engine.runner.graph_replays, "kv_blocks": llm.engine.runner.num_kv_blocks}
+        print(f"dummy qwen3-0.6B shape bf16 {'eager' if eager else 'graphs'}:", res["eager" if eager else "graphs"])
+        del llm
+        torch.cuda.empty_cache()
     return res
 
 

@@ -69,6 +69,38 @@ def test_bench_json_structure(bench_doc):
     assert "roofline: copy bandwidth" in table and "peer hf (transformers" in table
 
 
+# ---------------------------------------------------------------------------------------- engine knobs
+def test_engine_knobs_defaults_recorded(bench_doc):
+    doc, table = bench_doc
+    # read back from the engine: max_num_seqs defaults to the largest concurrency; on CPU the runner still
+    # pads decode batches to its graph sizes (captured only on CUDA); the Qwen3 family runs async at depth 2
+    assert (doc["enforce_eager"], doc["async_scheduling"], doc["max_num_seqs"]) == (False, "auto", 2)
+    assert doc["decode_graph_sizes"] == [1, 2] and doc["async_depth"] == 2
+    assert "enforce_eager=False async_scheduling=auto (depth 2) max_num_seqs=2 decode_graph_sizes=1,2" in \
+        table.splitlines()[0]
+
+
+def test_engine_knobs_reach_engine(tmp_path):
+    doc, table = _run(tmp_path, ["--enforce-eager", "--async-scheduling", "off", "--max-num-seqs", "3",
+                                 "--concurrency", "1", "--num-prompts", "1", "--input-len", "8", "--output-len", "4",
+                                 "--peer", "hf", "--copy-mib", COPY_MIB])
+    assert (doc["enforce_eager"], doc["async_scheduling"], doc["max_num_seqs"]) == (True, "off", 3)
+    assert doc["decode_graph_sizes"] == [] and doc["async_depth"] == 1  # eager: no padded graph sizes; sync
+    assert "enforce_eager=True async_scheduling=off (depth 1) max_num_seqs=3 decode_graph_sizes=none" in \
+        table.splitlines()[0]
+    # largest concurrency 1: the batch-1 peer runs, the batched one has nothing to batch
+    b = doc["peer"]["batched"]
+    assert doc["peer"]["skipped"] is False and b["skipped"] is True and b["concurrency"] == 1
+    assert "largest concurrency is 1" in b["skip_reason"] and "peer hf batched: skipped" in table
+
+
+@pytest.mark.parametrize("argv", [["--async-scheduling", "maybe"], ["--max-num-seqs", "0"]])
+def test_bad_engine_knobs_rejected(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["bench", *argv])
+    assert exc.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
 def test_bench_per_request_consistency(bench_doc):
     doc, _ = bench_doc
     for run in doc["runs"]:
@@ -156,15 +188,82 @@ def test_peer_hf_measured_and_ratio(bench_doc):
     vt = sum(r["tpot_s"] for r in c1["requests"][:k]) / k
     assert peer["vtcore_tpot_s"] == pytest.approx(vt) and vt > 0
     assert peer["tpot_ratio"] == pytest.approx(peer["vtcore_tpot_s"] / peer["hf_tpot_s"])
+    assert hf["weights"] == "checkpoint"
 
 
-def test_peer_hf_skipped_for_dummy_weights(tmp_path):
-    doc, table = _run(tmp_path, ["--load-format", "dummy", "--peer", "hf", "--concurrency", "1", "--num-prompts", "1",
-                                 "--input-len", "8", "--output-len", "4", "--copy-mib", COPY_MIB])
+def _check_batched(doc: dict, table: str, c: int, input_len: int, output_len: int) -> None:
+    """HF's batched generate at the largest concurrency c: its arithmetic and the ratio to vtcore's run at c."""
+    b = doc["peer"]["batched"]
+    run = next(r for r in doc["runs"] if r["concurrency"] == c)
+    assert b["skipped"] is False and b["concurrency"] == b["batch_size"] == b["num_prompts"] == c
+    assert b["prompt_tokens"] == c * input_len and b["left_padded"] is False
+    assert b["output_tokens"] == c * output_len and b["time_s"] > 0
+    assert b["output_tok_s"] == pytest.approx(c * output_len / b["time_s"])
+    assert b["vtcore_output_tok_s"] == run["output_throughput_tok_s"]
+    assert b["throughput_ratio"] == pytest.approx(run["output_throughput_tok_s"] / b["output_tok_s"])
+    assert f"vtcore/HF output throughput {b['throughput_ratio']:.2f}x" in table
+
+
+def test_peer_hf_batched_at_largest_concurrency(bench_doc):
+    doc, table = bench_doc
+    _check_batched(doc, table, 2, INPUT_LEN, OUTPUT_LEN)
+
+
+def test_peer_hf_dummy_weights_random_init(tmp_path):
+    """A folder with only config.json (as on the GPU runs): HF cannot load a checkpoint from it, so the peer
+    running at all shows HF's model was built from the config with random weights."""
+    folder = tmp_path / "shape_only"
+    folder.mkdir()
+    (folder / "config.json").write_text(open(os.path.join(DEFAULT_MODEL, "config.json")).read())
+    doc, table = _run(tmp_path, ["--model", str(folder), "--load-format", "dummy", "--peer", "hf",
+                                 "--concurrency", "1,3", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+                                 "--copy-mib", COPY_MIB])
     peer = doc["peer"]
-    assert peer["skipped"] is True and "hf" not in peer and "tpot_ratio" not in peer
-    assert "--load-format dummy" in peer["skip_reason"] and "weights" in peer["skip_reason"]
-    assert "peer hf: skipped: --load-format dummy" in table
+    assert peer["skipped"] is False and peer["skip_reason"] is None
+    assert peer["hf"]["weights"] == "random (from config), same shape as vtcore's dummy weights"
+    assert peer["num_prompts"] == 3 and all(p["output_tokens"] == 4 for p in peer["hf"]["prompts"])
+    assert "random (from config)" in table
+    _check_batched(doc, table, 3, 8, 4)
+
+
+def test_peer_hf_skipped_for_one_output_token():
+    from vtcore.bench.peer import skip_reason
+
+    assert skip_reason(2) is None and "--output-len=1" in skip_reason(1)
+
+
+class _StubModel:
+    """Stands in for HF's model: records what generate got, sleeps, appends ``new`` tokens per row."""
+
+    def __init__(self, new=None, sleep_s=0.02):
+        self.calls, self.new, self.sleep_s = [], new, sleep_s
+
+    def generate(self, ids, attention_mask, do_sample, max_new_tokens, min_new_tokens, pad_token_id):
+        import time
+
+        import torch
+
+        self.calls.append((ids.tolist(), attention_mask.tolist(), max_new_tokens, min_new_tokens, do_sample))
+        time.sleep(self.sleep_s)
+        n = max_new_tokens if self.new is None else self.new
+        return torch.cat([ids, torch.zeros(ids.shape[0], n, dtype=ids.dtype)], dim=1)
+
+
+def test_run_batched_left_pads_times_and_divides():
+    import torch
+
+    from vtcore.bench.peer import run_batched
+
+    stub = _StubModel()
+    b = run_batched(stub, torch.device("cpu"), [[5, 6, 7], [8], [9, 10]], 6, pad_token_id=1, vtcore_output_tok_s=50.0)
+    ids, mask = [[5, 6, 7], [1, 1, 8], [1, 9, 10]], [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    # one untimed warm-up of 2 tokens on the same batch, then the timed generate forced to exactly 6 greedy tokens
+    assert stub.calls == [(ids, mask, 2, 2, False), (ids, mask, 6, 6, False)]
+    assert b["left_padded"] is True and b["batch_size"] == 3 and b["prompt_tokens"] == 6 and b["output_tokens"] == 18
+    assert 0.02 <= b["time_s"] < 1.0 and b["output_tok_s"] == pytest.approx(18 / b["time_s"])
+    assert b["throughput_ratio"] == pytest.approx(50.0 / b["output_tok_s"])
+    with pytest.raises(RuntimeError, match="produced 5 tokens per row, expected 6"):
+        run_batched(_StubModel(new=5, sleep_s=0), torch.device("cpu"), [[1, 2]], 6, None)
 
 
 # ---------------------------------------------------------------------------------------- roofline
@@ -207,8 +306,12 @@ def test_roofline_bytes_and_bandwidth(bench_doc):
 # ---------------------------------------------------------------------------------------- --offline
 def test_offline_counts_tokens(tmp_path):
     doc, table = _run(tmp_path, ["--offline", "--offline-min-len", "4", "--offline-max-len", "12",
-                                 "--num-prompts", "6"])
+                                 "--num-prompts", "6", "--enforce-eager", "--async-scheduling", "off"])
     o = doc["offline"]
+    # the knobs reach LLM(...): eager (no padded graph sizes), sync, and max_num_seqs's offline default
+    assert (doc["enforce_eager"], doc["decode_graph_sizes"], doc["async_depth"], doc["max_num_seqs"]) == \
+        (True, [], 1, 256)
+    assert "enforce_eager=True async_scheduling=off (depth 1) max_num_seqs=256" in table
     assert doc["mode"] == "offline" and doc["runs"] == []
     assert o["num_prompts"] == 6 and (o["min_len"], o["max_len"]) == (4, 12) and o["lengths_clamped"] is False
     assert 6 * 4 <= o["prompt_tokens"] <= 6 * 12 and 6 * 4 <= o["requested_output_tokens"] <= 6 * 12
@@ -224,3 +327,155 @@ def test_offline_lengths_clamped_and_validated():
     assert resolve_offline_lengths(100, 60, 80) == (50, 50, True)
     with pytest.raises(ValueError, match="--offline-min-len=9 exceeds --offline-max-len=8"):
         resolve_offline_lengths(1024, 9, 8)
+
+
+# ---------------------------------------------------------------------------------------- per decode step
+def test_decode_step_host_time_split(bench_doc):
+    doc, table = bench_doc
+    for run, row in zip(doc["runs"], _rows(table)):
+        dec, other = run["step_host_s"]["decode"], run["step_host_s"]["other"]
+        # every submit is either a pure decode step or not, and steps counts the submits
+        assert run["decode_steps"] == dec["count"] and dec["count"] + other["count"] == run["steps"]
+        assert 0 < dec["median"] <= dec["p90"] <= dec["p99"] and other["count"] > 0
+        mean = (dec["mean"] * dec["count"] + other["mean"] * other["count"]) / run["steps"]
+        assert mean * 1e3 == pytest.approx(run["host_submit_ms_mean"])
+        assert row[-6] == f"{dec['median'] * 1e3:.2f}/{dec['p90'] * 1e3:.2f}"
+    # concurrency 1 never mixes requests: one prefill step and OUTPUT_LEN - 1 decode steps per request
+    c1 = doc["runs"][0]
+    assert c1["decode_steps"] == NUM_PROMPTS * (OUTPUT_LEN - 1) and c1["step_host_s"]["other"]["count"] == NUM_PROMPTS
+
+
+def test_decode_step_device_stats_absent_on_cpu(bench_doc):
+    doc, table = bench_doc
+    for run, row in zip(doc["runs"], _rows(table)):
+        d = run["decode_device"]
+        assert d["reason"] == "no CUDA device" and d["profiled"] is False and d["steps"] == 0
+        assert d["device_ms_per_step"] is None and d["kernels_per_step"] is None and d["wall_ms_per_step"] is None
+        assert row[-5:-3] == ["-", "-"]
+        assert f"decode step c={run['concurrency']}: host" in table
+    assert "device time and kernels not measured (no CUDA device)" in table
+
+
+def _rec(kind: str, dur: float, name: str = "k") -> tuple[str, str, float]:
+    return (name, kind, dur)
+
+
+def test_aggregate_device_counts_kernels_per_step():
+    from vtcore.bench.step_stats import aggregate_device
+
+    records = [_rec("kernel", 10.0), _rec("kernel", 30.0), _rec("kernel", 20.0), _rec("kernel", 4.0),
+               _rec("gpu_memcpy", 100.0, "Memcpy HtoD (Pinned -> Device)"), _rec("gpu_memcpy", 60.0),
+               _rec("gpu_memset", 7.0, "Memset (Device)"), _rec("cpu_op", 500.0, "aten::mm"),
+               _rec("cuda_runtime", 9.0, "cudaLaunchKernel"), _rec("gpu_user_annotation", 300.0)]
+    a = aggregate_device(records, 4, 0.010)
+    assert a["steps"] == 4 and a["reason"] is None
+    assert a["kernels_per_step"] == 1.0  # 4 kernels / 4 steps: memcpy, memset, runtime and CPU ops are not kernels
+    assert a["device_ms_per_step"] == pytest.approx(64.0 / 4 / 1e3)
+    assert a["memcpy_per_step"] == 0.5 and a["memcpy_ms_per_step"] == pytest.approx(160.0 / 4 / 1e3)
+    assert a["memset_per_step"] == 0.25
+    assert a["wall_ms_per_step"] == pytest.approx(2.5)
+
+
+def test_aggregate_device_no_kernels_or_steps_is_none_with_reason():
+    from vtcore.bench.step_stats import aggregate_device
+
+    a = aggregate_device([_rec("gpu_memcpy", 5.0), _rec("cpu_op", 50.0)], 3, 0.003)
+    assert a["kernels_per_step"] is None and a["device_ms_per_step"] is None  # never 0 kernels
+    assert "no kernel events in 3 decode steps" in a["reason"] and "CUDA graph" in a["reason"]
+    assert a["memcpy_per_step"] == pytest.approx(1 / 3) and a["wall_ms_per_step"] == pytest.approx(1.0)
+    z = aggregate_device([_rec("kernel", 5.0)], 0, None)
+    assert z["kernels_per_step"] is None and z["wall_ms_per_step"] is None and z["reason"]
+
+
+def test_records_from_kineto_kinds():
+    from types import SimpleNamespace
+
+    from vtcore.bench.step_stats import records_from_kineto
+
+    def ev(name, device, activity=None, ns=2000):
+        e = SimpleNamespace(name=lambda: name, device_type=lambda: SimpleNamespace(name=device),
+                            duration_ns=lambda: ns)
+        if activity is not None:
+            e.activity_type = lambda: activity
+        return e
+
+    # activity_type wins; without it (older torch) the device type and kineto's copy/fill names decide
+    events = [ev("gemm", "CUDA", "kernel"), ev("Memcpy DtoH", "CUDA", "gpu_memcpy"), ev("aten::mm", "CPU", "cpu_op"),
+              ev("ann", "CUDA", "gpu_user_annotation"), ev("gemm", "CUDA"), ev("Memcpy HtoD", "CUDA"),
+              ev("Memset (Device)", "CUDA"), ev("aten::add", "CPU")]
+    assert records_from_kineto(events) == [
+        ("gemm", "kernel", 2.0), ("Memcpy DtoH", "gpu_memcpy", 2.0), ("aten::mm", "cpu_op", 2.0),
+        ("ann", "gpu_user_annotation", 2.0), ("gemm", "kernel", 2.0), ("Memcpy HtoD", "gpu_memcpy", 2.0),
+        ("Memset (Device)", "gpu_memset", 2.0), ("aten::add", "cpu_op", 2.0)]
+
+
+class _FakeBackend:
+    name = "fake"
+
+    def __init__(self, *_a):
+        self.calls = []
+
+    def sync(self):
+        self.calls.append("sync")
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+        return [("k", "kernel", 1.0)] * 6
+
+
+def test_decode_window_skips_opens_and_closes():
+    from types import SimpleNamespace
+
+    from vtcore.bench.step_stats import DecodeWindow, is_decode
+
+    def batch(*ns):
+        return [SimpleNamespace(num_tokens=n) for n in ns]
+
+    assert is_decode(batch(1, 1)) and not is_decode(batch(1, 5)) and not is_decode([])
+
+    def drive(w, batches):
+        for b in batches:
+            w.before(b, is_decode(b))
+            w.after()
+
+    # a prefill and a partial decode batch do not count; 2 full decode steps skipped, then 3 profiled
+    w = DecodeWindow(skip=2, steps=3, batch_size=2, backend=_FakeBackend())
+    drive(w, [batch(8, 8), batch(1), batch(1, 1), batch(1, 1), batch(1, 1), batch(1, 1), batch(1, 1), batch(1, 1)])
+    assert (w.state, w.closed_by, w.steps, w.seqs) == ("closed", "full", 3, 6)
+    assert w.backend.calls == ["sync", "start", "sync", "stop"] and len(w.records) == 6 and w.wall_s >= 0
+    # a non-decode step closes the window early, before its own submit is counted
+    w = DecodeWindow(skip=0, steps=10, batch_size=1, backend=_FakeBackend())
+    drive(w, [batch(1), batch(1), batch(4), batch(1)])
+    assert (w.state, w.closed_by, w.steps) == ("closed", "non-decode step", 2)
+    w = DecodeWindow(skip=0, steps=10, batch_size=2, backend=_FakeBackend())
+    drive(w, [batch(1, 1), batch(1)])
+    assert (w.closed_by, w.steps) == ("batch shrank to 1", 1)
+
+
+def test_probe_decode_runs_profiler_on_engine_thread():
+    """The real probe through AsyncLLM on CPU with a CPU-only torch.profiler: the window is opened and
+    closed on the engine thread, sees CPU ops but no kernels, and so reports kernels as None."""
+    import asyncio
+    import random
+
+    from vtcore.bench.step_stats import TorchProfiler, probe_decode
+    from vtcore.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(device="cpu", max_model_len=64)
+    try:
+        def cpu_only(device):
+            return TorchProfiler(device, ("cpu",))
+
+        full = asyncio.run(probe_decode(engine, 2, 8, 16, random.Random(0), skip=1, steps=3, backend_factory=cpu_only))
+        # too few decode steps to fill the window: the closing prefill ends it with what it saw
+        short = asyncio.run(probe_decode(engine, 1, 8, 4, random.Random(1), skip=0, steps=50, backend_factory=cpu_only))
+    finally:
+        engine.shutdown()
+    assert full["profiled"] and full["steps"] == 3 and full["closed_by"] == "full" and full["mean_batch_size"] == 2
+    assert full["profiler"] == "torch.profiler CPU" and full["wall_ms_per_step"] > 0
+    assert full["kernels_per_step"] is None and "no kernel events in 3 decode steps" in full["reason"]
+    assert short["profiled"] and short["closed_by"] == "non-decode step" and short["steps"] == 4 - 1
+    assert short["max_tokens"] == 4

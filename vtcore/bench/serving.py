@@ -13,22 +13,36 @@ requests (default ``4*c``, at least ``c``) have completed. Every statistic comes
 ``steps`` is the number of engine steps (prefill, mixed and decode) taken during a concurrency's run;
 ``host_submit_ms_mean`` is the mean wall time the engine thread spent in ``ModelRunner.submit`` per step
 (preparing the batch on the host and enqueueing its device work; waiting for results is not included).
+Per decode step (see :mod:`vtcore.bench.step_stats`): ``step_host_s`` splits those submit times into pure
+decode steps (every sequence computes one token; ``decode_steps`` of them) and the others;
+``decode_device`` holds the device ms, kernels, memcpys and wall ms per decode step that ``torch.profiler``
+saw over a short window of a separate probe run after the measured one (CUDA only; None with
+``reason`` ``"no CUDA device"`` on CPU).
 
 Also measured in the same run:
 
 * ``roofline`` (always): the device copy bandwidth, measured before the engine is built, and per
   concurrency the bytes one decode step must move (parameters + KV read) with ``roofline_ms`` and
   ``TPOT / roofline``; see :mod:`vtcore.bench.roofline`.
-* ``peer`` (``--peer hf``): HF transformers' ``generate`` at batch 1 on the first ``min(num_prompts, 4)``
-  prompts of the concurrency-1 run, after the engine is shut down; its TPOT, tokens/s and
-  ``tpot_ratio = vtcore_tpot_s / hf_tpot_s``, where ``vtcore_tpot_s`` is the mean TPOT of vtcore's
-  concurrency-1 requests on those same prompts; see :mod:`vtcore.bench.peer`.
+* ``peer`` (``--peer hf``): HF transformers' ``generate`` (from the checkpoint, or with
+  ``--load-format dummy`` random weights of the same shapes) after the engine is shut down: at batch 1
+  on the first ``min(num_prompts, 4)`` prompts of the concurrency-1 run, its TPOT, tokens/s and
+  ``tpot_ratio = vtcore_tpot_s / hf_tpot_s`` (``vtcore_tpot_s``: the mean TPOT of vtcore's
+  concurrency-1 requests on those same prompts); and ``batched``: one ``generate`` of the first ``C``
+  prompts of the largest concurrency ``C``'s run as one batch, its output tokens/s and
+  ``throughput_ratio`` = vtcore's output throughput at ``C`` / HF's; see :mod:`vtcore.bench.peer`.
 * ``--offline`` replaces the serving sweep with nano-vllm's benchmark shape: ``--num-prompts``
   (default 256) requests with input and output lengths drawn uniformly (seeded) from
   ``--offline-min-len..--offline-max-len`` (default 100..1024; the upper bound clamped to
   ``max_model_len // 2`` so every request fits), submitted at once through ``LLM.generate``
   (greedy, ``ignore_eos``); total time is the ``generate`` call's wall time, output tokens are
   counted from the returned outputs.
+
+Engine knobs passed through (recorded in the JSON header and the printed header line, with the
+resulting ``async_depth`` and ``decode_graph_sizes``, the runner's padded decode batch sizes, one CUDA
+graph each on CUDA, ``[]`` when eager): ``--enforce-eager``, ``--async-scheduling`` (``auto``: the
+family's default) and ``--max-num-seqs`` (default: the largest concurrency of the grid, since the engine
+captures one graph per padded size up to it at start-up; ``--offline``: 256).
 """
 from __future__ import annotations
 
@@ -40,15 +54,17 @@ import random
 import time
 from typing import Any, Sequence, TextIO
 
-from vtcore.bench.peer import PEER_CHOICES
+from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
+from vtcore.bench.step_stats import NO_CUDA, StepTimer, probe_decode, unavailable
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 128
 DEFAULT_OFFLINE_PROMPTS = 256
 DEFAULT_OFFLINE_MIN_LEN, DEFAULT_OFFLINE_MAX_LEN = 100, 1024
-PEER_PROMPTS = 4
+DEFAULT_OFFLINE_MAX_NUM_SEQS = 256
+ASYNC_SCHEDULING = {"auto": None, "on": True, "off": False}
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -89,6 +105,12 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json")
     p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", default="auto", choices=list(ASYNC_SCHEDULING),
+                   help="auto: the model family's default (on when it consumes device token ids)")
+    p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=None,
+                   help="sequences per step, and the largest CUDA-graph batch (default: the largest "
+                        f"--concurrency; --offline: {DEFAULT_OFFLINE_MAX_NUM_SEQS})")
     p.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency(DEFAULT_CONCURRENCY),
                    help=f"requests kept in flight, comma-separated (default: {DEFAULT_CONCURRENCY})")
     p.add_argument("--input-len", type=_positive_int("--input-len"), default=None,
@@ -98,8 +120,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="requests completed per concurrency (default: 4*c; at least c)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", default=None, choices=list(PEER_CHOICES),
-                   help="hf: also time HF transformers' generate at batch 1 on the same prompts (needs "
-                        "concurrency 1 for the TPOT ratio; skipped with --load-format dummy)")
+                   help="hf: also time HF transformers' generate on the same prompts, at batch 1 (needs "
+                        "concurrency 1 for the TPOT ratio) and batched at the largest concurrency; with "
+                        "--load-format dummy HF gets random weights of the same shapes")
     p.add_argument("--copy-mib", type=_positive_int("--copy-mib"), default=DEFAULT_COPY_MIB,
                    help=f"size of the tensor copied to measure device bandwidth (default: {DEFAULT_COPY_MIB})")
     p.add_argument("--offline", action="store_true",
@@ -172,34 +195,9 @@ async def _one_request(engine: Any, rid: str, prompt_ids: list[int], params: Any
             "ttft_s": ttft, "tpot_s": tpot, "itl_s": itl, "arrival_token_counts": counts}
 
 
-class _SubmitTimer:
-    """Times ``ModelRunner.submit`` on the engine thread (perf_counter), restored on exit."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.total = 0.0
-        self.calls = 0
-
-    def __enter__(self) -> "_SubmitTimer":
-        orig = self.runner.submit
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                self.total += time.perf_counter() - t0
-                self.calls += 1
-
-        self.runner.submit = timed
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.runner.submit  # drop the instance attribute: the class method shows through again
-
-
 async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int, output_len: int,
-                           vocab_size: int, rng: random.Random, progress: bool) -> dict[str, Any]:
+                           vocab_size: int, rng: random.Random, progress: bool,
+                           probe_rng: random.Random | None = None) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
@@ -225,12 +223,17 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
             bar.update(1)
 
     steps0 = inner.runner._steps
-    with _SubmitTimer(inner.runner) as timer:
+    with StepTimer(inner.runner) as timer:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
         end = time.perf_counter()
     steps = inner.runner._steps - steps0
     bar.close()
+    peak = int(torch.cuda.max_memory_allocated(inner.device)) if cuda else None
+    # after the measured run, so the profiler cannot distort its TTFT/TPOT
+    device_stats = (await probe_decode(engine, c, input_len, output_len, probe_rng or random.Random(c)) if cuda
+                    else unavailable(NO_CUDA))
+    decode_t, other_t = timer.split()
     results.sort(key=lambda r: int(r["request_id"].rsplit("-", 1)[1]))
     wall = end - start
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
@@ -248,10 +251,34 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
         "latency_s": summarize([r["latency_s"] for r in results]),
         "steps": steps,
         "host_submit_ms_mean": (timer.total / timer.calls * 1e3) if timer.calls else None,
-        "peak_gpu_memory_bytes": int(torch.cuda.max_memory_allocated(inner.device)) if cuda else None,
+        "decode_steps": len(decode_t),
+        "step_host_s": {"decode": summarize(decode_t), "other": summarize(other_t)},
+        "decode_device": device_stats,
+        "peak_gpu_memory_bytes": peak,
         "requests": results,
         "_prompts": prompts,  # popped by run_bench (the HF peer reuses the concurrency-1 prompts)
     }
+
+
+def engine_knobs(args: argparse.Namespace, max_num_seqs: int) -> dict[str, Any]:
+    """The engine kwargs (vLLM's names) that the bench's options set."""
+    return {"enforce_eager": bool(getattr(args, "enforce_eager", False)),
+            "async_scheduling": ASYNC_SCHEDULING[getattr(args, "async_scheduling", "auto")],
+            "max_num_seqs": max_num_seqs}
+
+
+def knobs_doc(args: argparse.Namespace, inner: Any) -> dict[str, Any]:
+    """The knobs as recorded in the JSON header: read back from the engine, with what it made of them."""
+    return {"enforce_eager": inner.config.enforce_eager, "async_scheduling": getattr(args, "async_scheduling", "auto"),
+            "max_num_seqs": inner.scheduler.max_num_seqs, "async_depth": inner.depth,
+            "decode_graph_sizes": list(inner.runner.graph_sizes)}
+
+
+def _knobs_line(doc: dict[str, Any]) -> str:
+    sizes = doc["decode_graph_sizes"]
+    return (f" enforce_eager={doc['enforce_eager']} async_scheduling={doc['async_scheduling']} "
+            f"(depth {doc['async_depth']}) max_num_seqs={doc['max_num_seqs']} decode_graph_sizes="
+            f"{','.join(map(str, sizes)) if sizes else 'none'}")
 
 
 def resolve_offline_lengths(max_model_len: int, lo: int, hi: int) -> tuple[int, int, bool]:
@@ -273,8 +300,9 @@ def run_offline(args: argparse.Namespace, model: str, max_model_len: int) -> dic
 
     lo, hi, clamped = resolve_offline_lengths(max_model_len, args.offline_min_len, args.offline_max_len)
     n = args.num_prompts or DEFAULT_OFFLINE_PROMPTS
+    knobs = engine_knobs(args, getattr(args, "max_num_seqs", None) or DEFAULT_OFFLINE_MAX_NUM_SEQS)
     llm = LLM(model, device=args.device, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-              max_model_len=max_model_len)
+              max_model_len=max_model_len, **knobs)
     inner = llm.engine
     rng = random.Random(args.seed)
     prompts = [{"prompt_token_ids": [rng.randrange(inner.vocab_size) for _ in range(rng.randint(lo, hi))]}
@@ -289,6 +317,7 @@ def run_offline(args: argparse.Namespace, model: str, max_model_len: int) -> dic
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return {
         "device": str(inner.device), "dtype": str(inner.dtype).replace("torch.", ""),
+        "knobs": knobs_doc(args, inner),
         "offline": {
             "num_prompts": n, "min_len": lo, "max_len": hi, "lengths_clamped": clamped,
             "requested_min_len": args.offline_min_len, "requested_max_len": args.offline_max_len,
@@ -321,16 +350,18 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         doc = run_offline(args, model, max_model_len)
         return {"model": model, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
                 "load_format": args.load_format, "max_model_len": max_model_len, "seed": args.seed,
-                "timer": "time.perf_counter", "runs": [], "offline": doc["offline"]}
+                **doc["knobs"], "timer": "time.perf_counter", "runs": [], "offline": doc["offline"]}
     concurrency = args.concurrency
     if isinstance(concurrency, str):
         concurrency = parse_concurrency(concurrency)
     input_len, clamped = resolve_lengths(max_model_len, args.input_len, args.output_len)
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
     copy = measure_copy_bandwidth(resolve_device(args.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
+    knobs = engine_knobs(args, getattr(args, "max_num_seqs", None) or max(concurrency))
     engine = AsyncLLM(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                      seed=args.seed, max_model_len=max_model_len)
+                      seed=args.seed, max_model_len=max_model_len, **knobs)
     inner = engine.engine
+    knobs_rec = knobs_doc(args, inner)
     rng = random.Random(args.seed)
     param_bytes = parameter_bytes(inner.runner.model)
     kv_per_token = kv_bytes_per_token(inner.runner.attention_layers, inner.dtype)
@@ -347,25 +378,23 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         for c in concurrency:
             n = max(args.num_prompts or 4 * c, c)
             runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
-                                               progress))
+                                               progress, random.Random(args.seed * 1_000_003 + c)))
         return runs
 
     try:
         runs = asyncio.run(main())
     finally:
         engine.shutdown()
-    prompts_c1 = None
+    prompts_by_c: dict[int, list[list[int]]] = {}  # the HF peer reuses c=1's and the largest c's prompts
     for r in runs:
-        prompts = r.pop("_prompts")
-        if r["concurrency"] == 1 and prompts_c1 is None:
-            prompts_c1 = prompts
+        prompts_by_c.setdefault(r["concurrency"], r.pop("_prompts"))
         step = decode_step_bytes(param_bytes, kv_per_token, r["concurrency"], input_len, args.output_len)
         r["roofline"] = roofline_for_run(step, copy["bandwidth_bytes_s"], r["tpot_s"]["mean"])
     doc = {
         "model": model, "mode": "serving", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "load_format": args.load_format, "max_model_len": max_model_len, "input_len": input_len,
         "input_len_clamped": clamped, "output_len": args.output_len, "seed": args.seed,
-        "async_depth": inner.depth, "timer": "time.perf_counter", "runs": runs,
+        **knobs_rec, "timer": "time.perf_counter", "runs": runs,
         "roofline": {"param_bytes": param_bytes, "kv_bytes_per_token": kv_per_token,
                      "kv_context_tokens_per_seq": input_len + args.output_len / 2,
                      "copy_bandwidth_bytes_s": copy["bandwidth_bytes_s"], "copy": copy},
@@ -377,38 +406,14 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         if device.type == "cuda":
             import torch
             torch.cuda.empty_cache()
-        doc["peer"] = _peer_section(peer, model, device, dtype, args, runs, prompts_c1, input_len, vocab_size,
-                                    rng, pad)
+        from vtcore.bench.peer import peer_section
+        doc["peer"] = peer_section(peer, model, device, dtype, args, runs, prompts_by_c, input_len, vocab_size,
+                                   rng, pad)
     return doc
 
 
-def _peer_section(peer: str, model: str, device: Any, dtype: Any, args: argparse.Namespace,
-                  runs: list[dict[str, Any]], prompts_c1: list[list[int]] | None, input_len: int,
-                  vocab_size: int, rng: random.Random, pad: int | None) -> dict[str, Any]:
-    from vtcore.bench.peer import run_hf_peer, skip_reason
-
-    section: dict[str, Any] = {"name": peer, "skipped": False, "skip_reason": None}
-    reason = skip_reason(args.load_format, args.output_len)
-    if reason:
-        return {**section, "skipped": True, "skip_reason": reason}
-    c1 = next((r for r in runs if r["concurrency"] == 1), None)
-    if c1 is not None:
-        k = min(c1["num_prompts"], PEER_PROMPTS)
-        prompts = prompts_c1[:k]
-        tpots = [r["tpot_s"] for r in c1["requests"][:k]]
-        vtcore_tpot = sum(tpots) / len(tpots)
-        ratio_note = None
-    else:  # no concurrency-1 run to compare with: HF still measured, on fresh prompts, no ratio
-        k = min(args.num_prompts or PEER_PROMPTS, PEER_PROMPTS)
-        prompts = [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(k)]
-        vtcore_tpot = None
-        ratio_note = "no concurrency-1 run in --concurrency: no vtcore TPOT to compare"
-    hf_doc = run_hf_peer(model, device, dtype, prompts, args.output_len, pad_token_id=pad)
-    hf_tpot = hf_doc["tpot_s"]
-    return {**section, "hf": hf_doc, "num_prompts": k, "same_prompts_as_concurrency_1": c1 is not None,
-            "vtcore_tpot_s": vtcore_tpot, "hf_tpot_s": hf_tpot,
-            "tpot_ratio": (vtcore_tpot / hf_tpot) if vtcore_tpot is not None and hf_tpot > 0 else None,
-            "tpot_ratio_note": ratio_note}
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def _ms(x: float | None) -> str:
@@ -428,27 +433,32 @@ def format_table(doc: dict[str, Any]) -> str:
         o = doc["offline"]
         return (f"model={doc['model']} device={doc['device']} dtype={doc['dtype']} offline: {o['num_prompts']} "
                 f"requests, input/output lengths uniform in {o['min_len']}..{o['max_len']}"
-                f"{' (clamped to fit max_model_len=' + str(doc['max_model_len']) + ')' if o['lengths_clamped'] else ''}\n"
+                f"{' (clamped to fit max_model_len=' + str(doc['max_model_len']) + ')' if o['lengths_clamped'] else ''}"
+                f"{_knobs_line(doc)}\n"
                 f"offline: prompt tokens {o['prompt_tokens']}, output tokens {o['output_tokens']}, "
                 f"time {o['wall_s']:.2f} s, output {o['output_throughput_tok_s']:.1f} tok/s, "
                 f"total {o['total_throughput_tok_s']:.1f} tok/s\n")
     head = (f"{'conc':>5} {'reqs':>5} {'wall s':>8} {'tok/s':>10} {'out tok/s':>10} "
             f"{'TTFT ms mean/med/p90/p99':>28} {'TPOT ms mean/med/p90/p99':>28} {'ITL ms mean/med/p90/p99':>28} "
-            f"{'steps':>6} {'host ms':>8} {'peak MiB':>9} {'roof ms':>8} {'TPOT/roof':>9}")
+            f"{'steps':>6} {'host ms':>8} {'dec host ms med/p90':>19} {'dev ms':>7} {'kernels':>7} "
+            f"{'peak MiB':>9} {'roof ms':>8} {'TPOT/roof':>9}")
     lines = [f"model={doc['model']} device={doc['device']} dtype={doc['dtype']} input_len={doc['input_len']}"
              f"{' (clamped to fit max_model_len=' + str(doc['max_model_len']) + ')' if doc['input_len_clamped'] else ''}"
-             f" output_len={doc['output_len']}", head]
+             f" output_len={doc['output_len']}{_knobs_line(doc)}", head]
     for r in doc["runs"]:
         def q(s: dict) -> str:
             return "/".join(_ms(s[k]) for k in ("mean", "median", "p90", "p99"))
         peak = r["peak_gpu_memory_bytes"]
         host = r["host_submit_ms_mean"]
+        dh, dev = r["step_host_s"]["decode"], r["decode_device"]
         roof = r["roofline"]
         ratio = roof["tpot_over_roofline"]
         lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} "
                      f"{r['total_throughput_tok_s']:>10.1f} {r['output_throughput_tok_s']:>10.1f} "
                      f"{q(r['ttft_s']):>28} {q(r['tpot_s']):>28} {q(r['itl_s']):>28} {r['steps']:>6} "
                      f"{'-' if host is None else f'{host:.2f}':>8} "
+                     f"{_ms(dh['median']) + '/' + _ms(dh['p90']):>19} "
+                     f"{_num(dev['device_ms_per_step'], '.3f'):>7} {_num(dev['kernels_per_step'], '.1f'):>7} "
                      f"{'-' if peak is None else f'{peak / 2**20:.1f}':>9} "
                      f"{roof['roofline_ms']:>8.3f} {'-' if ratio is None else f'{ratio:.1f}':>9}")
     rl = doc["roofline"]
@@ -456,20 +466,18 @@ def format_table(doc: dict[str, Any]) -> str:
                   f"{rl['copy']['nbytes'] / 2**20:.0f} MiB, median of {len(rl['copy']['times_s'])} copies); "
                   f"params {rl['param_bytes'] / 1e6:.2f} MB; KV {rl['kv_bytes_per_token']} B/token x "
                   f"{rl['kv_context_tokens_per_seq']:g} tokens/seq; TPOT/roof uses the mean TPOT"]
-    peer = doc.get("peer")
-    if peer:
-        if peer["skipped"]:
-            lines.append(f"peer {peer['name']}: skipped: {peer['skip_reason']}")
-        else:
-            h = peer["hf"]
-            ratio = peer["tpot_ratio"]
-            vt = peer["vtcore_tpot_s"]
-            lines.append(f"peer {peer['name']} (transformers {h['transformers_version']}, batch 1, "
-                         f"{peer['num_prompts']} prompts): TPOT {_ms(peer['hf_tpot_s'])} ms, "
-                         f"{h['output_tok_s']:.1f} out tok/s, decode {h['decode_tok_s'] or 0:.1f} tok/s; "
-                         f"vtcore c=1 TPOT {_ms(vt)} ms; vtcore/HF TPOT "
-                         f"{'-' if ratio is None else f'{ratio:.2f}'}"
-                         f"{'' if peer['tpot_ratio_note'] is None else ' (' + peer['tpot_ratio_note'] + ')'}")
+    for r in doc["runs"]:
+        d = r["decode_device"]
+        lines.append(f"decode step c={r['concurrency']}: host {_ms(r['step_host_s']['decode']['median'])} ms median"
+                     f" over {r['decode_steps']} decode steps; " + (
+                         f"profiled {d['steps']} steps (batch {_num(d.get('mean_batch_size'), '.1f')}, "
+                         f"{d['profiler']}): wall {_num(d['wall_ms_per_step'], '.3f')} ms, device "
+                         f"{_num(d['device_ms_per_step'], '.3f')} ms, kernels {_num(d['kernels_per_step'], '.1f')}, "
+                         f"memcpy {_num(d['memcpy_per_step'], '.1f')}, memset {_num(d['memset_per_step'], '.1f')}"
+                         f" per step" if d["profiled"] else "device time and kernels not measured")
+                     + ("" if d["reason"] is None else f" ({d['reason']})"))
+    if doc.get("peer"):
+        lines += format_peer(doc["peer"], _ms)
     return "\n".join(lines) + "\n"
 
 

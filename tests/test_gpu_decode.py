@@ -1,0 +1,54 @@
+"""On a GPU: the Triton kernels run in the engine, decode replays CUDA graphs (batch 1, 3 padded to
+4, and 16), and the graphed engine matches the eager one and async matches sync. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtcore import LLM, SamplingParams
+from vtcore.conformance.harness import build_engine, mixed_arrivals, run_engine
+from vtcore.testing.oracle import near_tie_violations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+KERNELS = ("_write_kv_kernel", "_decode_kernel", "_prefill_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel",
+           "_silu_and_mul_kernel")
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def prompts(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(n)
+    return [{"prompt_token_ids": torch.randint(0, 512, (int(torch.randint(3, 40, (1,), generator=g)),),
+                                               generator=g).tolist()} for _ in range(n)]
+
+
+def test_the_triton_kernels_run(tiny_checkpoint) -> None:
+    llm = LLM(tiny_checkpoint[0], device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts(3), PARAMS)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    missing = [k for k in KERNELS if not any(k in n for n in names)]
+    assert not missing, f"kernels that never ran: {missing}"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_graphs_replay_and_match_eager_and_the_oracle(tiny_checkpoint, batch) -> None:
+    path, hf = tiny_checkpoint
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=16)
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts(batch), PARAMS)]
+        replays = llm.engine.runner.graph_replays
+        assert replays == 0 if eager else replays >= 15
+    for tokens in outs.values():
+        for p, toks in zip(prompts(batch), tokens):
+            assert not near_tie_violations(hf, p["prompt_token_ids"], toks)
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_async_equals_sync_with_graphs(tiny_checkpoint, n) -> None:
+    arrivals = mixed_arrivals(n, n, vocab_size=512)
+    knobs = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, num_kv_blocks=256)
+    sync, asyn = build_engine(tiny_checkpoint[0], "sync", **knobs), build_engine(tiny_checkpoint[0], "async", **knobs)
+    assert run_engine(asyn, arrivals)[0] == run_engine(sync, arrivals)[0]
+    assert asyn.runner.graph_replays > 0 and asyn.runner.consuming_forwards == asyn.runner.stale_forwards
