@@ -47,7 +47,8 @@ def test_graphs_replay_and_match_eager_and_the_oracle(tiny_checkpoint, batch) ->
 
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_async_equals_sync_with_graphs(tiny_checkpoint, n) -> None:
-    arrivals = mixed_arrivals(n, n, vocab_size=512)
+    arrivals = mixed_arrivals(n, n, vocab_size=512) if n > 1 else {0: [("solo", [5, 9, 2, 7], SamplingParams(
+        temperature=0.9, seed=5, max_tokens=24, ignore_eos=True, logprobs=1))]}
     knobs = dict(device="cuda", dtype="bfloat16", max_num_seqs=16, num_kv_blocks=256)
     sync, asyn = build_engine(tiny_checkpoint[0], "sync", **knobs), build_engine(tiny_checkpoint[0], "async", **knobs)
     assert run_engine(asyn, arrivals)[0] == run_engine(sync, arrivals)[0]

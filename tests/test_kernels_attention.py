@@ -23,7 +23,7 @@ from torch.nn import functional as F
 pytest.importorskip("triton")
 
 from vtcore.kernels.paged_attention import (  # noqa: E402
-    decode_split_size,
+    decode_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -171,9 +171,9 @@ def test_references_match_oracle(heads, kv_heads):
 
 
 @pytest.mark.parametrize("heads,kv_heads,bs,split,table_dtype", [
-    (2, 2, 8, 16, torch.int32),       # MHA, 5 splits of 16 (2 blocks each)
-    (4, 2, 16, 32, torch.int64),      # GQA 2, splits of 2 blocks, int64 tables
-    (4, 1, 16, None, torch.int32),    # GQA 4, one split: the single-kernel path
+    (2, 2, 8, 3, torch.int32),        # MHA, 3 splits striding 16-position tiles (2 blocks each)
+    (4, 2, 16, 2, torch.int64),       # GQA 2, 2 splits, int64 tables
+    (4, 1, 16, 1, torch.int32),       # GQA 4, one split: the single-kernel path
 ])
 @interp
 def test_decode_kernel_matches_reference(heads, kv_heads, bs, split, table_dtype):
@@ -183,7 +183,7 @@ def test_decode_kernel_matches_reference(heads, kv_heads, bs, split, table_dtype
     q = _decode_q(len(ctx), heads, dim, seed=3, dtype=torch.float32)
     max_ctx = 80  # grid sized beyond the batch's longest context, as in a captured graph
     out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, scale, bs, max_ctx,
-                                 split_size=split)
+                                 num_splits=split, block_n=16)
     ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, max_ctx)
     assert out.shape == (len(ctx), heads, dim) and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -199,26 +199,28 @@ def test_decode_kernel_float16_and_out_argument():
     buf = torch.full((len(ctx), heads * dim + 8), 7.0, dtype=torch.float16)
     out = buf[:, :heads * dim].view(len(ctx), heads, dim)
     got = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, scale, bs, 70, out,
-                                 split_size=32)
+                                 num_splits=2, block_n=32)
     assert got is out and (buf[:, heads * dim:] == 7).all()
     ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, 70)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 
 @interp
-def test_decode_all_empty_and_split_size_heuristic():
+def test_decode_all_empty_and_split_heuristic():
     pc = _paged([0, 0], 2, 16, 8, seed=6)
     q = _decode_q(2, 2, 16, seed=6, dtype=torch.float32)
-    for split in (16, None):  # reduce over no splits; single kernel over no positions
+    for splits in (3, 1):  # reduce over no splits; single kernel over no positions
         out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40,
-                                     split_size=split)
+                                     num_splits=splits, block_n=16)
         assert torch.equal(out, torch.zeros_like(out))
-    assert decode_split_size(1, 8, 32768) == 256  # batch 1, long context: 128 splits x 8 kv heads
-    assert decode_split_size(1, 8, 100) == 256  # short context: one split, the single kernel
-    assert decode_split_size(16, 8, 1000) == 256  # 4 splits
-    assert decode_split_size(256, 8, 32768) == 32768  # a big batch needs no splits
+    assert decode_num_splits(1, 8, 32768) == 128  # batch 1: 1024 programs, tiles strided over them
+    assert decode_num_splits(1, 8, 100) == 2  # never more splits than tiles
+    assert decode_num_splits(32, 8, 40960) == 4
+    assert decode_num_splits(256, 8, 32768) == 1  # a big batch needs no splits: the single kernel
     with pytest.raises(ValueError, match="power of two"):
-        paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, split_size=24)
+        paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, block_n=24)
+    with pytest.raises(ValueError, match="num_splits=0"):
+        paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, num_splits=0)
 
 
 # ----------------------------------------------------------------------------- prefill kernel
@@ -291,10 +293,10 @@ def _check_prefill(device: str, dtype: torch.dtype, heads: int, kv_heads: int, q
 @cuda
 @pytest.mark.parametrize("heads,kv_heads", [(16, 8), (32, 8)])
 def test_cuda_decode_bf16_real_shapes(heads, kv_heads):
-    _check_decode("cuda", torch.bfloat16, heads, kv_heads, [5000], 5000, BF16)  # batch 1: 20 splits of 256
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, [5000], 5000, BF16)  # batch 1: 79 tiles on 79 splits
     ctx = [1000 + 137 * i for i in range(15)] + [0]
     _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 32768, BF16)  # batch 16, grid sized for 32k
-    _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 3000, BF16, split_size=4096)  # single kernel
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 3000, BF16, num_splits=1)  # single kernel
 
 
 @cuda
@@ -315,7 +317,8 @@ def test_cuda_write_kv_cache_bf16():
     v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
     slot_mapping = torch.randperm(slots, generator=g)[:tokens].cuda()
     slot_mapping[::7] = -1
-    caches = [torch.randn(slots, kv_heads, dim, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
+    caches = [torch.randn(slots, kv_heads, dim, generator=g).to("cuda", torch.bfloat16) for _ in range(2)]
+    caches += [c.clone() for c in caches]  # the same starting contents: unwritten slots must stay equal
     write_kv_cache(k, v, caches[0], caches[1], slot_mapping)
     write_kv_cache_ref(k, v, caches[2], caches[3], slot_mapping)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

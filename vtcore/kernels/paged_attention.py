@@ -23,12 +23,12 @@ import triton.language as tl
 from torch.nn import functional as F
 
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_split_size",
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_num_splits",
     "write_kv_cache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
 ]
 
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT = 256  # smallest decode split (positions) the heuristic picks
+_BLOCK_N = 64  # decode key tile (positions)
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
 _REDUCE_CHUNK = 16  # splits the reduce kernel combines per step
 
@@ -123,7 +123,7 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
-    scale_log2, split_size,
+    scale_log2, num_splits,
     stride_qs, stride_qh, stride_qd,
     stride_cs, stride_ch, stride_cd,
     stride_bt,
@@ -134,21 +134,22 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (split, kv head, seq): the GROUP query heads of a kv head over one split.
+    """Program (split, kv head, seq): the GROUP query heads of a kv head over the key tiles
+    ``split, split + num_splits, ...`` (BLOCK_N positions each).
 
-    ``SPLIT_OUT``: writes the unnormalised partial (acc, max, sum) of the split to scratch, and
-    returns at once when the split starts past the context. Otherwise (one split covers every
-    context) writes the normalised output; a context of 0 gives zeros.
+    Striding the tiles over a grid sized by host ints keeps every program busy whatever the
+    context: a graph captured for ``max_model_len`` still spreads a short context over all splits.
+    ``SPLIT_OUT``: writes the unnormalised partial (acc, max, sum) to scratch; a split with no tile
+    returns at once. Otherwise (one split) writes the normalised output; a context of 0 gives zeros.
     """
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    start = split * split_size
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
     if SPLIT_OUT:
-        if start >= ctx:
+        if split >= num_tiles:
             return
-    end = tl.minimum(start + split_size, ctx)
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -161,9 +162,9 @@ def _decode_kernel(
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for s0 in range(start, end, BLOCK_N):
+    for t in range(split, num_tiles, num_splits):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, s0, end, offs_g, scale_log2,
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, t * BLOCK_N, ctx, offs_g, scale_log2,
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
             BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
         )
@@ -181,19 +182,19 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    lens_ptr, part_ptr, ml_ptr, out_ptr, split_size,
+    lens_ptr, part_ptr, ml_ptr, out_ptr, num_splits,
     stride_ps, stride_ph, stride_pk,
     stride_ms, stride_mh, stride_mk,
     stride_os, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program (head, seq): ``out = sum_s w_s acc_s / sum_s w_s l_s``, ``w_s = 2^(m_s - max m)``.
 
-    Only the splits that hold context are read, in index order; no context gives zeros.
+    Only the splits that hold a tile are read, in index order; no context gives zeros.
     """
     h = tl.program_id(0)
     b = tl.program_id(1)
-    n = tl.cdiv(tl.load(lens_ptr + b), split_size)
+    n = tl.minimum(tl.cdiv(tl.load(lens_ptr + b), BLOCK_N), num_splits)
     offs_k = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -218,17 +219,13 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_os + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_split_size(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
-    """The decode split (positions per program), a power of two >= ``_MIN_SPLIT``.
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int = _BLOCK_N) -> int:
+    """Decode splits per (seq, kv head): enough for ``_TARGET_PROGRAMS`` programs, at most one per tile.
 
-    As many splits as bring ``seqs * kv_heads * splits`` up to ``_TARGET_PROGRAMS``, none shorter
-    than ``_MIN_SPLIT``: batch 1 at 32k context gets 128 splits of 256, while a large batch (or a
-    graph captured at ``max_model_len``) gets one split per sequence, so a 32k-sized grid does not
-    launch 100k programs that only return.
+    Batch 1 with 8 kv heads gets 128 splits (a 1k context then runs 16 tiles on 128 programs, one
+    tile each); batch 32 gets 4; batch 128 and up one, the single-kernel path.
     """
-    splits = max(1, min(triton.cdiv(max_context_len, _MIN_SPLIT),
-                        triton.cdiv(_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))))
-    return max(_MIN_SPLIT, triton.next_power_of_2(triton.cdiv(max_context_len, splits)))
+    return max(1, min(triton.cdiv(max_context_len, block_n), _TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -238,7 +235,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, block_size: int, max_context_len: int,
-    out: torch.Tensor | None = None, *, split_size: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    out: torch.Tensor | None = None, *, num_splits: int | None = None, block_n: int = _BLOCK_N, num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """One query per sequence over its first ``context_lens[b]`` cached positions (flash-decoding).
 
@@ -248,11 +246,11 @@ def paged_decode_attention(
     in q's dtype when None) [seqs, heads, head_dim]; a context of 0 gives zeros.
 
     Programs are (split, kv head, seq), each covering all heads of the GQA group, so K/V are read
-    once per kv head. With ``splits = cdiv(max_context_len, split_size) > 1``, partial results go
-    to float32 scratch ``[seqs, heads, splits, head_dim]`` and ``[seqs, heads, splits, 2]``
-    (allocated per call, sized by host ints only) and a reduce kernel over (head, seq) combines
-    them; with one split the first kernel writes ``out`` directly. ``split_size`` (a power of two
-    >= 16) defaults to :func:`decode_split_size`.
+    once per kv head; split ``i`` takes key tiles ``i, i + num_splits, ...`` of ``block_n``
+    positions. With ``num_splits > 1`` partial results go to float32 scratch ``[seqs, heads,
+    splits, head_dim]`` and ``[seqs, heads, splits, 2]`` (allocated per call, sized by host ints
+    only) and a reduce kernel over (head, seq) combines them in split order; with one split the
+    first kernel writes ``out`` directly. ``num_splits`` defaults to :func:`decode_num_splits`.
     """
     seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -260,30 +258,31 @@ def paged_decode_attention(
         out = torch.empty((seqs, heads, head_dim), dtype=q.dtype, device=q.device)
     if seqs == 0:
         return out
-    if split_size is not None and (split_size < 16 or split_size & (split_size - 1)):
-        raise ValueError(f"split_size={split_size} must be a power of two >= 16")
-    split = split_size or decode_split_size(seqs, kv_heads, max_context_len)
-    num_splits = max(1, triton.cdiv(max_context_len, split))
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n} must be a power of two >= 16")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    num_splits = num_splits or decode_num_splits(seqs, kv_heads, max_context_len, block_n)
     group = heads // kv_heads
     block_d = triton.next_power_of_2(head_dim)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                  BLOCK_N=min(64, split), BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+                  BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
                   num_stages=num_stages)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2))
     grid = (num_splits, kv_heads, seqs)
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, out, out,
-                             scale * _LOG2E, split, *strides, 0, 0, 0, 0, 0, 0, SPLIT_OUT=False, **common)
+                             scale * _LOG2E, 1, *strides, 0, 0, 0, 0, 0, 0, SPLIT_OUT=False, **common)
         return out
     part = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((seqs, heads, num_splits, 2), dtype=torch.float32, device=q.device)
     pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
     _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
-                         scale * _LOG2E, split, *strides, *pml_strides, SPLIT_OUT=True, **common)
-    _decode_reduce_kernel[(heads, seqs)](context_lens, part, ml, out, split, *pml_strides,
-                                         out.stride(0), out.stride(1), out.stride(2),
-                                         HEAD_DIM=head_dim, BLOCK_D=block_d, CHUNK=_REDUCE_CHUNK, num_warps=num_warps)
+                         scale * _LOG2E, num_splits, *strides, *pml_strides, SPLIT_OUT=True, **common)
+    _decode_reduce_kernel[(heads, seqs)](context_lens, part, ml, out, num_splits, *pml_strides,
+                                         out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=head_dim,
+                                         BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=_REDUCE_CHUNK, num_warps=num_warps)
     return out
 
 
