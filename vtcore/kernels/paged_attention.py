@@ -30,7 +30,7 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # decode key tile (positions)
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
-_REDUCE_CHUNK = 16  # splits the reduce kernel combines per step
+_REDUCE_CHUNK = 32  # splits the reduce kernel combines per step
 
 
 # ----------------------------------------------------------------------------- cache write

@@ -14,6 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 
+GEMV_MAX_ROWS = 16  # up to this many rows, CUDA runs vtcore.kernels.gemv instead of cuBLAS
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)`` with an optional split of the output rows into named shards."""
 
@@ -64,4 +67,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x)
+        if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:  # decode: a Triton GEMV beats cuBLAS at small M
+            from vtcore.kernels import gemv
+
+            if gemv.supports(x, self.weight, self.bias):
+                return gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
