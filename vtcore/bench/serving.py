@@ -367,15 +367,22 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     kv_per_token = kv_bytes_per_token(inner.runner.attention_layers, inner.dtype)
     device, dtype, vocab_size = inner.device, inner.dtype, inner.vocab_size
 
+    async def warm_up(c: int) -> None:
+        """Untimed: c requests of the measured prompt length, so lazy setup and Triton's compilation of
+        size-specialised kernel variants happen before the clock starts (own rng: prompts unchanged)."""
+        wr, warm = random.Random(-1 - c), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+        async def one(i: int) -> None:
+            ids = [wr.randrange(inner.vocab_size) for _ in range(input_len)]
+            async for _ in engine.generate({"prompt_token_ids": ids}, warm, request_id=f"bench-warmup-{c}-{i}"):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(c)))
+
     async def main() -> list[dict[str, Any]]:
-        # warm-up: one short request, untimed, so the first measured request does not pay for lazy setup
-        warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        async for _ in engine.generate({"prompt_token_ids": [rng.randrange(inner.vocab_size)
-                                                             for _ in range(min(input_len, 8))]},
-                                       warm, request_id="bench-warmup"):
-            pass
         runs = []
         for c in concurrency:
+            await warm_up(c)
             n = max(args.num_prompts or 4 * c, c)
             runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
                                                progress, random.Random(args.seed * 1_000_003 + c)))
