@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from vtcore.config import HFConfig
+from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
@@ -15,6 +16,44 @@ FUSED_QKV_GATE_UP = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP over a fused [gate | up] projection: ``down(silu(gate) * up)``."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, [("gate", intermediate), ("up", intermediate)], bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm layer with the residual carried between layers: ``input_layernorm`` (adding the
+    residual), ``mix`` (attention), ``post_attention_layernorm`` (adding it again), ``ffn``.
+
+    Subclasses set the two norms and ``self_attn`` / ``mlp``, or override ``mix`` / ``ffn``.
+    """
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def mix(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(positions, x)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.mix(positions, x), residual)
+        return self.ffn(x), residual
 
 
 class DecoderStack(nn.Module):

@@ -151,9 +151,13 @@ class ModelRunner:
             offsets.append(offsets[-1] + len(s))
         return index, host[:len(flat)], offsets
 
-    def _upload(self, host: torch.Tensor, offsets: list[int]) -> list[torch.Tensor]:
-        """Device views of the staged sections (one non-blocking copy on CUDA)."""
-        dev = host.to(self.device, non_blocking=True) if self.cuda else host
+    def _upload(self, host: torch.Tensor, offsets: list[int], dest: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Device views of the staged sections: one non-blocking copy on CUDA, into ``dest`` (a
+        persistent buffer) when given, else into a new tensor (on CPU without ``dest``: the host views)."""
+        if dest is not None:
+            dev = dest[:host.numel()].copy_(host, non_blocking=True)
+        else:
+            dev = host.to(self.device, non_blocking=True) if self.cuda else host
         if self.debug_poison == "early":
             host.fill_(PLACEHOLDER)  # control arm: reuse without the guard
         return [dev[a:b] for a, b in zip(offsets, offsets[1:])]
@@ -301,16 +305,15 @@ class ModelRunner:
         self._dec_buf = torch.zeros(6 * largest + largest * self.max_table, dtype=torch.int64, device=self.device)
         self._dec_tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=self.device)
         self._dec_qstart = torch.arange(largest + 1, dtype=torch.int32, device=self.device)
+        # the six sections of padded size p: views fixed once, as the graphs read them
+        self._dec_views = {p: [self._dec_buf[i * p:(i + 1) * p] for i in range(6)] for p in self.graph_sizes}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], bool]] = {}
         if capture:
             self._capture_graphs(max_model_len)
 
-    def _decode_views(self, p: int) -> list[torch.Tensor]:
-        return [self._dec_buf[i * p:(i + 1) * p] for i in range(6)]
-
     def _decode_forward(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The padded decode forward of size ``p``: combine, model, logits. Captured on CUDA."""
-        ids, pos, slots, ctx, combine, _ = self._decode_views(p)
+        ids, pos, slots, ctx, combine, _ = self._dec_views[p]
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
         set_attention_metadata(AttentionMetadata(
             slot_mapping=slots, block_tables=self._dec_tables[:p], context_lens=ctx,
@@ -368,10 +371,8 @@ class ModelRunner:
         self.padded_decode_steps += 1
 
         def device_work() -> dict[str, Any]:
-            self._dec_buf[:host.numel()].copy_(host, non_blocking=True)
-            if self.debug_poison == "early":
-                host.fill_(PLACEHOLDER)
-            self._dec_tables[:n, :width].copy_(self._dec_buf[6 * p:6 * p + n * width].view(n, width))
+            table_rows = self._upload(host, offsets, self._dec_buf)[6]
+            self._dec_tables[:n, :width].copy_(table_rows.view(n, width))
             with torch.inference_mode():
                 if graph is not None:
                     graph[0].replay()
@@ -380,7 +381,7 @@ class ModelRunner:
                 else:
                     fed, logits, consumed = self._decode_forward(p, max_ctx)
                 out: dict[str, Any] = {"consumed": consumed, "stale": stale, "plp": {}}
-                self._sample(out, logits[:n], sampling, fed[:n], self._decode_views(p)[5][:n])
+                self._sample(out, logits[:n], sampling, fed[:n], self._dec_views[p][5][:n])
             return out
 
         return self._enqueue(step, index, device_work)

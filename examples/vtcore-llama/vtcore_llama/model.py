@@ -7,7 +7,7 @@ from torch import nn
 from vtcore.config import HFConfig
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
-from vtcore.layers.decoder import FUSED_QKV_GATE_UP
+from vtcore.layers.decoder import FUSED_QKV_GATE_UP, PreNormDecoderLayer
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v.view(-1, self.kv_heads, self.head_dim)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         bias = bool(config.get("mlp_bias", False))
@@ -43,14 +43,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x))), residual
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:  # the MLP's projections sit on the layer itself
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -30,7 +30,7 @@ from vtcore.config import HFConfig
 from vtcore.errors import CheckpointError
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
-from vtcore.layers.decoder import CausalLM, DecoderStack
+from vtcore.layers.decoder import CausalLM, DecoderStack, GatedMLP, PreNormDecoderLayer
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.gated_deltanet import GatedDeltaNet
 from vtcore.layers.linear import Linear
@@ -67,16 +67,6 @@ class GatedAttention(nn.Module):
         q, k = self.rotary(positions, q, k.view(-1, self.nkv, self.hd), self.q_norm, self.k_norm)
         out = self.attn(q, k, v.view(-1, self.nkv, self.hd))
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, [("gate", intermediate), ("up", intermediate)])
-        self.down_proj = Linear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Experts(nn.Module):
@@ -287,7 +277,7 @@ class SparseMoE(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         self.gate = Linear(hidden, int(config.num_experts))
         self.experts = Experts(int(config.num_experts), hidden, int(config.moe_intermediate_size))
-        self.shared_expert = MLP(hidden, int(config.shared_expert_intermediate_size))
+        self.shared_expert = GatedMLP(hidden, int(config.shared_expert_intermediate_size))
         self.shared_expert_gate = Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,7 +288,7 @@ class SparseMoE(nn.Module):
         return self.experts(x, experts, weights) + shared
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HFConfig, layer_type: str, rotary: RotaryEmbedding) -> None:
         super().__init__()
         eps = config.rms_norm_eps
@@ -310,21 +300,14 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(config, rotary)
         else:
             raise ValueError(f"layer_types entry {layer_type!r}: expected 'linear_attention' or 'full_attention'")
-        self.mixer = self.linear_attn if layer_type == "linear_attention" else self.self_attn
         self.is_linear = layer_type == "linear_attention"
-        self.mlp = SparseMoE(config) if config.get("num_experts") else MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = SparseMoE(config) if config.get("num_experts") else GatedMLP(config.hidden_size,
+                                                                                    config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centered=True)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.linear_attn(x) if self.is_linear else self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def mix(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_attn(x) if self.is_linear else self.self_attn(positions, x)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from vtcore.config import HFConfig
-from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
-from vtcore.layers.decoder import CausalLM, DecoderStack
+from vtcore.layers.decoder import CausalLM, DecoderStack, GatedMLP, PreNormDecoderLayer
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
@@ -39,33 +38,13 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, [("gate", intermediate), ("up", intermediate)])
-        self.down_proj = Linear(intermediate, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, rotary)
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class Qwen3ForCausalLM(CausalLM):
