@@ -276,3 +276,11 @@ def test_cuda_graph_replay():
     _assert_ulps(qkv[:, nq * d:(nq + nkv) * d].view(t, nkv, d), ref_k, 1)
     for out, ref in zip(outs, (rms_norm_ref(x, w, EPS), *fused_add_rms_norm_ref(x, r, w, EPS), silu_and_mul_ref(gu))):
         _assert_ulps(out, ref, 1, frac=1e-3)
+
+
+@interp
+def test_bad_operands_are_named():
+    with pytest.raises(ValueError, match=r"weight \(16,\)"):
+        rms_norm(torch.randn(2, 24), torch.randn(16), 1e-6)
+    with pytest.raises(ValueError, match=r"residual \(3, 24\)"):
+        fused_add_rms_norm(torch.randn(2, 24), torch.randn(3, 24), torch.randn(24), 1e-6)

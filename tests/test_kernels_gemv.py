@@ -236,3 +236,9 @@ def test_cuda_graph_replay():
     _check(outs[0], x1, w1, b1)
     _check(outs[1], x2, w2, None)
     _check(outs[2], x2[:1], w2, None)
+
+
+@interp
+def test_bad_operands_are_named():
+    with pytest.raises(ValueError, match=r"weight \(8, 16\)"):
+        gemv(torch.randn(2, 24), torch.randn(8, 16))

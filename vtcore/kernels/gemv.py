@@ -228,6 +228,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     The keywords force parts of the launch config (powers of two; ``block_n`` >= 16 when M > 1;
     ``split_k`` is capped at the number of K tiles); by default :func:`_config` picks them.
     """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > _MAX_M:
+        raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected x [M<={_MAX_M}, K] "
+                         "and weight [N, K] (see supports() for the dtype and layout rules)")
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

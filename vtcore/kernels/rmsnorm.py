@@ -93,6 +93,10 @@ def _config(n: int) -> tuple[int, int]:
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.Tensor | None,
             weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     t, n = x.shape
+    if weight.shape != (n,) or (residual is not None and residual.shape != x.shape) or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} (last-dim stride {x.stride(-1)}), weight {tuple(weight.shape)}"
+                         f"{'' if residual is None else f', residual {tuple(residual.shape)}'}: expected weight "
+                         f"[{n}], a residual shaped like x, x's last dim contiguous")
     # weight * h.to(x.dtype) promotes (a float32 weight gives a float32 output); zero-centred casts back.
     dtype = x.dtype if zero_centered or weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty((t, n), dtype=dtype, device=x.device)
