@@ -1,8 +1,9 @@
 """bf16 GEMV at small M: vtcore's Triton kernel against cuBLAS (F.linear), beside the copy bandwidth.
 
-    python scripts/bench_gemv.py [--out DIR]
+    python scripts/bench_gemv.py [--sweep] [--out DIR]
 Each launch is timed inside a CUDA graph with CUDA events over rotating weight copies (>= 512 MB in all, so L2 never
-holds the weight), median of 5 rounds of 20 launches; GB/s counts weight bytes only.
+holds the weight), median of 5 rounds of 20 launches; GB/s counts weight bytes only. ``--sweep`` also times, at M = 1,
+a grid of forced launch configs per shape and prints the fastest beside the heuristic's (input for ``_config``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from vtcore.kernels.gemv import gemv
+from vtcore.kernels.gemv import _config, _num_sms, gemv
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
           "4b qkv": (6144, 2560), "4b o": (2560, 4096), "4b gate_up": (19456, 2560), "4b down": (2560, 9728)}
@@ -39,9 +40,32 @@ def timed(fn, copies: list[torch.Tensor], x: torch.Tensor) -> float:
     return statistics.median(rounds)
 
 
+def sweep(copies: list[torch.Tensor], k: int, n: int, default_us: float) -> list[dict]:
+    """M = 1 over forced (block_n, block_k, split_k, num_warps)."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for bn in (4, 8, 16):
+        for bk in (512, 1024):
+            if bk > k:
+                continue
+            for split in (1, 2, 4, 8):
+                if k // bk < split:
+                    continue
+                for warps in (4, 8):
+                    cfg = dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps)
+                    try:
+                        us = timed(lambda xx, w: gemv(xx, w, **cfg), copies, x)
+                    except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
+                        print("skip", cfg, type(e).__name__)
+                        continue
+                    out.append({**cfg, "us": us})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy_us = timed(lambda x, w: w.copy_(x), [big[: 1 << 27]], big[1 << 27:])
@@ -59,6 +83,11 @@ def main() -> None:
             r = rows[-1]
             print(f"{name:13s} M={m:2d} {r['mb']:6.1f} MB  triton {ours:7.2f} us ({r['triton_frac_of_copy']:.0%})  "
                   f"cublas {cublas:7.2f} us ({r['cublas_frac_of_copy']:.0%})")
+        if args.sweep and name.startswith("0.6b"):
+            rows[-3]["sweep"] = sweep(copies, k, n, ours_m1 := rows[-3]["triton_us"])
+            best = min(rows[-3]["sweep"], key=lambda r: r["us"])
+            print(f"{'':13s} M= 1 default {_config(1, n, k, 2, _num_sms(torch.device('cuda')), *[None] * 5)} "
+                  f"{ours_m1:.2f} us; best {best}")
         del copies
     print(f"copy bandwidth {copy_bw:.0f} GB/s")
     if args.out:

@@ -118,9 +118,10 @@ def _qk_views(buf: torch.Tensor, nq: int, nkv: int, d: int, gated: bool) -> tupl
 
 def _check_rope(device: str, dtype: torch.dtype, tokens: int, nq: int, nkv: int, d: int, rot: int, has_norm: bool,
                 zero_centered: bool, gated: bool, exact: bool, seed: int = 0, ulps: int = 0,
-                pos_dtype: torch.dtype = torch.int64, random_cache: bool = False) -> None:
+                pos_dtype: torch.dtype = torch.int64, random_cache: bool = False, write_kv: bool = False) -> None:
     """``random_cache``: random cos/sin (RotaryEmbedding's repeat one half), so that a kernel reading
-    the wrong half shows."""
+    the wrong half shows. ``write_kv``: the fused KV-cache write too (token 1 skipped with slot -1),
+    which must store exactly the rotated k and the v of each token and touch no other slot."""
     g = _gen(seed)
     width = ((2 if gated else 1) * nq + 2 * nkv) * d + 8  # + 8: padded rows
     buf = (_grid if exact else _randn)((tokens, width), dtype, g, device)
@@ -138,12 +139,25 @@ def _check_rope(device: str, dtype: torch.dtype, tokens: int, nq: int, nkv: int,
     expect = buf.clone()  # the buffer with q and k replaced by the reference's
     for view, ref in zip(_qk_views(expect, nq, nkv, d, gated), qk_norm_rope_ref(q.clone(), k.clone(), *args)):
         view.copy_(ref)
-    q_out, k_out = qk_norm_rope(q, k, *args)
+    cache = {}
+    if write_kv:
+        v = buf[:, width - 8 - nkv * d:width - 8].view(tokens, nkv, d)
+        k_cache, v_cache = (torch.full((3 * tokens, nkv, d), 77.0, dtype=dtype, device=device) for _ in range(2))
+        slots = torch.arange(tokens, device=device) * 2 + 1
+        slots[1 % tokens] = -1
+        cache = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    q_out, k_out = qk_norm_rope(q, k, *args, **cache)
     assert q_out is q and k_out is k
     if exact:
         _assert_ulps(buf, expect, ulps)
     else:
         _assert_close(buf, expect, atol=1e-6)
+    if write_kv:
+        written = slots >= 0
+        assert torch.equal(k_cache[slots[written]], k[written]) and torch.equal(v_cache[slots[written]], v[written])
+        untouched = torch.ones(3 * tokens, dtype=torch.bool, device=device)
+        untouched[slots[written]] = False
+        assert (k_cache[untouched] == 77).all() and (v_cache[untouched] == 77).all()
 
 
 def _check_silu(device: str, dtype: torch.dtype, tokens: int, inter: int, seed: int = 0) -> None:
@@ -197,10 +211,12 @@ ROPE_CASES = {  # (head_dim, rotary_dim, norm, zero_centered, gated)
 @interp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(ROPE_CASES))
-def test_qk_norm_rope_exact(dtype, case):
+@pytest.mark.parametrize("write_kv", [False, True])
+def test_qk_norm_rope_exact(dtype, case, write_kv):
     d, rot, has_norm, zc, gated = ROPE_CASES[case]
     _check_rope("cpu", dtype, tokens=3, nq=4, nkv=2, d=d, rot=rot, has_norm=has_norm, zero_centered=zc,
-                gated=gated, exact=True, pos_dtype=torch.int32 if case == "llama-no-norm" else torch.int64)
+                gated=gated, exact=True, pos_dtype=torch.int32 if case == "llama-no-norm" else torch.int64,
+                write_kv=write_kv)
 
 
 @interp
@@ -284,3 +300,10 @@ def test_bad_operands_are_named():
         rms_norm(torch.randn(2, 24), torch.randn(16), 1e-6)
     with pytest.raises(ValueError, match=r"residual \(3, 24\)"):
         fused_add_rms_norm(torch.randn(2, 24), torch.randn(3, 24), torch.randn(24), 1e-6)
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    rope_args = (None, None, 1e-6, torch.ones(8, 16), torch.zeros(8, 16), torch.zeros(2, dtype=torch.long), 16)
+    with pytest.raises(ValueError, match="give all or none"):
+        qk_norm_rope(q, k, *rope_args, v=torch.randn(2, 2, 16))
+    with pytest.raises(ValueError, match=r"k_cache \(9, 2, 8\)"):
+        qk_norm_rope(q, k, *rope_args, v=torch.randn(2, 2, 16), k_cache=torch.zeros(9, 2, 8),
+                     v_cache=torch.zeros(9, 2, 8), slot_mapping=torch.zeros(2, dtype=torch.long))

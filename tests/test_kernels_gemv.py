@@ -27,7 +27,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from vtcore.kernels.gemv import INTERPRET, _config, gemv, gemv_ref, supports  # noqa: E402
+from vtcore.kernels.activation import silu_and_mul  # noqa: E402
+from vtcore.kernels.gemv import (  # noqa: E402
+    INTERPRET, _config, gemv, gemv_ref, gemv_rms_norm, gemv_silu_and_mul, supports)
+from vtcore.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
+from vtcore.kernels.workspace import arrival_counters  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -238,7 +242,133 @@ def test_cuda_graph_replay():
     _check(outs[2], x2[:1], w2, None)
 
 
+@cuda
+def test_cuda_split_arrivals_stress():
+    """The last-arriving split reduces: 300 graph replays of split launches (M = 1 and 16, with and
+    without prologues) give the same bits every time, equal to the eager result; a reduce that read
+    a partial before it landed, or a counter left non-zero, would show as a differing replay."""
+    dev = "cuda"
+    x, w, b = _operands(1, 1024, 3072, torch.bfloat16, seed=21, device=dev, bias=True)
+    x16 = _operands(16, 1024, 3072, torch.bfloat16, seed=22, device=dev)[0]
+    gate_up = _operands(1, 1024, 6144, torch.bfloat16, seed=23, device=dev)[0]
+    r = _operands(16, 1024, 3072, torch.bfloat16, seed=24, device=dev)[0]
+    norm_w = torch.ones(3072, dtype=torch.bfloat16, device=dev)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        return (gemv(x, w, b), gemv(x16, w), gemv_silu_and_mul(gate_up, w),
+                *gemv_rms_norm(x16, r, norm_w, 1e-6, w))
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(300):
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, eager):
+            assert torch.equal(o, e)
+    _check(outs[0], x, w, b)
+    assert not arrival_counters(x.device, 1024).any()
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 5])
+def test_cuda_prologues_equal_their_kernels(m):
+    dev = "cuda"
+    for k, n in ((1024, 4096), (3072, 1024)):  # unsplit and split
+        x, w, b = _operands(m, n, k, torch.bfloat16, seed=k + m, device=dev, bias=True)
+        gate_up = _operands(m, n, 2 * k, torch.bfloat16, seed=k + m + 1, device=dev)[0] * 3
+        assert torch.equal(gemv_silu_and_mul(gate_up, w, b), gemv(silu_and_mul(gate_up), w, b))
+        r = _operands(m, n, k, torch.bfloat16, seed=k + m + 2, device=dev)[0]
+        norm_w = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
+        y, new_r = gemv_rms_norm(x, r, norm_w, 1e-6, w, b)
+        normed, expect_r = fused_add_rms_norm(x, r, norm_w, 1e-6)
+        assert torch.equal(new_r, expect_r)
+        # the sum of squares is ordered differently: the normed input may differ by an ulp
+        torch.testing.assert_close(y, gemv(normed, w, b), rtol=2e-2, atol=2e-2)
+
+
 @interp
 def test_bad_operands_are_named():
     with pytest.raises(ValueError, match=r"weight \(8, 16\)"):
         gemv(torch.randn(2, 24), torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"gate_up \[M<=16, 32\]"):
+        gemv_silu_and_mul(torch.randn(2, 24), torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"norm_weight \(8,\)"):
+        gemv_rms_norm(torch.randn(2, 16), None, torch.randn(8), 1e-6, torch.randn(8, 16))
+    with pytest.raises(TypeError, match="block_m"):
+        gemv(torch.randn(2, 16), torch.randn(8, 16), block_m=16)
+
+
+# ------------------------------------------------------------------------------------ prologues
+# The fused prologue must equal its standalone kernel followed by the plain GEMV of the same
+# config bit for bit: same rounded inputs, same products, same summation order. Grid values keep
+# the norm's sum of squares exact (its order differs between the two kernels).
+
+
+def _counters_zero(n: int) -> bool:
+    return not arrival_counters(torch.device("cpu"), n)[:n].any()
+
+
+@interp
+@pytest.mark.parametrize("m,dtype", [(1, torch.bfloat16), (1, torch.float32), (3, torch.float16)])
+@pytest.mark.parametrize("split", [1, 3])
+def test_interpreter_silu_and_mul_prologue(m, dtype, split):
+    bn, bk = _BLOCKS[m]
+    g = torch.Generator().manual_seed(11 * m + split)
+    gate_up = (torch.randn((m, 2 * 192), generator=g) * 2).to(dtype)
+    w = (torch.randn((40, 192), generator=g) / 192 ** 0.5).to(dtype)
+    b = torch.randn((40,), generator=g).to(dtype)
+    assert supports(gate_up, w, b, prologue="silu_and_mul") and not supports(gate_up, w, b)
+    y = gemv_silu_and_mul(gate_up, w, b, block_n=bn, block_k=bk, split_k=split)
+    assert torch.equal(y, gemv(silu_and_mul(gate_up), w, b, block_n=bn, block_k=bk, split_k=split))
+    assert _counters_zero(8)
+    gate, up = gate_up.double().chunk(2, dim=-1)  # and near the float64 truth (silu's rounding aside)
+    torch.testing.assert_close(y.double(), (torch.nn.functional.silu(gate) * up) @ w.double().T + b.double(),
+                               rtol=2e-2, atol=2e-2)
+
+
+@interp
+@pytest.mark.parametrize("m,dtype", [(1, torch.bfloat16), (1, torch.float32), (3, torch.float16)])
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_interpreter_rms_norm_prologue(m, dtype, split, zero_centered, with_residual):
+    bn, bk = _BLOCKS[m]
+    x, w, b = _grid_operands(m, 40, 192, dtype, seed=m + 2 * split)
+    g = torch.Generator().manual_seed(5)
+    residual = (torch.randint(-16, 17, (m, 192), generator=g) / 8).to(dtype) if with_residual else None
+    norm_w = (torch.randn(192, generator=g) * 0.5 + (0 if zero_centered else 1)).to(dtype)
+    y, new_residual = gemv_rms_norm(x, residual, norm_w, 1e-6, w, b, zero_centered, block_n=bn, block_k=bk,
+                                    split_k=split)
+    if with_residual:
+        normed, expect_residual = fused_add_rms_norm(x, residual, norm_w, 1e-6, zero_centered)
+        assert torch.equal(new_residual, expect_residual)
+    else:
+        normed = rms_norm(x, norm_w, 1e-6, zero_centered)
+        assert new_residual is None
+    assert torch.equal(y, gemv(normed, w, b, block_n=bn, block_k=bk, split_k=split))
+    assert _counters_zero(8)
+
+
+@interp
+def test_interpreter_rms_norm_prologue_many_programs_write_the_residual():
+    """The new residual is written by the split-0 programs, K tiles shared out over the n tiles:
+    more K tiles than n tiles (and the reverse) must each cover every column exactly."""
+    for n, k, bk in ((16, 256, 32), (64, 64, 32)):
+        x, w, b = _grid_operands(1, n, k, torch.float32, seed=n)
+        r = _grid_operands(1, n, k, torch.float32, seed=n + 1)[0]
+        norm_w = torch.ones(k)
+        y, new_r = gemv_rms_norm(x, r, norm_w, 1e-6, w, None, block_n=8, block_k=bk, split_k=2)
+        assert torch.equal(new_r, x + r)
+        assert torch.equal(y, gemv(fused_add_rms_norm(x, r, norm_w, 1e-6)[0], w, block_n=8, block_k=bk, split_k=2))
+
+
+@interp
+def test_interpreter_split_counters_reset():
+    """Split-K arrivals leave every counter at zero, so the next launch's last arrival is right."""
+    x, w, b = _operands(1, 64, 192, torch.float32, seed=9, bias=True)
+    first = gemv(x, w, b, block_n=8, block_k=32, split_k=3)
+    assert _counters_zero(64)
+    assert torch.equal(first, gemv(x, w, b, block_n=8, block_k=32, split_k=3))

@@ -24,6 +24,18 @@ __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
 
 @triton.jit
+def silu_mul(g, u, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``silu(g) * u`` of float32 ``g``, ``u`` holding ``DT`` values, rounded to ``DT`` as torch
+    rounds each op (also the GEMV's SwiGLU prologue, so both paths round alike)."""
+    if INTERPRET:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    s = _cast(tl.div_rn(g, 1.0 + e), DT, INTERPRET).to(tl.float32)
+    return _cast(s * u, DT, INTERPRET)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = x_ptr.dtype.element_ty
     row = tl.program_id(0)
@@ -31,12 +43,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.co
     mask = cols < I
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    if INTERPRET:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
-    s = _cast(tl.div_rn(g, 1.0 + e), DT, INTERPRET).to(tl.float32)
-    tl.store(out_ptr + row * I + cols, _cast(s * u, DT, INTERPRET), mask=mask)
+    tl.store(out_ptr + row * I + cols, silu_mul(g, u, DT, INTERPRET), mask=mask)
 
 
 @functools.cache

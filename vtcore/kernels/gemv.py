@@ -14,10 +14,18 @@ tile (contiguous along K: 16-byte vector loads) plus x's matching ``[M, BLOCK_K]
 
 Split-K: when ``cdiv(N, BLOCK_N)`` is under 2x the SM count (the narrow-N / long-K shapes, e.g.
 o_proj and down_proj), the K tiles are also split over a second grid axis; each program writes its
-float32 partial to a ``[split, M, N]`` workspace and a second small kernel sums the partials in
-split order 0, 1, ... (then bias, then one rounding). No atomics anywhere: results are
-deterministic (the same bits run to run; they can differ between configs, i.e. between M == 1 and
-M > 1 or between split and unsplit, in the float32 summation order only).
+float32 partial to a ``[split, M, N]`` workspace and counts itself in its n tile's arrival counter
+(:mod:`vtcore.kernels.workspace`); the last of the tile's programs to arrive sums the partials in
+split order 0, 1, ... (then bias, then one rounding). The atomics only count arrivals: the sum's
+order is fixed, so results are deterministic (the same bits run to run; they can differ between
+configs, i.e. between M == 1 and M > 1 or between split and unsplit, in the float32 summation
+order only). One launch per GEMV.
+
+Prologues fuse the op that feeds a decode GEMV into its x loads (the weight stream is unchanged):
+``gemv_silu_and_mul`` (down_proj over a [gate | up] input) and ``gemv_rms_norm`` (the residual add
+and RMSNorm before qkv_proj / gate_up_proj; each program recomputes the row statistics, since a
+row is a few KB, and the programs of split 0 share out writing the new residual). Both round
+exactly as their standalone kernels do.
 
 Launch configs come from host ints only (M, N, K, dtype size, SM count), cached with
 ``functools.cache``; no autotuning, no sync, no data-dependent grid, so calls can be captured in a
@@ -42,17 +50,19 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from vtcore.kernels.rmsnorm import INTERPRET, _cast
+from vtcore.kernels.activation import silu_mul
+from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
+from vtcore.kernels.workspace import arrival_counters
 
-__all__ = ["gemv", "supports", "gemv_ref"]
+__all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "supports", "gemv_ref"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_M = 16
 _TILE_BYTES = 8192  # weight bytes per program per K step
 _PROGRAMS_PER_SM = 3  # programs the heuristic aims for
 _SPLIT_BELOW_PER_SM = 2  # split K when the N tiles are fewer than this many per SM
-_REDUCE_BLOCK = 512
 _INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
+_CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # _config's forced fields, in order
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,45 +71,79 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`gemv` handles these operands (else use ``F.linear``)."""
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             prologue: str | None = None) -> bool:
+    """Whether :func:`gemv` (``prologue`` None), :func:`gemv_silu_and_mul` ("silu_and_mul": ``x`` is
+    [M, 2K]) or :func:`gemv_rms_norm` ("rms_norm") handles these operands (else use torch)."""
     if not (x.is_cuda or INTERPRET) or x.device != weight.device:
         return False
     if x.dim() != 2 or weight.dim() != 2 or x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return False
-    m, k = x.shape
-    if m > _MAX_M or weight.shape[1] != k or k == 0 or k % 8 or not weight.is_contiguous() or (k > 1 and x.stride(1) != 1):
+    m, k = x.shape[0], weight.shape[1]
+    width = 2 * k if prologue == "silu_and_mul" else k
+    if m > _MAX_M or x.shape[1] != width or k == 0 or k % 8 or not weight.is_contiguous() or x.stride(1) != 1:
         return False
     return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()
                             and bias.device == x.device)
 
 
 @triton.jit
-def _load_row_tile(w_ptrs, x_ptr, offs_k, k0, K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at column ``k0`` and x's (single row's) matching chunk."""
-    if EVEN_K:
-        w = tl.load(w_ptrs + k0)
-        xv = tl.load(x_ptr + k0 + offs_k)
+def _load(ptr, mask, EVEN: tl.constexpr):
+    """``ptr``'s values, unmasked when ``EVEN`` (keeps 16-byte vector loads), else 0 where masked."""
+    if EVEN:
+        v = tl.load(ptr)
     else:
-        k_mask = k0 + offs_k < K
-        w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
-        xv = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0)
-    return w, xv
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
+def _residual_sum(x_ptr, r_ptr, x_off, r_off, mask, EVEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 ``x`` (+ the residual, the sum rounded to ``DT`` as ``fused_add_rms_norm`` rounds it)."""
+    h = _load(x_ptr + x_off, mask, EVEN).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = _cast(h + _load(r_ptr + r_off, mask, EVEN).to(tl.float32), DT, INTERPRET).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _x_tile(x_ptr, r_ptr, nw_ptr, x_off, r_off, cols, mask, rstd, K: tl.constexpr, EVEN: tl.constexpr,
+            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The input tile at offsets ``x_off`` (columns ``cols``) after the prologue, in ``DT``:
+    0: x itself; 1: ``silu(x[:, c]) * x[:, K + c]``; 2: ``rms_norm(x (+ residual))`` with ``rstd``."""
+    if PROLOGUE == 1:
+        g = _load(x_ptr + x_off, mask, EVEN).to(tl.float32)
+        u = _load(x_ptr + x_off + K, mask, EVEN).to(tl.float32)
+        v = silu_mul(g, u, DT, INTERPRET)
+    elif PROLOGUE == 2:
+        h = _residual_sum(x_ptr, r_ptr, x_off, r_off, mask, EVEN, HAS_RESIDUAL, DT, INTERPRET)
+        w = _load(nw_ptr + cols, mask, EVEN).to(tl.float32)
+        v = _cast(_normalize(h, rstd, w, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
+    else:
+        v = _load(x_ptr + x_off, mask, EVEN)
+    return v
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, stride_xm,
-    N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr,
+    x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr, M, stride_xm, stride_rm, eps,
+    N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_OUT: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
 
-    ``SPLIT_OUT``: writes the float32 partial to ``out_ptr`` = workspace ``[split, M, N]``; else adds
-    the bias and writes the rounded result to ``out_ptr`` = output ``[M, N]`` (contiguous).
+    ``PROLOGUE`` (see :func:`_x_tile`) transforms x as it is loaded; the norm's statistics need all
+    of a row, so every program first sums its squares over the whole K (x is small and cached), and
+    the programs of split 0 write the new residual, each n tile a share of the K tiles.
+    ``SPLIT > 1``: each program stores its float32 partial in ``ws`` [SPLIT, M, N], then counts
+    itself in the n tile's arrival counter; the last to arrive sums the SPLIT partials in order,
+    adds the bias, rounds once, writes ``out`` and resets the counter.
     """
+    DT: tl.constexpr = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,64 +155,78 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
+    # x offsets of column 0 ([BLOCK_K] for one row, [BLOCK_K, BLOCK_M] transposed for several)
+    if BLOCK_M == 1:
+        m_ok = offs_k >= 0
+        x_base = offs_k
+        r_base = offs_k
+        cols0 = offs_k
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = (offs_m < M)[None, :] & (offs_k >= 0)[:, None]
+        x_base = offs_m[None, :] * stride_xm + offs_k[:, None]
+        r_base = offs_m[None, :] * stride_rm + offs_k[:, None]
+        cols0 = offs_k[:, None] + offs_m[None, :] * 0
+    rstd = 0.0
+    if PROLOGUE == 2:
+        ss = tl.sum(tl.zeros_like(x_base).to(tl.float32), axis=0)
+        for k0 in range(0, K, BLOCK_K):
+            xm = m_ok & (cols0 + k0 < K)
+            h = _residual_sum(x_ptr, r_ptr, x_base + k0, r_base + k0, xm, False, HAS_RESIDUAL, DT, INTERPRET)
+            ss += tl.sum(h * h, axis=0)
+            if HAS_RESIDUAL and pid_k == 0 and (k0 // BLOCK_K) % tl.num_programs(0) == pid_n:
+                if BLOCK_M == 1:
+                    tl.store(r_out_ptr + k0 + offs_k, h.to(DT), mask=xm)
+                else:
+                    tl.store(r_out_ptr + offs_m[None, :] * K + k0 + offs_k[:, None], h.to(DT), mask=xm)
+        rstd = tl.rsqrt(ss * (1.0 / K) + eps)
+        if BLOCK_M > 1:
+            rstd = rstd[None, :]
     if BLOCK_M == 1:
         # Register double buffering: tile i + 1 is requested before tile i is multiplied, so two
         # tiles per program are in flight (Triton's pipeliner stages only loads that feed a dot).
         # Every program has at least one tile (the host never makes an empty split).
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w, xv = _load_row_tile(w_ptrs, x_ptr, offs_k, k_start, K, EVEN_K)
+        xm = m_ok if EVEN_K else offs_k + k_start < K
+        w = _load(w_ptrs + k_start, xm[None, :], EVEN_K)
+        xv = _x_tile(x_ptr, r_ptr, nw_ptr, x_base + k_start, r_base + k_start, cols0 + k_start, xm, rstd, K,
+                     EVEN_K, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            w_next, x_next = _load_row_tile(w_ptrs, x_ptr, offs_k, k0, K, EVEN_K)
+            xm = m_ok if EVEN_K else offs_k + k0 < K
+            w_next = _load(w_ptrs + k0, xm[None, :], EVEN_K)
+            x_next = _x_tile(x_ptr, r_ptr, nw_ptr, x_base + k0, r_base + k0, cols0 + k0, xm, rstd, K,
+                             EVEN_K, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
             w, xv = w_next, x_next
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
-        if SPLIT_OUT:
-            tl.store(out_ptr + pid_k * (M * N) + offs_n, y, mask=n_mask)
-        else:
-            if HAS_BIAS:
-                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offs_n, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=n_mask)
+        out_mask = n_mask
+        dst = offs_n
+        bias_off = offs_n
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x chunk transposed: [BLOCK_K, BLOCK_M]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs + k0)
-                xt = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0)
-            else:
-                k_mask = k0 + offs_k < K
-                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0)
-                xt = tl.load(x_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+            xm = m_ok & (cols0 + k0 < K)
+            w = _load(w_ptrs + k0, (offs_k + k0 < K)[None, :], EVEN_K)
+            xt = _x_tile(x_ptr, r_ptr, nw_ptr, x_base + k0, r_base + k0, cols0 + k0, xm, rstd, K,
+                         False, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
             acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-        mask = m_mask[:, None] & n_mask[None, :]
+        out_mask = (offs_m < M)[:, None] & n_mask[None, :]
         dst = offs_m[:, None] * N + offs_n[None, :]
-        if SPLIT_OUT:
-            tl.store(out_ptr + pid_k * (M * N) + dst, y, mask=mask)
-        else:
-            if HAS_BIAS:
-                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + dst, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
-
-
-@triton.jit
-def _split_reduce_kernel(
-    ws_ptr, b_ptr, out_ptr, M,
-    N: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """``out = round(sum_{s = 0, 1, ...} ws[s] + bias)`` over the flattened ``[M, N]``, split order fixed."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    size = M * N
-    mask = offs < size
-    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(ws_ptr + s * size + offs, mask=mask, other=0.0)
+        bias_off = offs_n[None, :]
+    if SPLIT > 1:
+        tl.store(ws_ptr + pid_k * (M * N) + dst, y, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
+        if tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
+            return
+        tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        y = tl.load(ws_ptr + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+        y += tl.load(b_ptr + bias_off, mask=bias_off < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, _cast(y, DT, INTERPRET), mask=out_mask)
 
 
 @functools.cache
@@ -217,39 +275,77 @@ def _config(m: int, n: int, k: int, itemsize: int, sms: int, block_n: int | None
     return block_m, bn, bk, split, per_split * bk, num_warps or 4, num_stages or 3
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
+            residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, zero_centered: bool,
+            config: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, new residual or None); shapes already checked. ``config`` forces launch parameters."""
+    unknown = set(config) - set(_CONFIG_KEYS)
+    if unknown:
+        raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
+    if m == 0 or n == 0:
+        return out, new_residual
+    block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, x.element_size(), _num_sms(x.device),
+                                                             *(config.get(key) for key in _CONFIG_KEYS))
+    n_tiles = triton.cdiv(n, bn)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    sem = arrival_counters(x.device, n_tiles) if split > 1 else out
+    _gemv_kernel[(n_tiles, split)](
+        x, x if residual is None else residual, weight if norm_weight is None else norm_weight,
+        out if new_residual is None else new_residual, weight, weight if bias is None else bias, out, ws, sem,
+        m, x.stride(0), 0 if residual is None else residual.stride(0), eps,
+        N=n, K=k, K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
+        INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
+        enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
+    return out, new_residual
+
+
+def _check(name: str, x: torch.Tensor, weight: torch.Tensor, width: int, expected: str) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width or x.shape[0] > _MAX_M:
+        raise ValueError(f"{name}: x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected {expected} "
+                         "(see supports() for the dtype and layout rules)")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [M, K] (M <= 16; rows may be strided, the last dim
     contiguous), ``weight`` [N, K] contiguous, ``bias`` [N]; all one dtype (bf16/fp16/fp32), see
     :func:`supports`. Returns a new contiguous [M, N] tensor in x's dtype: float32 accumulation,
     bias added in float32, one rounding.
 
-    The keywords force parts of the launch config (powers of two; ``block_n`` >= 16 when M > 1;
+    Keywords (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``; also taken by the
+    prologue variants) force parts of the launch config (powers of two; ``block_n`` >= 16 when M > 1;
     ``split_k`` is capped at the number of K tiles); by default :func:`_config` picks them.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.shape[0] > _MAX_M:
-        raise ValueError(f"gemv: x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected x [M<={_MAX_M}, K] "
-                         "and weight [N, K] (see supports() for the dtype and layout rules)")
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    block_m, bn, bk, split, k_split, warps, stages = _config(
-        m, n, k, x.element_size(), _num_sms(x.device), block_n, block_k, split_k, num_warps, num_stages)
-    dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is moot for 16-bit inputs
-    b = weight if bias is None else bias
-    grid = (triton.cdiv(n, bn), split)
-    meta = dict(N=n, K=k, K_SPLIT=k_split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0,
-                EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision, INTERPRET=INTERPRET,
-                num_warps=warps, num_stages=stages, enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
-    if split == 1:
-        _gemv_kernel[grid](x, weight, b, out, m, x.stride(0), SPLIT_OUT=False, **meta)
-        return out
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](x, weight, b, ws, m, x.stride(0), SPLIT_OUT=True, **meta)
-    _split_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-        ws, b, out, m, N=n, SPLIT=split, BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias is not None, INTERPRET=INTERPRET,
-        num_warps=4, enable_fp_fusion=True)
-    return out
+    _check("gemv", x, weight, weight.shape[-1], f"x [M<={_MAX_M}, K] and weight [N, K]")
+    return _launch(x, weight, bias, 0, None, None, 0.0, False, config)[0]
+
+
+def gemv_silu_and_mul(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      **config: int) -> torch.Tensor:
+    """``F.linear(silu(gate) * up, weight, bias)`` for ``gate_up`` [M, 2K] = [gate | up]: SwiGLU
+    computed as x is loaded, rounded as :func:`vtcore.kernels.activation.silu_and_mul` rounds it."""
+    k = weight.shape[-1]
+    _check("gemv_silu_and_mul", gate_up, weight, 2 * k, f"gate_up [M<={_MAX_M}, {2 * k}] for weight [N, {k}]")
+    return _launch(gate_up, weight, bias, 1, None, None, 0.0, False, config)[0]
+
+
+def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None, zero_centered: bool = False,
+                  **config: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(F.linear(rms_norm(h), weight, bias), h)`` with ``h = residual + x`` (or ``x``, then None
+    is returned for it): :func:`vtcore.kernels.rmsnorm.fused_add_rms_norm` (or ``rms_norm``) fed into
+    the GEMV in one launch. ``norm_weight`` [K] in x's dtype; ``residual`` contiguous, like x."""
+    k = weight.shape[-1]
+    _check("gemv_rms_norm", x, weight, k, f"x [M<={_MAX_M}, {k}] for weight [N, {k}]")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or (
+            residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                      or residual.stride(1) != 1)):
+        raise ValueError(f"gemv_rms_norm: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}, residual "
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: expected norm_weight "
+                         f"[{k}] and a residual shaped like x {tuple(x.shape)}, all {x.dtype}")
+    return _launch(x, weight, bias, 2, residual, norm_weight, eps, zero_centered, config)

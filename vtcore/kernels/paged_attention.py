@@ -7,7 +7,8 @@ p % block_size``. Query head ``h`` reads kv head ``h // (heads // kv_heads)`` (G
 Every launch is sized from host ints only (shapes, ``max_query_len``, ``max_context_len``), never
 from tensor values, so the wrappers neither sync nor break CUDA-graph capture; lengths are read on
 the device and programs with nothing to do return at once. Accumulation is float32 with a fixed
-order (no atomics), so results are deterministic. Softmax runs in base 2 with ``scale * log2(e)``
+order (atomics only count arrivals, see :mod:`vtcore.kernels.workspace`), so results are
+deterministic. Softmax runs in base 2 with ``scale * log2(e)``
 folded into the scores.
 
 The ``*_ref`` functions are the plain torch versions (float32 softmax through
@@ -22,6 +23,8 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from vtcore.kernels.workspace import arrival_counters
+
 __all__ = [
     "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_num_splits",
     "write_kv_cache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
@@ -30,7 +33,7 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # decode key tile (positions)
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
-_REDUCE_CHUNK = 32  # splits the reduce kernel combines per step
+_REDUCE_CHUNK = 32  # splits the last-arriving program combines per step
 
 
 # ----------------------------------------------------------------------------- cache write
@@ -121,8 +124,34 @@ def _attend_tile(
 
 
 @triton.jit
+def _combine_splits(part_ptr, ml_ptr, n, stride_pk, stride_mk, offs_d, d_mask, CHUNK: tl.constexpr):
+    """One head's output from its first ``n`` split partials: ``sum_s w_s acc_s / sum_s w_s l_s``,
+    ``w_s = 2^(m_s - max m)``, splits in index order (an empty split, max -inf, weighs 0). Loads
+    bypass L1 (``.cg``): other programs wrote the partials."""
+    offs_k = tl.arange(0, CHUNK)
+    m_run = tl.full((CHUNK,), float("-inf"), dtype=tl.float32)
+    for k0 in range(0, n, CHUNK):
+        m_run = tl.maximum(m_run, tl.load(ml_ptr + (k0 + offs_k) * stride_mk, mask=k0 + offs_k < n,
+                                          other=float("-inf"), cache_modifier=".cg"))
+    m_max = tl.max(m_run, 0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: no -inf - -inf below
+    l_run = tl.zeros((CHUNK,), dtype=tl.float32)
+    acc = tl.zeros(offs_d.shape, dtype=tl.float32)
+    for k0 in range(0, n, CHUNK):
+        k_mask = k0 + offs_k < n
+        m = tl.load(ml_ptr + (k0 + offs_k) * stride_mk, mask=k_mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m - m_max)
+        l_run += w * tl.load(ml_ptr + (k0 + offs_k) * stride_mk + 1, mask=k_mask, other=0.0, cache_modifier=".cg")
+        a = tl.load(part_ptr + (k0 + offs_k)[:, None] * stride_pk + offs_d[None, :],
+                    mask=k_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, None] * a, 0)
+    l_sum = tl.sum(l_run, 0)
+    return acc / tl.where(l_sum > 0, l_sum, 1.0)
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, sem_ptr,
     scale_log2, num_splits,
     stride_qs, stride_qh, stride_qd,
     stride_cs, stride_ch, stride_cd,
@@ -131,7 +160,7 @@ def _decode_kernel(
     stride_ps, stride_ph, stride_pk,
     stride_ms, stride_mh, stride_mk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
     SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (split, kv head, seq): the GROUP query heads of a kv head over the key tiles
@@ -139,16 +168,20 @@ def _decode_kernel(
 
     Striding the tiles over a grid sized by host ints keeps every program busy whatever the
     context: a graph captured for ``max_model_len`` still spreads a short context over all splits.
-    ``SPLIT_OUT``: writes the unnormalised partial (acc, max, sum) to scratch; a split with no tile
-    returns at once. Otherwise (one split) writes the normalised output; a context of 0 gives zeros.
+    ``SPLIT_OUT``: the splits holding a tile (split 0 also when the context is empty) write their
+    unnormalised partial (acc, max, sum) to scratch and count themselves in the (seq, kv head)'s
+    arrival counter; the last to arrive combines the partials in split order, writes the output
+    and resets the counter (see :mod:`vtcore.kernels.workspace`). Splits without a tile return at
+    once. Otherwise (one split) the program writes the normalised output; an empty context gives zeros.
     """
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
+    active = tl.maximum(tl.minimum(num_tiles, num_splits), 1)
     if SPLIT_OUT:
-        if split >= num_tiles:
+        if split >= active:
             return
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -174,49 +207,21 @@ def _decode_kernel(
         ml = b * stride_ms + heads * stride_mh + split * stride_mk
         tl.store(ml_ptr + ml, m_i, mask=g_mask)
         tl.store(ml_ptr + ml + 1, l_i, mask=g_mask)
+        tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
+        counter = sem_ptr + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != active - 1:
+            return
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        for g in tl.static_range(GROUP):
+            h = kvh * GROUP + g
+            o = _combine_splits(part_ptr + b * stride_ps + h * stride_ph, ml_ptr + b * stride_ms + h * stride_mh,
+                                active, stride_pk, stride_mk, offs_d, d_mask, CHUNK)
+            tl.store(out_ptr + b * stride_os + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty),
+                     mask=d_mask)
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    lens_ptr, part_ptr, ml_ptr, out_ptr, num_splits,
-    stride_ps, stride_ph, stride_pk,
-    stride_ms, stride_mh, stride_mk,
-    stride_os, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Program (head, seq): ``out = sum_s w_s acc_s / sum_s w_s l_s``, ``w_s = 2^(m_s - max m)``.
-
-    Only the splits that hold a tile are read, in index order; no context gives zeros.
-    """
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    n = tl.minimum(tl.cdiv(tl.load(lens_ptr + b), BLOCK_N), num_splits)
-    offs_k = tl.arange(0, CHUNK)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    ml = ml_ptr + b * stride_ms + h * stride_mh
-    part = part_ptr + b * stride_ps + h * stride_ph
-    m_run = tl.full((CHUNK,), float("-inf"), dtype=tl.float32)
-    for k0 in range(0, n, CHUNK):
-        m_run = tl.maximum(m_run, tl.load(ml + (k0 + offs_k) * stride_mk, mask=k0 + offs_k < n, other=float("-inf")))
-    m_max = tl.max(m_run, 0)
-    l_run = tl.zeros((CHUNK,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for k0 in range(0, n, CHUNK):
-        k_mask = k0 + offs_k < n
-        m = tl.load(ml + (k0 + offs_k) * stride_mk, mask=k_mask, other=float("-inf"))
-        w = tl.where(k_mask, tl.exp2(m - m_max), 0.0)
-        l_run += w * tl.load(ml + (k0 + offs_k) * stride_mk + 1, mask=k_mask, other=0.0)
-        a = tl.load(part + (k0 + offs_k)[:, None] * stride_pk + offs_d[None, :],
-                    mask=k_mask[:, None] & d_mask[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * a, 0)
-    l_sum = tl.sum(l_run, 0)
-    o = acc / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(out_ptr + b * stride_os + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int = _BLOCK_N) -> int:
@@ -249,8 +254,8 @@ def paged_decode_attention(
     once per kv head; split ``i`` takes key tiles ``i, i + num_splits, ...`` of ``block_n``
     positions. With ``num_splits > 1`` partial results go to float32 scratch ``[seqs, heads,
     splits, head_dim]`` and ``[seqs, heads, splits, 2]`` (allocated per call, sized by host ints
-    only) and a reduce kernel over (head, seq) combines them in split order; with one split the
-    first kernel writes ``out`` directly. ``num_splits`` defaults to :func:`decode_num_splits`.
+    only) and the last split of a (seq, kv head) to finish combines them in split order, in the same
+    launch; with one split each program writes ``out`` directly. ``num_splits`` defaults to :func:`decode_num_splits`.
     """
     seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -266,23 +271,21 @@ def paged_decode_attention(
     group = heads // kv_heads
     block_d = triton.next_power_of_2(head_dim)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                  BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+                  BLOCK_N=block_n, BLOCK_D=block_d, CHUNK=_REDUCE_CHUNK, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
                   num_stages=num_stages)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2))
     grid = (num_splits, kv_heads, seqs)
     if num_splits == 1:
-        _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, out, out,
+        _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, out, out, out,
                              scale * _LOG2E, 1, *strides, 0, 0, 0, 0, 0, 0, SPLIT_OUT=False, **common)
         return out
     part = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((seqs, heads, num_splits, 2), dtype=torch.float32, device=q.device)
     pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
     _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
-                         scale * _LOG2E, num_splits, *strides, *pml_strides, SPLIT_OUT=True, **common)
-    _decode_reduce_kernel[(heads, seqs)](context_lens, part, ml, out, num_splits, *pml_strides,
-                                         out.stride(0), out.stride(1), out.stride(2), HEAD_DIM=head_dim,
-                                         BLOCK_D=block_d, BLOCK_N=block_n, CHUNK=_REDUCE_CHUNK, num_warps=num_warps)
+                         arrival_counters(q.device, seqs * kv_heads), scale * _LOG2E, num_splits, *strides,
+                         *pml_strides, SPLIT_OUT=True, **common)
     return out
 
 

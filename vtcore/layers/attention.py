@@ -76,12 +76,20 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         self.block_size = 0  # set with the cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] -> [tokens, heads * dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                rotary: nn.Module | None = None, q_norm: nn.Module | None = None, k_norm: nn.Module | None = None
+                ) -> torch.Tensor:
+        """``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] -> [tokens, heads * dim].
+
+        With ``rotary`` (a ``RotaryEmbedding``) and ``positions``, q and k are first normed by
+        ``q_norm``/``k_norm`` (when given) and rotated; on CUDA that and the cache write are one kernel."""
         md = get_attention_metadata()
         triton = q.is_cuda
-        (kernels.write_kv_cache if triton else kernels.write_kv_cache_ref)(
-            k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if rotary is not None:
+            q, k = rotary(positions, q, k, q_norm, k_norm, kv_cache=(v, self.k_cache, self.v_cache, md.slot_mapping))
+        else:
+            (kernels.write_kv_cache if triton else kernels.write_kv_cache_ref)(
+                k, v, self.k_cache, self.v_cache, md.slot_mapping)
         if md.decode:
             out = (kernels.paged_decode_attention if triton else kernels.paged_decode_attention_ref)(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.block_size,

@@ -2,11 +2,12 @@
 norm, and an lm_head tied or not. A family builds its layers; these pieces run them."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from vtcore.config import HFConfig
-from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
@@ -26,15 +27,26 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, [("gate", intermediate), ("up", intermediate)], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
+    @property
+    def in_proj(self) -> Linear:
+        return self.gate_up_proj
+
+    def forward_projected(self, positions: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward_gated(gate_up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.forward_projected(None, self.gate_up_proj(x))
 
 
 class PreNormDecoderLayer(nn.Module):
     """A pre-norm layer with the residual carried between layers: ``input_layernorm`` (adding the
     residual), ``mix`` (attention), ``post_attention_layernorm`` (adding it again), ``ffn``.
 
-    Subclasses set the two norms and ``self_attn`` / ``mlp``, or override ``mix`` / ``ffn``.
+    Subclasses set the two norms and ``self_attn`` / ``mlp``, or override ``mix`` / ``ffn`` and
+    ``mix_module`` / ``ffn_module``. A module whose input goes through one Linear first declares it:
+    ``in_proj`` (that Linear) and ``forward_projected(positions, y)`` (the rest, so that
+    ``module(x) == module.forward_projected(positions, module.in_proj(x))``); the norm (and residual
+    add) before it then runs inside that Linear's GEMV on the decode path (one launch, not two).
     """
 
     input_layernorm: RMSNorm
@@ -46,14 +58,34 @@ class PreNormDecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x)
 
+    def mix_module(self) -> nn.Module | None:
+        """The module ``mix`` runs (its ``in_proj``, if any, gets the fused norm)."""
+        return getattr(self, "self_attn", None)
+
+    def ffn_module(self) -> nn.Module | None:
+        """The module ``ffn`` runs (its ``in_proj``, if any, gets the fused norm)."""
+        return getattr(self, "mlp", None)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.mix(positions, self.input_layernorm(x))
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.mix(positions, x), residual)
-        return self.ffn(x), residual
+            x, residual = _norm_into(self.input_layernorm, x, residual, self.mix_module(),
+                                     lambda h: self.mix(positions, h), positions)
+        return _norm_into(self.post_attention_layernorm, x, residual, self.ffn_module(), self.ffn, positions)
+
+
+def _norm_into(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, module: nn.Module | None,
+               run: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(run(norm(x + residual)), x + residual)``, the norm fused into ``module.in_proj`` when it can be."""
+    proj = getattr(module, "in_proj", None)
+    if proj is not None and proj.can_fuse_rms_norm(x, norm):
+        y, residual = proj.forward_rms_norm(x, residual, norm)
+        return module.forward_projected(positions, y), residual
+    h, residual = norm(x, residual)
+    return run(h), residual
 
 
 class DecoderStack(nn.Module):

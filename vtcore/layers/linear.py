@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vtcore.layers.activation import silu_and_mul
+
 
 GEMV_MAX_ROWS = 16  # up to this many rows, CUDA runs vtcore.kernels.gemv instead of cuBLAS
 
@@ -64,12 +66,44 @@ class Linear(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
 
+    def _gemv(self, x: torch.Tensor, prologue: str | None = None) -> bool:
+        """Whether this call takes the Triton GEMV (decode-sized rows on CUDA, plain weights)."""
+        if self.quant is not None or not use_gemv(x) or x.dim() != 2 or x.shape[0] > GEMV_MAX_ROWS:
+            return False
+        from vtcore.kernels import gemv
+        return gemv.supports(x, self.weight, self.bias, prologue)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x)
-        if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:  # decode: a Triton GEMV beats cuBLAS at small M
+        if self._gemv(x):  # decode: a Triton GEMV beats cuBLAS at small M
             from vtcore.kernels import gemv
-
-            if gemv.supports(x, self.weight, self.bias):
-                return gemv.gemv(x, self.weight, self.bias)
+            return gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``self(silu(gate) * up)`` for ``gate_up`` = [gate | up]; the SwiGLU fused into the GEMV's loads
+        on the GEMV path."""
+        if self._gemv(gate_up, "silu_and_mul"):
+            from vtcore.kernels import gemv
+            return gemv.gemv_silu_and_mul(gate_up, self.weight, self.bias)
+        return self(silu_and_mul(gate_up))
+
+    def can_fuse_rms_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
+        """Whether :meth:`forward_rms_norm` runs as one GEMV with the norm in its prologue."""
+        return norm.weight.dtype == x.dtype and self._gemv(x, "rms_norm")
+
+    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(x + residual)), x + residual)`` for an ``RMSNorm`` ``norm``; one launch when
+        :meth:`can_fuse_rms_norm`."""
+        if self.can_fuse_rms_norm(x, norm):
+            from vtcore.kernels import gemv
+            return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias, norm.zero_centered)
+        h, residual = norm(x, residual)
+        return self(h), residual
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Decode-sized Linear calls on CUDA run the Triton GEMV (tests point this at the interpreter on CPU)."""
+    return x.is_cuda

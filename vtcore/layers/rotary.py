@@ -57,20 +57,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
-                k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                k_norm: nn.Module | None = None, kv_cache: tuple[torch.Tensor, ...] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` and ``k`` are [tokens, heads, head_dim]; ``positions`` is [tokens]. ``q_norm`` / ``k_norm``
-        (per-head ``RMSNorm``, Qwen3's q/k norm) run first. On CUDA one fused Triton kernel does both,
-        in place in ``q`` and ``k`` (views into the fused qkv projection)."""
+        (per-head ``RMSNorm``, Qwen3's q/k norm) run first. ``kv_cache`` = ``(v, k_cache, v_cache,
+        slot_mapping)`` also writes the rotated k and v into the paged cache (as ``write_kv_cache``).
+        On CUDA one fused Triton kernel does all of it, in place in ``q`` and ``k`` (views into the
+        fused qkv projection)."""
+        weights = (q_norm.weight if q_norm else None, k_norm.weight if k_norm else None)
+        norm = q_norm or k_norm
+        eps, zero_centered = (norm.eps, bool(norm.zero_centered)) if norm else (0.0, False)
         if q.is_cuda:
             from vtcore.kernels.rope import qk_norm_rope
-            norm = q_norm or k_norm
-            qk_norm_rope(q, k, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
-                         norm.eps if norm else 0.0, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
-                         zero_centered=bool(norm and norm.zero_centered))
-            return q, k
-        return qk_norm_rope_torch(q, k, q_norm.weight if q_norm else None, k_norm.weight if k_norm else None,
-                                  q_norm.eps if q_norm else 0.0, self.cos_cache, self.sin_cache, positions,
-                                  self.rotary_dim, bool(q_norm and q_norm.zero_centered))
+            v, k_cache, v_cache, slots = kv_cache or (None,) * 4
+            return qk_norm_rope(q, k, *weights, eps, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
+                                zero_centered, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+        q, k = qk_norm_rope_torch(q, k, *weights, eps, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
+                                  zero_centered)
+        if kv_cache is not None:
+            from vtcore.kernels.paged_attention import write_kv_cache_ref
+            v, k_cache, v_cache, slots = kv_cache
+            write_kv_cache_ref(k, v, k_cache, v_cache, slots)
+        return q, k
 
 
 def qk_norm_rope_torch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,

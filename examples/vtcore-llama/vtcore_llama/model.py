@@ -26,10 +26,17 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(nq, nkv, hd, hd ** -0.5)
 
+    @property
+    def in_proj(self) -> Linear:
+        return self.qkv_proj
+
+    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.split(self.sizes, -1)
+        return self.o_proj(self.attn(q.view(-1, self.heads, self.head_dim), k.view(-1, self.kv_heads, self.head_dim),
+                                     v.view(-1, self.kv_heads, self.head_dim), positions, self.rotary))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, -1)
-        q, k = self.rotary(positions, q.view(-1, self.heads, self.head_dim), k.view(-1, self.kv_heads, self.head_dim))
-        return self.o_proj(self.attn(q, k, v.view(-1, self.kv_heads, self.head_dim)))
+        return self.forward_projected(positions, self.qkv_proj(x))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -61,12 +61,19 @@ class GatedAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(nq, nkv, hd, hd ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qg, k, v = self.qkv_proj(x).split([2 * self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+    @property
+    def in_proj(self) -> Linear:
+        return self.qkv_proj
+
+    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        qg, k, v = qkv.split([2 * self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         q, gate = qg.view(-1, self.nq, 2 * self.hd).chunk(2, dim=-1)
-        q, k = self.rotary(positions, q, k.view(-1, self.nkv, self.hd), self.q_norm, self.k_norm)
-        out = self.attn(q, k, v.view(-1, self.nkv, self.hd))
+        out = self.attn(q, k.view(-1, self.nkv, self.hd), v.view(-1, self.nkv, self.hd), positions, self.rotary,
+                        self.q_norm, self.k_norm)
         return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_projected(positions, self.qkv_proj(x))
 
 
 class Experts(nn.Module):

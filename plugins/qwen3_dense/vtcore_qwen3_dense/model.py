@@ -30,12 +30,19 @@ class Qwen3Attention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(nq, nkv, hd, hd ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(
+    @property
+    def in_proj(self) -> Linear:
+        return self.qkv_proj
+
+    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
-        q, k = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim),
-                           k.view(-1, self.num_kv_heads, self.head_dim), self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+        out = self.attn(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                        v.view(-1, self.num_kv_heads, self.head_dim), positions, self.rotary, self.q_norm, self.k_norm)
+        return self.o_proj(out)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_projected(positions, self.qkv_proj(x))
 
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):
