@@ -99,9 +99,9 @@ def test_overlap_is_real(tiny_checkpoint) -> None:
     staged: list[list[int]] = []
     stage = eng.runner._stage
 
-    def spy(sections):
+    def spy(sections, **kwargs):
         staged.append(list(sections[0]))  # the host input ids of the step
-        return stage(sections)
+        return stage(sections, **kwargs)
 
     eng.runner._stage = spy
     eng.event_log = []

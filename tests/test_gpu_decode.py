@@ -10,7 +10,7 @@ from vtcore.conformance.harness import build_engine, mixed_arrivals, run_engine
 from vtcore.testing.oracle import near_tie_violations
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-KERNELS = ("_write_kv_kernel", "_decode_kernel", "_prefill_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel",
+KERNELS = ("_gemv_kernel", "_decode_kernel", "_prefill_kernel", "_rms_norm_kernel", "_qk_norm_rope_kernel",
            "_silu_and_mul_kernel")
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -31,6 +31,7 @@ from vtcore.kernels.paged_attention import (  # noqa: E402
     write_kv_cache,
     write_kv_cache_ref,
 )
+from vtcore.kernels import paged_attention as pa  # noqa: E402
 from vtcore.kernels.workspace import arrival_counters  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -189,6 +190,22 @@ def test_decode_kernel_matches_reference(heads, kv_heads, bs, split, table_dtype
     assert out.shape == (len(ctx), heads, dim) and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not out[4].any()
+
+
+@interp
+@pytest.mark.parametrize("values", [64, 128])
+def test_decode_combine_in_chunks(monkeypatch, values):
+    """The last-arriving split combines the partials a chunk of splits at a time with a running max:
+    forced down to 1 or 2 splits a chunk, 5 splits still give the reference."""
+    monkeypatch.setattr(pa, "_COMBINE_VALUES", values)  # chunk = values // (group 2 * dim 32)
+    heads, kv_heads, dim, bs = 4, 2, 32, 8
+    ctx = [79, 5, 40]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=values)
+    q = _decode_q(len(ctx), heads, dim, seed=1, dtype=torch.float32) * 4  # peaked: the max matters
+    out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 0.3, bs, 80,
+                                 num_splits=5, block_n=16)
+    ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, 0.3, bs, 80)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 @interp

@@ -19,7 +19,8 @@ decode steps (every sequence computes one token; ``decode_steps`` of them) and t
 saw over a short window of a separate probe run after the measured one (CUDA only; None with
 ``reason`` ``"no CUDA device"`` on CPU).
 
-Also measured in the same run:
+Also measured in the same run: ``triton_compiles``, the Triton kernel variants built while a
+concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count_triton_compiles`), and
 
 * ``roofline`` (always): the device copy bandwidth, measured before the engine is built, and per
   concurrency the bytes one decode step must move (parameters + KV read) with ``roofline_ms`` and
@@ -56,7 +57,7 @@ from typing import Any, Sequence, TextIO
 
 from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
-from vtcore.bench.step_stats import NO_CUDA, StepTimer, probe_decode, unavailable
+from vtcore.bench.step_stats import NO_CUDA, StepTimer, count_triton_compiles, probe_decode, unavailable
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 DEFAULT_INPUT_LEN = 1024
@@ -384,8 +385,10 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         for c in concurrency:
             await warm_up(c)
             n = max(args.num_prompts or 4 * c, c)
-            runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
-                                               progress, random.Random(args.seed * 1_000_003 + c)))
+            with count_triton_compiles() as compiled:
+                runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
+                                                   progress, random.Random(args.seed * 1_000_003 + c)))
+            runs[-1]["triton_compiles"] = compiled
         return runs
 
     try:
@@ -482,7 +485,9 @@ def format_table(doc: dict[str, Any]) -> str:
                          f"{_num(d['device_ms_per_step'], '.3f')} ms, kernels {_num(d['kernels_per_step'], '.1f')}, "
                          f"memcpy {_num(d['memcpy_per_step'], '.1f')}, memset {_num(d['memset_per_step'], '.1f')}"
                          f" per step" if d["profiled"] else "device time and kernels not measured")
-                     + ("" if d["reason"] is None else f" ({d['reason']})"))
+                     + ("" if d["reason"] is None else f" ({d['reason']})")
+                     + f"; Triton compiles while measured: {len(r['triton_compiles'])}"
+                     + (f" ({', '.join(sorted(set(r['triton_compiles'])))})" if r["triton_compiles"] else ""))
     if doc.get("peer"):
         lines += format_peer(doc["peer"], _ms)
     return "\n".join(lines) + "\n"

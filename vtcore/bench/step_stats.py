@@ -14,14 +14,19 @@
   overhead included) per step. Kernels replayed from a CUDA graph are reported as kernel events by
   recent torch/CUPTI; when none are seen at all the counts are None with a reason, never 0.
 
+* Triton compilations (:func:`count_triton_compiles`): the kernels Triton had to build (or load
+  from its disk cache) while a concurrency was measured. Each is a stall of up to a second on the
+  engine thread, so a non-empty list explains a TTFT outlier; the warm-up should leave it empty.
+
 Nothing here imports torch at module import time.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 PROBE_SKIP, PROBE_STEPS, PROBE_SLACK = 3, 10, 16
 KERNEL, MEMCPY, MEMSET = "kernel", "gpu_memcpy", "gpu_memset"
@@ -223,3 +228,26 @@ async def probe_decode(engine: Any, c: int, input_len: int, output_len: int, rng
             "mean_batch_size": window.seqs / window.steps if window.steps else None,
             "skip_steps": skip, "requested_steps": steps, "closed_by": window.closed_by,
             "max_tokens": params.max_tokens}
+
+
+@contextlib.contextmanager
+def count_triton_compiles() -> Iterator[list[str]]:
+    """Collects the name of every Triton kernel variant compiled (or loaded from disk) inside the block,
+    from any thread, through Triton's ``jit_cache_hook``; an empty list when Triton is absent."""
+    names: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        yield names
+        return
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> Any:
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(**kwargs) if previous else None
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_cache_hook = previous

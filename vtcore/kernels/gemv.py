@@ -33,13 +33,15 @@ CUDA graph. Allocations: the output, plus the float32 workspace on the split pat
 allocator ``torch.empty`` like the decode attention's scratch: graph-safe, from the graph's pool
 under capture).
 
-Heuristic (``_config``; untuned on hardware, every field can be forced by keyword): aim for
->= 3 programs per SM with ~8 KB weight tiles; M == 1 takes BLOCK_N in {16, 8, 4} (largest that
-gives >= 3x SMs tiles), ``BLOCK_K = 8 KB / (BLOCK_N * itemsize)`` (halved until it divides K, so
-the hot loop has no mask), 4 warps, 3 stages; M > 1 takes BLOCK_N = 16 (M <= 4) or 32, same
-tile bytes. Split when tiles < 2x SMs: the smallest split reaching 3x SMs programs, moved up to
-a divisor of the K-tile count when one is within 2x (balanced splits), capped so the partials'
-traffic (8 * split * M * N bytes) stays under a quarter of the weight bytes.
+Heuristic (``_config``; every field can be forced by keyword): aim for >= 3 programs per SM with
+~8 KB weight tiles; M == 1 takes BLOCK_N in {16, 8, 4} (largest that gives >= 3x SMs tiles),
+``BLOCK_K = 8 KB / (BLOCK_N * itemsize)`` (halved until it divides K, so the hot loop has no mask),
+4 warps, 3 stages; M > 1 takes BLOCK_N = 16 (M <= 4) or 32, same tile bytes. Split only when the
+tiles are fewer than the SMs: on the H200 (``scripts/bench_gemv.py --sweep``, M = 1) 256 unsplit
+tiles beat a 2-3 way split (0.6B o_proj 3.6 vs 4.4 us, down_proj 3.9 vs 4.8 us). A split is the
+smallest reaching 3x SMs programs, moved up to a divisor of the K-tile count when one is within 2x
+(balanced splits), capped so the partials' traffic (8 * split * M * N bytes) stays under a quarter
+of the weight bytes.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_M = 16
 _TILE_BYTES = 8192  # weight bytes per program per K step
 _PROGRAMS_PER_SM = 3  # programs the heuristic aims for
-_SPLIT_BELOW_PER_SM = 2  # split K when the N tiles are fewer than this many per SM
+_SPLIT_BELOW_PER_SM = 1  # split K when the N tiles are fewer than this many per SM
 _INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
 _CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # _config's forced fields, in order
 

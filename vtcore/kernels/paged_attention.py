@@ -32,8 +32,9 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # decode key tile (positions)
+_PREFILL_BLOCK_M = 64  # prefill query rows a program
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
-_REDUCE_CHUNK = 32  # splits the last-arriving program combines per step
+_COMBINE_VALUES = 8192  # partial values (heads x splits x head_dim) the last-arriving program loads at once
 
 
 # ----------------------------------------------------------------------------- cache write
@@ -90,12 +91,15 @@ def _attend_tile(
     q, acc, m_i, l_i, k_ptr, v_ptr, bt_row_ptr, kv_head_off, start, key_end, q_pos, scale_log2,
     stride_cs, stride_cd, offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EARLY_V: tl.constexpr = False,
 ):
     """One online-softmax step of rows ``q`` [R, D] over key positions ``start + offs_n``.
 
     ``BOUNDED``: positions >= ``key_end`` are masked (and not loaded); ``CAUSAL``: so are those
     above the row's position ``q_pos`` [R] (read only then). Callers guarantee every row sees at least one key in
-    its first tile, so the running max is finite and no ``-inf - -inf`` arises.
+    its first tile, so the running max is finite and no ``-inf - -inf`` arises. ``EARLY_V`` issues the
+    V load beside K's (decode: one tile a program, latency-bound; prefill keeps V's registers free
+    until the scores are done).
     """
     pos = start + offs_n
     if BOUNDED:
@@ -107,6 +111,8 @@ def _attend_tile(
         kv_mask = d_mask[None, :]
     kv = kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
     k = tl.load(k_ptr + kv, mask=kv_mask, other=0.0)
+    if EARLY_V:
+        v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if BOUNDED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -115,7 +121,8 @@ def _attend_tile(
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)
+    if not EARLY_V:
+        v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
@@ -124,29 +131,32 @@ def _attend_tile(
 
 
 @triton.jit
-def _combine_splits(part_ptr, ml_ptr, n, stride_pk, stride_mk, offs_d, d_mask, CHUNK: tl.constexpr):
-    """One head's output from its first ``n`` split partials: ``sum_s w_s acc_s / sum_s w_s l_s``,
-    ``w_s = 2^(m_s - max m)``, splits in index order (an empty split, max -inf, weighs 0). Loads
-    bypass L1 (``.cg``): other programs wrote the partials."""
+def _combine_splits(part_ptr, ml_ptr, n, stride_ph, stride_pk, stride_mh, stride_mk, offs_g, g_mask, offs_d, d_mask,
+                    CHUNK: tl.constexpr):
+    """The heads ``offs_g`` of one sequence from their first ``n`` split partials:
+    ``sum_s w_s acc_s / sum_s w_s l_s``, ``w_s = 2^(m_s - max m)``, splits in index order; all heads
+    and CHUNK splits per load, with a running max across chunks (an empty split, max -inf, weighs
+    0). Loads bypass L1 (``.cg``): other programs wrote the partials."""
     offs_k = tl.arange(0, CHUNK)
-    m_run = tl.full((CHUNK,), float("-inf"), dtype=tl.float32)
+    m_run = tl.full(offs_g.shape, float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros(offs_g.shape, dtype=tl.float32)
+    acc = tl.zeros((offs_g.shape[0], offs_d.shape[0]), dtype=tl.float32)
     for k0 in range(0, n, CHUNK):
-        m_run = tl.maximum(m_run, tl.load(ml_ptr + (k0 + offs_k) * stride_mk, mask=k0 + offs_k < n,
-                                          other=float("-inf"), cache_modifier=".cg"))
-    m_max = tl.max(m_run, 0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all splits empty: no -inf - -inf below
-    l_run = tl.zeros((CHUNK,), dtype=tl.float32)
-    acc = tl.zeros(offs_d.shape, dtype=tl.float32)
-    for k0 in range(0, n, CHUNK):
-        k_mask = k0 + offs_k < n
-        m = tl.load(ml_ptr + (k0 + offs_k) * stride_mk, mask=k_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(m - m_max)
-        l_run += w * tl.load(ml_ptr + (k0 + offs_k) * stride_mk + 1, mask=k_mask, other=0.0, cache_modifier=".cg")
-        a = tl.load(part_ptr + (k0 + offs_k)[:, None] * stride_pk + offs_d[None, :],
-                    mask=k_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, None] * a, 0)
-    l_sum = tl.sum(l_run, 0)
-    return acc / tl.where(l_sum > 0, l_sum, 1.0)
+        mask = g_mask[:, None] & (k0 + offs_k < n)[None, :]
+        ml = ml_ptr + offs_g[:, None] * stride_mh + (k0 + offs_k)[None, :] * stride_mk
+        m = tl.load(ml, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ml + 1, mask=mask, other=0.0, cache_modifier=".cg")
+        a = tl.load(part_ptr + offs_g[:, None, None] * stride_ph + (k0 + offs_k)[None, :, None] * stride_pk
+                    + offs_d[None, None, :], mask=mask[:, :, None] & d_mask[None, None, :], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # nothing seen yet: no -inf - -inf
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m - m_ref[:, None])
+        l_run = l_run * alpha + tl.sum(w * l_s, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, 1)
+        m_run = m_new
+    return acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
 
 
 @triton.jit
@@ -160,8 +170,8 @@ def _decode_kernel(
     stride_ps, stride_ph, stride_pk,
     stride_ms, stride_mh, stride_mk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-    SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (split, kv head, seq): the GROUP query heads of a kv head over the key tiles
     ``split, split + num_splits, ...`` (BLOCK_N positions each).
@@ -199,7 +209,7 @@ def _decode_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, t * BLOCK_N, ctx, offs_g, scale_log2,
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
-            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, EARLY_V=True,
         )
     if SPLIT_OUT:
         rows = b * stride_ps + heads * stride_ph + split * stride_pk
@@ -212,12 +222,13 @@ def _decode_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != active - 1:
             return
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        for g in tl.static_range(GROUP):
-            h = kvh * GROUP + g
-            o = _combine_splits(part_ptr + b * stride_ps + h * stride_ph, ml_ptr + b * stride_ms + h * stride_mh,
-                                active, stride_pk, stride_mk, offs_d, d_mask, CHUNK)
-            tl.store(out_ptr + b * stride_os + h * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty),
-                     mask=d_mask)
+        offs_gc = tl.arange(0, GROUP_P2)
+        gc_mask = offs_gc < GROUP
+        hc = kvh * GROUP + offs_gc
+        o = _combine_splits(part_ptr + b * stride_ps, ml_ptr + b * stride_ms, active, stride_ph, stride_pk,
+                            stride_mh, stride_mk, hc, gc_mask, offs_d, d_mask, CHUNK)
+        tl.store(out_ptr + b * stride_os + hc[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=gc_mask[:, None] & d_mask[None, :])
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -269,9 +280,11 @@ def paged_decode_attention(
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     num_splits = num_splits or decode_num_splits(seqs, kv_heads, max_context_len, block_n)
     group = heads // kv_heads
+    group_p2 = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                  BLOCK_N=block_n, BLOCK_D=block_d, CHUNK=_REDUCE_CHUNK, DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
+                  BLOCK_N=block_n, BLOCK_D=block_d, GROUP_P2=group_p2,
+                  CHUNK=max(1, _COMBINE_VALUES // (group_p2 * block_d)), DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
                   num_stages=num_stages)
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2))
@@ -364,8 +377,9 @@ def paged_prefill_attention(
     ``<= context_lens[b] - qlen + i``. ``max_query_len`` (host int) sizes the grid and
     ``max_context_len`` is only needed by the reference (the kernel reads lengths on the device).
     Returns ``out`` [tokens, heads, head_dim] in q's dtype; rows past ``query_start_loc[-1]`` are
-    left unwritten. ``block_m`` defaults to ``clamp(next_pow2(max_query_len), 16, 64)``;
-    ``block_m``/``block_n`` must be powers of two >= 16.
+    left unwritten. ``block_m`` defaults to 64 whatever the batch, so that no batch shape makes
+    Triton compile another variant mid-run (a ~1 s stall seen at concurrency 32 when a 20-token
+    chunk asked for 32); ``block_m``/``block_n`` must be powers of two >= 16.
     """
     tokens, heads, head_dim = q.shape
     seqs = query_start_loc.shape[0] - 1
@@ -373,7 +387,7 @@ def paged_prefill_attention(
         out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or seqs == 0 or max_query_len == 0:
         return out
-    bm = block_m or min(64, max(16, triton.next_power_of_2(max_query_len)))
+    bm = block_m or _PREFILL_BLOCK_M
     _prefill_kernel[(triton.cdiv(max_query_len, bm), heads, seqs)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),

@@ -1,14 +1,17 @@
 """Per-head q/k RMSNorm (optional) then rotate-half RoPE, in place in q and k, one launch for both.
 
-Program ``(t, h)`` owns head ``h`` of token ``t`` (q heads first, then k heads). It loads the
-head's two rotated halves and the pass-through rest as three contiguous vectors, normalises them
-with one float32 ``rstd`` (rounding as :mod:`vtcore.kernels.rmsnorm`, whose caveats apply: only the
-float32 sum of squares is ordered differently from torch), and rotates the first ``rotary_dim``
+Program ``(t, 0)`` owns token ``t``'s q heads and ``(t, 1)`` its k heads, each as a [heads, half]
+tile pair plus the pass-through rest (a few programs per token: a prefill of 32k tokens is 64k
+programs, not a million; a program per head cost 630 us per layer there). It normalises each head with one float32 ``rstd`` (rounding as
+:mod:`vtcore.kernels.rmsnorm`, whose caveats apply: only the float32 sum of squares is ordered
+differently from torch), and rotates the first ``rotary_dim``
 channels as :class:`vtcore.layers.rotary.RotaryEmbedding` does in ``x.dtype``: ``cos``/``sin``
 rounded to it, then ``rnd(rnd(x1*c) - rnd(x2*s))`` and ``rnd(rnd(x2*c) + rnd(x1*s))``, each
 product of two activation-dtype values exact in float32 and rounded once, as torch rounds each op.
 With no norm weights the result is bit-identical to torch's. The pass-through channels are
-rewritten only when they are normalised.
+rewritten only when they are normalised. Given the paged cache, the same program also writes the
+token's rotated k (program 1) and its v (program 2) to the token's slot (the decode step's KV
+write, without a launch of its own).
 """
 from __future__ import annotations
 
@@ -25,69 +28,37 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_ref"]
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_pos, stride_ct, stride_ch,
-    eps,
-    NQ: tl.constexpr,
-    NKV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    WRITE_KV: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
+def _norm_rope_heads(x_ptr, stride_h, w_ptr, c1, c2, s1, s2, eps,
+                     NH: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_NORM: tl.constexpr,
+                     ZERO_CENTERED: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One token's ``NH`` heads at ``x_ptr`` (``stride_h`` apart), normed and rotated in place; returns
+    the new (first half, second half, pass-through rest) in ``DT``, [BLOCK_H, ...] each."""
     HALF: tl.constexpr = ROT // 2
     REST: tl.constexpr = HEAD_DIM - ROT
-    DT: tl.constexpr = q_ptr.dtype.element_ty
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
-    jm = j < HALF
     r = ROT + tl.arange(0, BLOCK_REST)
-    rm = r < HEAD_DIM
-    if WRITE_KV:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if h >= NQ + NKV:  # a v head: straight into the cache
-            if slot >= 0:
-                d = tl.arange(0, 2 * BLOCK_HALF)
-                src = v_ptr + t * stride_vt + (h - NQ - NKV) * stride_vh
-                dst = vc_ptr + slot * stride_ct + (h - NQ - NKV) * stride_ch
-                tl.store(dst + d, tl.load(src + d, mask=d < ROT), mask=d < ROT)
-                if REST > 0:
-                    tl.store(dst + r, tl.load(src + r, mask=rm), mask=rm)
-            return
-    if h < NQ:
-        x_ptr = q_ptr + t * stride_qt + h * stride_qh
-        w_ptr = qw_ptr
-    else:
-        x_ptr = k_ptr + t * stride_kt + (h - NQ) * stride_kh
-        w_ptr = kw_ptr
-    x1 = tl.load(x_ptr + j, mask=jm, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)
-    if REST > 0:
-        xr = tl.load(x_ptr + r, mask=rm, other=0.0)
+    hm = (h < NH)[:, None]
+    jm = hm & (j < HALF)[None, :]
+    rm = hm & (r < HEAD_DIM)[None, :]
+    rows = x_ptr + h[:, None] * stride_h
+    x1 = tl.load(rows + j[None, :], mask=jm, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + HALF + j[None, :], mask=jm, other=0.0).to(tl.float32)
+    xr = tl.load(rows + r[None, :], mask=rm, other=0.0)
     if HAS_NORM:
-        ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
         if REST > 0:
-            ss += tl.sum(xr.to(tl.float32) * xr.to(tl.float32), axis=0)
-        rstd = tl.rsqrt(ss * (1.0 / HEAD_DIM) + eps)
-        w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)
+            ss += tl.sum(xr.to(tl.float32) * xr.to(tl.float32), axis=1)
+        rstd = tl.rsqrt(ss * (1.0 / HEAD_DIM) + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         x1 = _cast(_normalize(x1, rstd, w1, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
         x2 = _cast(_normalize(x2, rstd, w2, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
         if REST > 0:
-            wr = tl.load(w_ptr + r, mask=rm, other=0.0).to(tl.float32)
+            wr = tl.load(w_ptr + r, mask=r < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
             xr = _cast(_normalize(xr.to(tl.float32), rstd, wr, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
-            tl.store(x_ptr + r, xr, mask=rm)
-    cs = tl.load(pos_ptr + t * stride_pos) * stride_cs
-    c1 = _cast(tl.load(cos_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
-    c2 = _cast(tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
-    s1 = _cast(tl.load(sin_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
-    s2 = _cast(tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+            tl.store(rows + r[None, :], xr, mask=rm)
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); every op rounded to DT
     a1 = _cast(x1 * c1, DT, INTERPRET).to(tl.float32)
     b1 = _cast(x2 * s1, DT, INTERPRET).to(tl.float32)
@@ -95,15 +66,61 @@ def _qk_norm_rope_kernel(
     b2 = _cast(x1 * s2, DT, INTERPRET).to(tl.float32)
     o1 = _cast(a1 - b1, DT, INTERPRET)
     o2 = _cast(a2 + b2, DT, INTERPRET)
-    tl.store(x_ptr + j, o1, mask=jm)
-    tl.store(x_ptr + HALF + j, o2, mask=jm)
-    if WRITE_KV:
-        if h >= NQ and slot >= 0:  # a k head: the rotated head into the cache too
-            dst = kc_ptr + slot * stride_ct + (h - NQ) * stride_ch
-            tl.store(dst + j, o1, mask=jm)
-            tl.store(dst + HALF + j, o2, mask=jm)
-            if REST > 0:
-                tl.store(dst + r, xr, mask=rm)
+    tl.store(rows + j[None, :], o1, mask=jm)
+    tl.store(rows + HALF + j[None, :], o2, mask=jm)
+    return o1, o2, xr
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_pos, stride_ct, stride_ch,
+    eps,
+    NQ: tl.constexpr, NKV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+    HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, WRITE_KV: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Program ``(t, part)`` of token ``t``: part 0 its q heads, part 1 its k heads (and, ``WRITE_KV``,
+    their cache slot), part 2 (``WRITE_KV`` only) copies its v heads into the cache."""
+    HALF: tl.constexpr = ROT // 2
+    DT: tl.constexpr = q_ptr.dtype.element_ty
+    t = tl.program_id(0)
+    part = tl.program_id(1)
+    h = tl.arange(0, BLOCK_KV)
+    hm = (h < NKV)[:, None]
+    r = ROT + tl.arange(0, BLOCK_REST)
+    rm = hm & (r < HEAD_DIM)[None, :]
+    if part == 2:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            d = tl.arange(0, 2 * BLOCK_HALF)
+            dm = hm & (d < ROT)[None, :]
+            src = v_ptr + t * stride_vt + h[:, None] * stride_vh
+            dst = vc_ptr + slot * stride_ct + h[:, None] * stride_ch
+            tl.store(dst + d[None, :], tl.load(src + d[None, :], mask=dm), mask=dm)
+            tl.store(dst + r[None, :], tl.load(src + r[None, :], mask=rm), mask=rm)
+        return
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    cs = tl.load(pos_ptr + t * stride_pos) * stride_cs
+    c1 = _cast(tl.load(cos_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
+    c2 = _cast(tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
+    s1 = _cast(tl.load(sin_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
+    s2 = _cast(tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
+    if part == 0:
+        _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, c1, c2, s1, s2, eps, NQ, BLOCK_Q, HEAD_DIM, ROT,
+                         BLOCK_HALF, BLOCK_REST, HAS_NORM, ZERO_CENTERED, DT, INTERPRET)
+    else:
+        k1, k2, kr = _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, c1, c2, s1, s2, eps, NKV, BLOCK_KV,
+                                      HEAD_DIM, ROT, BLOCK_HALF, BLOCK_REST, HAS_NORM, ZERO_CENTERED, DT, INTERPRET)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                jm2 = hm & jm[None, :]
+                dst = kc_ptr + slot * stride_ct + h[:, None] * stride_ch
+                tl.store(dst + j[None, :], k1, mask=jm2)
+                tl.store(dst + HALF + j[None, :], k2, mask=jm2)
+                tl.store(dst + r[None, :], kr, mask=rm)
 
 
 @functools.cache
@@ -145,14 +162,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
                          "layout, last dims contiguous")
     block_half, block_rest = _blocks(head_dim, rotary_dim)
     kc, vc, slots, vv = (k_cache, v_cache, slot_mapping, v) if write_kv else (q, q, positions, q)
-    _qk_norm_rope_kernel[(t, nq + nkv + (nkv if write_kv else 0))](
+    if t == 0:
+        return q, k
+    block_q, block_kv = triton.next_power_of_2(nq), triton.next_power_of_2(nkv)
+    _qk_norm_rope_kernel[(t, 3 if write_kv else 2)](
         q, k, vv, q_weight if has_norm else q, k_weight if has_norm else q, cos_cache, sin_cache, positions,
         kc, vc, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), cos_cache.stride(0),
         positions.stride(0), kc.stride(0), kc.stride(1), eps,
-        NQ=nq, NKV=nkv, HEAD_DIM=head_dim, ROT=rotary_dim, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
-        HAS_NORM=has_norm, ZERO_CENTERED=zero_centered, WRITE_KV=write_kv, INTERPRET=INTERPRET,
-        num_warps=1, enable_fp_fusion=False,
+        NQ=nq, NKV=nkv, BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, ROT=rotary_dim,
+        BLOCK_HALF=block_half, BLOCK_REST=block_rest, HAS_NORM=has_norm, ZERO_CENTERED=zero_centered,
+        WRITE_KV=write_kv, INTERPRET=INTERPRET,
+        num_warps=min(8, max(1, block_q * block_half // 256)), enable_fp_fusion=False,
     )
     return q, k
 

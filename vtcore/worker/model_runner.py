@@ -132,26 +132,34 @@ class ModelRunner:
             layer.block_size = self.block_size
 
     # ------------------------------------------------------------------ staging
-    def _stage(self, sections: list[list[int]]) -> tuple[int, torch.Tensor, list[int]]:
-        """Pack int sections into this step's pinned staging buffer; returns (index, host slice, offsets)."""
+    def _stage(self, sections: list[list[int]], align: int = 2) -> tuple[int, torch.Tensor, list[tuple[int, int]]]:
+        """Pack int sections into this step's pinned staging buffer; returns (index, host slice, bounds).
+
+        Each section starts at a multiple of ``align`` int64s, 16 bytes by default: Triton specialises
+        a kernel on its pointers' alignment, so a view at an odd offset would compile another variant
+        mid-run (a ~1 s stall). The padded decode path packs densely (``align=1``): its layout is
+        the one its graphs captured."""
         index = self._steps % self.depth
         owner = self._staging_owner[index]
         if owner is not None:
             raise RuntimeError(f"staging buffer {index} is still owned by step {owner}: "
                                f"more than depth={self.depth} steps in flight")
-        flat = [v for s in sections for v in s]
+        flat: list[int] = []
+        bounds = []
+        for s in sections:
+            bounds.append((len(flat), len(flat) + len(s)))
+            flat += s
+            flat += [0] * (-len(flat) % align)
         host = self._staging[index]
         if host.numel() < len(flat):
             host = torch.empty(max(len(flat), 2 * host.numel()), dtype=torch.int64, pin_memory=self.cuda)
             self._staging[index] = host
         host[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
         self._staging_owner[index] = self._steps
-        offsets = [0]
-        for s in sections:
-            offsets.append(offsets[-1] + len(s))
-        return index, host[:len(flat)], offsets
+        return index, host[:len(flat)], bounds
 
-    def _upload(self, host: torch.Tensor, offsets: list[int], dest: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def _upload(self, host: torch.Tensor, bounds: list[tuple[int, int]], dest: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
         """Device views of the staged sections: one non-blocking copy on CUDA, into ``dest`` (a
         persistent buffer) when given, else into a new tensor (on CPU without ``dest``: the host views)."""
         if dest is not None:
@@ -160,7 +168,7 @@ class ModelRunner:
             dev = host.to(self.device, non_blocking=True) if self.cuda else host
         if self.debug_poison == "early":
             host.fill_(PLACEHOLDER)  # control arm: reuse without the guard
-        return [dev[a:b] for a, b in zip(offsets, offsets[1:])]
+        return [dev[a:b] for a, b in bounds]
 
     def _retire(self, handle: StepHandle) -> None:
         self._staging_owner[handle.staging_index] = None
@@ -227,7 +235,7 @@ class ModelRunner:
         sample_slots = [m.request.mirror_slot for m in metas]
         state_slots = [s.request.mirror_slot for s in batch]
         has_state = [s.start > 0 for s in batch]
-        index, host, offsets = self._stage([ids, positions, slots, block_table, context_lens, query_start,
+        index, host, bounds = self._stage([ids, positions, slots, block_table, context_lens, query_start,
                                             combine_rows, combine_slots, sample_rows, sample_slots])
         sampling = self.sampler.prepare(metas)
         stale = bool(combine_rows)
@@ -236,7 +244,7 @@ class ModelRunner:
 
         def device_work() -> dict[str, Any]:
             (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
-             d_sslots) = self._upload(host, offsets)
+             d_sslots) = self._upload(host, bounds)
             input_ids = d_ids
             if stale:
                 input_ids = d_ids.clone()
@@ -362,7 +370,7 @@ class ModelRunner:
             metas.append(SampleMeta(req, req.token_ids[:pos], pos + 1 - req.num_prompt_tokens))
         for col, v in zip(cols, self._padding):
             col += [v] * pad
-        index, host, offsets = self._stage(cols + [table])
+        index, host, bounds = self._stage(cols + [table], align=1)
         sampling = self.sampler.prepare(metas)
         step = self._steps
         self._steps += 1
@@ -371,7 +379,7 @@ class ModelRunner:
         self.padded_decode_steps += 1
 
         def device_work() -> dict[str, Any]:
-            table_rows = self._upload(host, offsets, self._dec_buf)[6]
+            table_rows = self._upload(host, bounds, self._dec_buf)[6]
             self._dec_tables[:n, :width].copy_(table_rows.view(n, width))
             with torch.inference_mode():
                 if graph is not None:
