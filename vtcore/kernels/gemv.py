@@ -130,7 +130,7 @@ def _x_tile(x_ptr, r_ptr, nw_ptr, x_off, r_off, cols, mask, rstd, K: tl.constexp
 @triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr, M, stride_xm, stride_rm, eps,
-    N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
@@ -139,8 +139,9 @@ def _gemv_kernel(
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
 
     ``PROLOGUE`` (see :func:`_x_tile`) transforms x as it is loaded; the norm's statistics need all
-    of a row, so every program first sums its squares over the whole K (x is small and cached), and
-    the programs of split 0 write the new residual, each n tile a share of the K tiles.
+    of a row, so every program first sums its squares over the whole K (x is small and cached: one
+    load of the row when M == 1, K tiles otherwise), and the first program (M == 1) or the programs
+    of split 0, each n tile a share of the K tiles (M > 1), write the new residual.
     ``SPLIT > 1``: each program stores its float32 partial in ``ws`` [SPLIT, M, N], then counts
     itself in the n tile's arrival counter; the last to arrive sums the SPLIT partials in order,
     adds the bias, rounds once, writes ``out`` and resets the counter.
@@ -170,20 +171,21 @@ def _gemv_kernel(
         r_base = offs_m[None, :] * stride_rm + offs_k[:, None]
         cols0 = offs_k[:, None] + offs_m[None, :] * 0
     rstd = 0.0
-    if PROLOGUE == 2:
+    if PROLOGUE == 2 and BLOCK_M == 1:  # the whole row in one load: one memory round trip, not K / BLOCK_K
+        row = tl.arange(0, K_P2)
+        h = _residual_sum(x_ptr, r_ptr, row, row, row < K, False, HAS_RESIDUAL, DT, INTERPRET)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) * (1.0 / K) + eps)
+        if HAS_RESIDUAL and pid_k == 0 and pid_n == 0:
+            tl.store(r_out_ptr + row, h.to(DT), mask=row < K)
+    elif PROLOGUE == 2:
         ss = tl.sum(tl.zeros_like(x_base).to(tl.float32), axis=0)
         for k0 in range(0, K, BLOCK_K):
             xm = m_ok & (cols0 + k0 < K)
             h = _residual_sum(x_ptr, r_ptr, x_base + k0, r_base + k0, xm, False, HAS_RESIDUAL, DT, INTERPRET)
             ss += tl.sum(h * h, axis=0)
             if HAS_RESIDUAL and pid_k == 0 and (k0 // BLOCK_K) % tl.num_programs(0) == pid_n:
-                if BLOCK_M == 1:
-                    tl.store(r_out_ptr + k0 + offs_k, h.to(DT), mask=xm)
-                else:
-                    tl.store(r_out_ptr + offs_m[None, :] * K + k0 + offs_k[:, None], h.to(DT), mask=xm)
-        rstd = tl.rsqrt(ss * (1.0 / K) + eps)
-        if BLOCK_M > 1:
-            rstd = rstd[None, :]
+                tl.store(r_out_ptr + offs_m[None, :] * K + k0 + offs_k[:, None], h.to(DT), mask=xm)
+        rstd = tl.rsqrt(ss * (1.0 / K) + eps)[None, :]
     if BLOCK_M == 1:
         # Register double buffering: tile i + 1 is requested before tile i is multiplied, so two
         # tiles per program are in flight (Triton's pipeliner stages only loads that feed a dot).
@@ -298,7 +300,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pr
         x, x if residual is None else residual, weight if norm_weight is None else norm_weight,
         out if new_residual is None else new_residual, weight, weight if bias is None else bias, out, ws, sem,
         m, x.stride(0), 0 if residual is None else residual.stride(0), eps,
-        N=n, K=k, K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
