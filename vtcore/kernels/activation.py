@@ -24,14 +24,21 @@ __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
 
 @triton.jit
+def exp(x, INTERPRET: tl.constexpr):
+    """libdevice's ``expf`` on CUDA (what torch's CUDA kernels call; ``tl.exp`` is a bare
+    ``ex2.approx``), numpy's in the interpreter."""
+    if INTERPRET:
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
+
+
+@triton.jit
 def silu_mul(g, u, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """``silu(g) * u`` of float32 ``g``, ``u`` holding ``DT`` values, rounded to ``DT`` as torch
-    rounds each op (also the GEMV's SwiGLU prologue, so both paths round alike)."""
-    if INTERPRET:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
-    s = _cast(tl.div_rn(g, 1.0 + e), DT, INTERPRET).to(tl.float32)
+    rounds each op (also the GEMV's SwiGLU prologue and the fused MoE's, so all paths round alike)."""
+    s = _cast(tl.div_rn(g, 1.0 + exp(-g, INTERPRET)), DT, INTERPRET).to(tl.float32)
     return _cast(s * u, DT, INTERPRET)
 
 

@@ -62,8 +62,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
-from triton.language.extra import libdevice
 
+from vtcore.kernels.activation import exp, silu_mul
 from vtcore.kernels.fp4_gemm import _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
 from vtcore.kernels.rmsnorm import INTERPRET, _cast
 from vtcore.quant.fp4 import dequantize_fp4, group_scales
@@ -96,17 +96,6 @@ class FP4Experts:
     down_global_scale: torch.Tensor | None = None
 
 
-@triton.jit
-def _exp(x, INTERPRET: tl.constexpr):
-    """libdevice's ``expf`` on CUDA (what torch calls; ``tl.exp`` is a bare ``ex2.approx``), numpy's
-    in the interpreter."""
-    if INTERPRET:
-        y = tl.exp(x)
-    else:
-        y = libdevice.exp(x)
-    return y
-
-
 # ----------------------------------------------------------------------------------------- routing
 
 @triton.jit
@@ -118,7 +107,7 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, stride_t,
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     z = tl.load(logits_ptr + t.to(tl.int64) * stride_t + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    p = tl.where(mask, _exp(z - tl.max(z, axis=0), INTERPRET), 0.0)
+    p = tl.where(mask, exp(z - tl.max(z, axis=0), INTERPRET), 0.0)
     p = tl.div_rn(p, tl.broadcast_to(tl.sum(p, axis=0), (BLOCK_E,)))
     p = tl.where(mask, p, -1.0)  # below every probability: padding lanes are never picked
     offs_k = tl.arange(0, BLOCK_K)
@@ -188,10 +177,7 @@ def _group_scale(sb, gs_ptr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr)
 def _silu_mul(gate, up, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``gate``, ``up`` -> ``silu(gate) * up`` in ``DT``, rounded as ``silu_and_mul`` on
     ``DT`` tensors (rounding points 1 and 2 of the module docstring)."""
-    g = _cast(gate, DT, INTERPRET).to(tl.float32)
-    u = _cast(up, DT, INTERPRET).to(tl.float32)
-    s = _cast(tl.div_rn(g, 1.0 + _exp(-g, INTERPRET)), DT, INTERPRET).to(tl.float32)
-    return _cast(s * u, DT, INTERPRET)
+    return silu_mul(_cast(gate, DT, INTERPRET).to(tl.float32), _cast(up, DT, INTERPRET).to(tl.float32), DT, INTERPRET)
 
 
 @triton.jit

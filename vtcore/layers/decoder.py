@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from vtcore.config import HFConfig
+from vtcore.layers.attention import Attention
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
+from vtcore.layers.rotary import RotaryEmbedding
 
 #: HF's separate projections fused at load time: checkpoint name part -> (fused parameter, shard).
 FUSED_QKV_GATE_UP = {
@@ -36,6 +38,37 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_projected(None, self.gate_up_proj(x))
+
+
+class QKVAttention(nn.Module):
+    """GQA self-attention over a fused [q | k | v] projection, RoPE, and (``qk_norm``, Qwen3) a
+    per-head RMSNorm of q and k before it; HF's ``self_attn`` names (``qkv_proj`` fused at load)."""
+
+    def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qk_norm: bool = False) -> None:
+        super().__init__()
+        hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        bias = bool(config.get("attention_bias", False))
+        self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
+        self.qkv_proj = Linear(config.hidden_size, [("q", nq * hd), ("k", nkv * hd), ("v", nkv * hd)], bias=bias)
+        self.o_proj = Linear(nq * hd, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(nq, nkv, hd, hd ** -0.5)
+
+    @property
+    def in_proj(self) -> Linear:
+        return self.qkv_proj
+
+    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        hd, nkv = self.head_dim, self.num_kv_heads
+        q, k, v = qkv.split([self.num_heads * hd, nkv * hd, nkv * hd], -1)
+        out = self.attn(q.view(-1, self.num_heads, hd), k.view(-1, nkv, hd), v.view(-1, nkv, hd), positions,
+                        self.rotary, self.q_norm, self.k_norm)
+        return self.o_proj(out)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_projected(positions, self.qkv_proj(x))
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -79,9 +112,10 @@ class PreNormDecoderLayer(nn.Module):
 def _norm_into(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, module: nn.Module | None,
                run: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(run(norm(x + residual)), x + residual)``, the norm fused into ``module.in_proj`` when it can be."""
+    """``(run(norm(x + residual)), x + residual)``; through ``module.in_proj.forward_rms_norm`` when the
+    module has one (the norm then runs inside its GEMV when it can)."""
     proj = getattr(module, "in_proj", None)
-    if proj is not None and proj.can_fuse_rms_norm(x, norm):
+    if proj is not None:
         y, residual = proj.forward_rms_norm(x, residual, norm)
         return module.forward_projected(positions, y), residual
     h, residual = norm(x, residual)

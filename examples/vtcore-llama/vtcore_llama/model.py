@@ -6,44 +6,18 @@ from torch import nn
 
 from vtcore.config import HFConfig
 from vtcore.layers.activation import silu_and_mul
-from vtcore.layers.attention import Attention
-from vtcore.layers.decoder import FUSED_QKV_GATE_UP, PreNormDecoderLayer
+from vtcore.layers.decoder import FUSED_QKV_GATE_UP, PreNormDecoderLayer, QKVAttention
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        bias = bool(config.get("attention_bias", False))
-        self.sizes = [nq * hd, nkv * hd, nkv * hd]
-        self.heads, self.kv_heads, self.head_dim = nq, nkv, hd
-        self.qkv_proj = Linear(config.hidden_size, [("q", nq * hd), ("k", nkv * hd), ("v", nkv * hd)], bias=bias)
-        self.o_proj = Linear(nq * hd, config.hidden_size, bias=bias)
-        self.rotary = rotary
-        self.attn = Attention(nq, nkv, hd, hd ** -0.5)
-
-    @property
-    def in_proj(self) -> Linear:
-        return self.qkv_proj
-
-    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        q, k, v = qkv.split(self.sizes, -1)
-        return self.o_proj(self.attn(q.view(-1, self.heads, self.head_dim), k.view(-1, self.kv_heads, self.head_dim),
-                                     v.view(-1, self.kv_heads, self.head_dim), positions, self.rotary))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_projected(positions, self.qkv_proj(x))
-
-
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         bias = bool(config.get("mlp_bias", False))
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = QKVAttention(config, rotary)
         self.gate_up_proj = Linear(config.hidden_size, [("gate", config.intermediate_size),
                                                         ("up", config.intermediate_size)], bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
