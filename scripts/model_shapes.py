@@ -17,6 +17,18 @@ SHAPES = {
                    "num_attention_heads": 16},
     "qwen3-4b": {**_QWEN3, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                  "num_attention_heads": 32},
+    # transformers' Qwen3_5MoeTextConfig defaults (the Qwen3.5-35B-A3B text model)
+    "qwen3.5-35b-a3b": {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                        "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+                        "num_experts_per_tok": 8, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                        "layer_types": [t for _ in range(10) for t in ("linear_attention",) * 3 + ("full_attention",)],
+                        "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                            "rope_type": "default"},
+                        "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                        "torch_dtype": "bfloat16"},
 }
 
 

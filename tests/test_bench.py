@@ -502,3 +502,25 @@ def test_count_triton_compiles_chains_and_restores_the_hook():
         assert knobs.runtime.jit_cache_hook is not None and knobs.runtime.jit_cache_hook.__name__ == "<lambda>"
     finally:
         knobs.runtime.jit_cache_hook = previous
+
+
+def test_parameter_bytes_counts_the_active_share_of_routed_experts():
+    """A module with ``active_fraction(batch)`` counts its own parameters times that share; its
+    children and every other module count whole."""
+    import torch
+
+    from vtcore.bench.roofline import parameter_bytes
+
+    class Routed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(64, 16))  # 4096 bytes
+            self.child = torch.nn.Linear(4, 4, bias=False)  # 64 bytes, not routed
+
+        def active_fraction(self, batch: int) -> float:
+            return 1 - (1 - 0.25) ** batch
+
+    model = torch.nn.Sequential(Routed(), torch.nn.Linear(8, 8, bias=False))  # + 256 bytes
+    assert parameter_bytes(model) == 4096 + 64 + 256
+    assert parameter_bytes(model, 1) == 1024 + 64 + 256
+    assert parameter_bytes(model, 2) == round(4096 * 0.4375) + 64 + 256

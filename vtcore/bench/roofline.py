@@ -4,6 +4,8 @@ A decode step at concurrency ``c`` must at least move
 
 * the model's parameter bytes: the sum of ``nbytes`` over the loaded model's parameters, each tensor
   counted once (tied parameters, such as a tied embedding / LM head, share storage and count once);
+  routed experts count only the share a step of ``c`` sequences is expected to touch
+  (``Experts.active_fraction``: ``1 - (1 - k/E)^c`` under uniform routing, so ``k/E`` at batch 1);
 * the KV cache read for ``c`` sequences of ``input_len + output_len / 2`` tokens (the mean context
   over a request's decode): per token ``2 * kv_heads * head_dim * dtype size`` for every attention
   layer of the runner. Recurrent state of stateful (e.g. linear-attention) layers is not counted.
@@ -27,17 +29,26 @@ DEFAULT_COPY_MIB = 256
 COPY_REPEATS = 5
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Sum of parameter ``nbytes``, a tensor shared by several names (tied weights) counted once."""
+def parameter_bytes(model: torch.nn.Module, batch: int | None = None) -> int:
+    """Sum of parameter ``nbytes``, a tensor shared by several names (tied weights) counted once.
+
+    With ``batch``, the bytes a decode step of that many sequences reads: a module with
+    ``active_fraction(batch)`` (routed experts) counts its own parameters times that fraction.
+    """
+    scale: dict[int, float] = {}
+    if batch is not None:
+        for m in model.modules():
+            if hasattr(m, "active_fraction"):
+                scale.update({id(p): m.active_fraction(batch) for p in m.parameters(recurse=False)})
     seen: set[tuple[Any, int, int]] = set()
-    total = 0
+    total = 0.0
     for p in model.parameters():  # already yields each Parameter object once
         key = (p.device, p.data_ptr(), p.nbytes)
         if p.nbytes and key in seen:  # distinct Parameter objects viewing the same memory
             continue
         seen.add(key)
-        total += p.nbytes
-    return total
+        total += p.nbytes * scale.get(id(p), 1.0)
+    return round(total)
 
 
 def kv_bytes_per_token(attention_layers: list[Any], dtype: torch.dtype) -> int:

@@ -364,7 +364,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     inner = engine.engine
     knobs_rec = knobs_doc(args, inner)
     rng = random.Random(args.seed)
-    param_bytes = parameter_bytes(inner.runner.model)
+    model_obj = inner.runner.model
+    param_bytes = parameter_bytes(model_obj)
     kv_per_token = kv_bytes_per_token(inner.runner.attention_layers, inner.dtype)
     device, dtype, vocab_size = inner.device, inner.dtype, inner.vocab_size
 
@@ -398,7 +399,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     prompts_by_c: dict[int, list[list[int]]] = {}  # the HF peer reuses c=1's and the largest c's prompts
     for r in runs:
         prompts_by_c.setdefault(r["concurrency"], r.pop("_prompts"))
-        step = decode_step_bytes(param_bytes, kv_per_token, r["concurrency"], input_len, args.output_len)
+        step = decode_step_bytes(parameter_bytes(model_obj, r["concurrency"]), kv_per_token, r["concurrency"],
+                                 input_len, args.output_len)
         r["roofline"] = roofline_for_run(step, copy["bandwidth_bytes_s"], r["tpot_s"]["mean"])
     doc = {
         "model": model, "mode": "serving", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
@@ -411,7 +413,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     }
     if peer:
         pad = hf.get("pad_token_id", None)
-        del engine, inner  # free vtcore's weights and KV cache before HF loads its copy
+        del engine, inner, model_obj  # free vtcore's weights and KV cache before HF loads its copy
         gc.collect()
         if device.type == "cuda":
             import torch

@@ -31,7 +31,9 @@ class AttentionMetadata:
     CUDA graph captures with its largest values). ``decode``: every sequence has one query.
     Host lists, for stateful (linear-attention) layers: ``seq_rows`` (first row, token count) per
     sequence, ``state_slots`` (its state slot) and ``has_state`` (False when its first scheduled
-    token is position 0, so its state starts from zero).
+    token is position 0, so its state starts from zero). On the padded decode path (one token a
+    row, captured in CUDA graphs) the same as device tensors instead: ``state_index`` [rows] int64
+    (padded rows: the runner's dummy slot) and ``state_continues`` [rows] bool.
     """
 
     slot_mapping: torch.Tensor
@@ -43,6 +45,8 @@ class AttentionMetadata:
     seq_rows: list[tuple[int, int]] = attrs.Factory(list)
     state_slots: list[int] = attrs.Factory(list)
     has_state: list[bool] = attrs.Factory(list)
+    state_index: torch.Tensor | None = None
+    state_continues: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from vtcore.layers.attention import get_attention_metadata
+from vtcore.layers.attention import AttentionMetadata, get_attention_metadata
 from vtcore.layers.gated_delta import gated_delta_chunked, gated_delta_recurrent, l2_normalize
 from vtcore.layers.linear import Linear
 from vtcore.layers.state import StatefulLayer
@@ -54,6 +54,7 @@ class _ConvWeight(nn.Module):
 class GatedDeltaNet(StatefulLayer):
     #: prefill chunk of the chunked algorithm
     chunk_size = 64
+    supports_decode_graphs = True
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, eps: float) -> None:
@@ -86,10 +87,49 @@ class GatedDeltaNet(StatefulLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden], the tokens of every scheduled request, laid out flat."""
         md = get_attention_metadata()
+        if md.state_index is not None:
+            out = self._decode_indexed(x, md.state_index, md.state_continues)
+        else:
+            out = self._forward_per_sequence(x, md)
+        y = self.norm(out.to(x.dtype).reshape(-1, self.dv), self.in_proj_z(x).reshape(-1, self.dv))
+        return self.out_proj(y.reshape(x.shape[0], self.value_dim))
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        """g = -exp(A_log) * softplus(a + dt_bias), float32."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+    def _decode_indexed(self, x: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+        """One token a row, states addressed by the device tensors ``slots`` / ``continues`` (no host
+        value read: capturable in a CUDA graph). CUDA: the Triton decode step; elsewhere the same
+        math vectorised in torch."""
+        mixed, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        conv_states, rec_states = self.states["conv"], self.states["recurrent"]
+        weight = self.conv1d.weight.reshape(self.conv_dim, self.kernel)
+        if x.is_cuda:
+            from vtcore.kernels.gated_delta import gdn_decode_step
+            return gdn_decode_step(mixed, a, b, weight, self.A_log, self.dt_bias, conv_states, rec_states, slots,
+                                   continues, self.hk, self.hv, self.dk, self.dv)
+        keep = continues.float()
+        window = torch.cat((conv_states[slots] * keep[:, None, None], mixed.float()[:, :, None]), dim=-1)
+        conv_states[slots] = window[:, :, 1:]
+        qkv = F.silu((window * weight.float()).sum(-1))  # [rows, conv_dim]
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(-1, self.hk, self.dk)) * self.dk ** -0.5
+        k = l2_normalize(k.reshape(-1, self.hk, self.dk))
+        if self.hv != self.hk:
+            q, k = (t.repeat_interleave(self.hv // self.hk, dim=1) for t in (q, k))
+        state = rec_states[slots] * keep[:, None, None, None] * self._decay(a).exp()[:, :, None, None]
+        delta = (v.reshape(-1, self.hv, self.dv) - torch.einsum("bhkv,bhk->bhv", state, k)) \
+            * b.float().sigmoid()[:, :, None]
+        state = state + k[:, :, :, None] * delta[:, :, None, :]
+        rec_states[slots] = state
+        return torch.einsum("bhkv,bhk->bhv", state, q)
+
+    def _forward_per_sequence(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Any batch (prefill chunks, mixed): a loop over the sequences' host row ranges and slots."""
         mixed = self.in_proj_qkv(x).float()
-        z = self.in_proj_z(x)
         beta = self.in_proj_b(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g = self._decay(self.in_proj_a(x))
         weight = self.conv1d.weight.float()
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         out = torch.empty(x.shape[0], self.hv, self.dv, dtype=torch.float32, device=x.device)
@@ -109,5 +149,4 @@ class GatedDeltaNet(StatefulLayer):
             extra = {} if n == 1 else {"chunk": self.chunk_size}
             out[rows], rec_states[slot] = rule(q, k, v.reshape(n, self.hv, self.dv), g[rows], beta[rows], state,
                                                **extra)
-        y = self.norm(out.to(x.dtype).reshape(-1, self.dv), z.reshape(-1, self.dv))
-        return self.out_proj(y.reshape(x.shape[0], self.value_dim))
+        return out

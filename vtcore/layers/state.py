@@ -14,7 +14,14 @@ from torch import nn
 
 
 class StatefulLayer(nn.Module):
-    """A layer whose per-request state lives in runner-allocated slots."""
+    """A layer whose per-request state lives in runner-allocated slots.
+
+    ``supports_decode_graphs``: the layer decodes from ``AttentionMetadata.state_index`` /
+    ``state_continues`` (device tensors) when they are set, so the runner may pad and capture its
+    decode steps; a layer that only reads the host lists keeps its model eager.
+    """
+
+    supports_decode_graphs = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -81,8 +81,8 @@ class ModelRunner:
         self.depth = depth
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.stateful_layers = [m for m in model.modules() if isinstance(m, StatefulLayer)]
-        for layer in self.stateful_layers:  # one state slot per running request (its mirror slot)
-            layer.allocate_state(max_num_seqs, device)
+        for layer in self.stateful_layers:  # a state slot per running request (its mirror slot), and the dummy
+            layer.allocate_state(max_num_seqs + 1, device)
         self.num_kv_blocks = num_kv_blocks or self._auto_blocks(gpu_memory_utilization, max_model_len * max_num_seqs)
         self._allocate_kv_cache()
         self.sampler = Sampler(vocab_size, device, eos_token_ids, seed)
@@ -103,7 +103,9 @@ class ModelRunner:
         self.debug_sleep_cycles = int(os.environ.get("VTCORE_DEBUG_SAMPLER_SLEEP", "0"))
         self.graph_sizes: list[int] = []
         self.padded_decode_steps = self.graph_replays = 0
-        if not enforce_eager and not self.stateful_layers:
+        # a module that must read host values to decode (a stateful layer without device-indexed
+        # decode, W4A4 experts) keeps the model eager
+        if not enforce_eager and all(getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self._setup_decode_graphs(max_model_len, max_num_seqs, capture=self.cuda)
 
     # ------------------------------------------------------------------ memory
@@ -321,11 +323,12 @@ class ModelRunner:
 
     def _decode_forward(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The padded decode forward of size ``p``: combine, model, logits. Captured on CUDA."""
-        ids, pos, slots, ctx, combine, _ = self._dec_views[p]
+        ids, pos, slots, ctx, combine, mirror = self._dec_views[p]
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
         set_attention_metadata(AttentionMetadata(
             slot_mapping=slots, block_tables=self._dec_tables[:p], context_lens=ctx,
-            query_start_loc=self._dec_qstart[:p + 1], max_query_len=1, max_context_len=max_context_len))
+            query_start_loc=self._dec_qstart[:p + 1], max_query_len=1, max_context_len=max_context_len,
+            state_index=mirror, state_continues=pos > 0))
         try:
             with self.scope(fed, True) as override:
                 hidden = self.model(ids, pos)

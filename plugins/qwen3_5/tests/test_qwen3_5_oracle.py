@@ -214,3 +214,31 @@ def test_async_equals_sync_mixed_arrivals(checkpoint, small_gdn_chunk: int, fami
         if params.temperature == 0:  # the greedy ones against HF as well
             bad = near_tie_violations(model, ids, got[rid])
             assert bad == [], f"{rid}: (position, ours, HF's, gap) = {bad}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_decode_path_equals_eager(checkpoint, family: str) -> None:
+    """Qwen3.5 decodes on the padded (graph-captured on CUDA) path: Gated DeltaNet reads its state
+    slots from device tensors, padded rows use the dummy slot. Tokens equal the eager per-sequence
+    path, the HF oracle holds, and the dummy slot is the only state the padding touches."""
+    path, model = checkpoint(family)
+    arrivals = mixed_arrivals(5, seed=11 + FAMILIES.index(family), vocab_size=512)
+    runs = {}
+    for eager in (True, False):
+        eng = build_engine(path, "async", **KNOBS, enforce_eager=eager)
+        runs[eager], _ = run_engine(eng, arrivals)
+        assert (eng.runner.padded_decode_steps > 0) == (not eager)
+    assert runs[False] == runs[True]
+    prompts = {rid: ids for group in arrivals.values() for rid, ids, params in group if params.temperature == 0}
+    for rid, ids in prompts.items():
+        assert near_tie_violations(model, ids, runs[False][rid]) == []
+
+
+def test_experts_active_fraction_for_the_roofline(checkpoint) -> None:
+    """The bench's roofline counts top_k of num_experts expert weights at batch 1, and more of them
+    (under uniform routing) as the batch grows."""
+    path, _ = checkpoint("moe")
+    experts = [m for m in _llm(path).engine.runner.model.modules() if hasattr(m, "active_fraction")]
+    assert experts and all(e.top_k == 2 and e.num_experts == 8 for e in experts)
+    assert experts[0].active_fraction(1) == pytest.approx(2 / 8)
+    assert experts[0].active_fraction(4) == pytest.approx(1 - (6 / 8) ** 4)

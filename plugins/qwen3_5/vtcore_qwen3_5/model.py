@@ -101,6 +101,7 @@ class Experts(nn.Module):
         self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up")
         self.down_proj = self._param(torch.empty(num_experts, hidden, intermediate), "down")
         self.quant: Any = None
+        self.top_k = 1  # set by SparseMoE (for active_fraction)
         self.fp4_quantizes_inputs = False
         self.checkpoint_prefix = "experts"  # our checkpoint name, set by fp4_take_over (for load errors)
 
@@ -249,7 +250,34 @@ class Experts(nn.Module):
         for p in (self.gate_up_proj, self.down_proj):
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device) / math.sqrt(p.shape[-1]))
 
+    def active_fraction(self, batch: int) -> float:
+        """The share of the experts' weights a decode step of ``batch`` sequences is expected to read
+        (uniform routing of ``top_k`` of ``num_experts``; the bench's roofline)."""
+        return 1.0 - (1.0 - self.top_k / self.num_experts) ** batch
+
+    @property
+    def supports_decode_graphs(self) -> bool:
+        """W4A4 experts run the per-expert loop, which reads the selected ids on the host."""
+        return not self.fp4_quantizes_inputs
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs the Triton fused MoE (CUDA; not W4A4, whose inputs are
+        fake-quantized per expert)."""
+        return x.is_cuda and not self.fp4_quantizes_inputs
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_j weights[:, j] * mlp_{experts[:, j]}(x)``: on CUDA the grouped Triton kernels
+        (no host sync, so decode can be graphed); elsewhere a loop over the selected experts."""
+        if self.fused(x):
+            from vtcore.kernels.fused_moe import FP4Experts, fused_experts
+            fp4 = None
+            if self.quant is not None:
+                m = self.quant
+                glob = (self.gate_up_weight_global_scale, self.down_weight_global_scale) if m.has_global_scale \
+                    else (None, None)
+                fp4 = FP4Experts(self.gate_up_weight_packed, self.gate_up_weight_scale, self.down_weight_packed,
+                                 self.down_weight_scale, m.scale_kind, int(m.group_size), *glob)
+            return fused_experts(x, experts, weights, self.gate_up_proj, self.down_proj, fp4=fp4)
         out = torch.zeros_like(x)
         quant = self.quant is not None
         for e in experts.unique().tolist():
@@ -284,13 +312,18 @@ class SparseMoE(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         self.gate = Linear(hidden, int(config.num_experts))
         self.experts = Experts(int(config.num_experts), hidden, int(config.moe_intermediate_size))
+        self.experts.top_k = self.top_k
         self.shared_expert = GatedMLP(hidden, int(config.shared_expert_intermediate_size))
         self.shared_expert_gate = Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        top, experts = probs.topk(self.top_k, dim=-1)
-        weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.experts.fused(x):
+            from vtcore.kernels.fused_moe import moe_route
+            experts, weights = moe_route(self.gate(x), self.top_k)
+        else:
+            probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+            top, experts = probs.topk(self.top_k, dim=-1)
+            weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.experts(x, experts, weights) + shared
 
