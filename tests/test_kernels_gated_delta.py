@@ -226,10 +226,11 @@ def test_decode_matches_gated_deltanet_layer():
     finally:
         set_attention_metadata(None)
     with torch.no_grad():
-        out = gdn_decode_step(layer.in_proj_qkv(x), layer.in_proj_a(x), layer.in_proj_b(x),
+        mixed, z, b, a = layer.project(x)
+        out = gdn_decode_step(mixed, a, b,
                               layer.conv1d.weight.view(layer.conv_dim, KERNEL), layer.A_log, layer.dt_bias, conv0,
                               rec0, torch.tensor(slots), torch.tensor(keep), hk, hv, dk, dv)
-        y = layer.norm(out.reshape(-1, dv), layer.in_proj_z(x).reshape(-1, dv))
+        y = layer.norm(out.reshape(-1, dv), z.reshape(-1, dv))
         got = layer.out_proj(y.reshape(3, hv * dv))
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(conv0, conv, rtol=0, atol=0)

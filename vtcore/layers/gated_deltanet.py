@@ -5,8 +5,10 @@ Per token: fused q/k/v projection, a causal depthwise conv1d with SiLU over the 
 (q scaled by Dk^-0.5), decay g = -exp(A_log) * softplus(a + dt_bias), write strength
 beta = sigmoid(b), the gated delta rule on an fp32 per-head state (chunked for prefill chunks,
 recurrent for single tokens), the gated output norm rms(x) * w * silu(z), and out_proj.
-Parameter names follow the HF checkpoints (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
-``in_proj_a``, ``conv1d.weight``, ``dt_bias``, ``A_log``, ``norm.weight``, ``out_proj``).
+Parameter names follow the HF checkpoints (``conv1d.weight``, ``dt_bias``, ``A_log``, ``norm.weight``,
+``out_proj``) but for the input projections, fused at load as vLLM fuses them (``GDN_FUSED`` in a
+family's ``packed_modules_mapping``): ``in_proj_qkvz`` = [in_proj_qkv | in_proj_z] and ``in_proj_ba``
+= [in_proj_b | in_proj_a], two GEMVs a decode step instead of four.
 """
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ from vtcore.layers.linear import Linear
 from vtcore.layers.state import StatefulLayer
 
 
+#: checkpoint name part -> (fused parameter, shard): the GDN input projections (see the module docstring)
+GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
+             "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a")}
+
+
 class GatedRMSNorm(nn.Module):
     """rms(x) * w * silu(z), w starting at 1 (not zero-centred), statistics in float32."""
 
@@ -31,9 +38,16 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (h * F.silu(z.float())).to(x.dtype)
+        """``x`` [rows, dim] (any float dtype; rounded to ``z.dtype`` first) gated by ``z`` [rows, dim]
+        or [tokens, heads, dim] (a strided view is fine): [rows, dim]. One Triton kernel on CUDA
+        when the weight has ``z``'s dtype."""
+        if z.is_cuda and self.weight.dtype == z.dtype:
+            from vtcore.kernels.gated_rmsnorm import gated_rms_norm
+            return gated_rms_norm(x, z, self.weight, self.eps)
+        z = z.reshape(x.shape)
+        h = x.to(z.dtype).float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(z.dtype)
+        return (h * F.silu(z.float())).to(z.dtype)
 
     def dummy_init(self, gen: torch.Generator) -> None:
         self.weight.fill_(1.0)
@@ -65,10 +79,8 @@ class GatedDeltaNet(StatefulLayer):
         self.hk, self.hv, self.dk, self.dv, self.kernel = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = Linear(hidden_size, self.conv_dim)
-        self.in_proj_z = Linear(hidden_size, self.value_dim)
-        self.in_proj_b = Linear(hidden_size, num_v_heads)
-        self.in_proj_a = Linear(hidden_size, num_v_heads)
+        self.in_proj_qkvz = Linear(hidden_size, [("qkv", self.conv_dim), ("z", self.value_dim)])
+        self.in_proj_ba = Linear(hidden_size, [("b", num_v_heads), ("a", num_v_heads)])
         self.conv1d = _ConvWeight(self.conv_dim, conv_kernel)
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
@@ -87,25 +99,33 @@ class GatedDeltaNet(StatefulLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden], the tokens of every scheduled request, laid out flat."""
         md = get_attention_metadata()
+        mixed, z, b, a = self.project(x)
         if md.state_index is not None:
-            out = self._decode_indexed(x, md.state_index, md.state_continues)
+            out = self._decode_indexed(mixed, b, a, md.state_index, md.state_continues)
         else:
-            out = self._forward_per_sequence(x, md)
-        y = self.norm(out.to(x.dtype).reshape(-1, self.dv), self.in_proj_z(x).reshape(-1, self.dv))
+            out = self._forward_per_sequence(mixed, b, a, md)
+        y = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.hv, self.dv))
         return self.out_proj(y.reshape(x.shape[0], self.value_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The four input projections of ``x`` (views into the two fused outputs): the pre-conv
+        ``mixed`` [T, conv_dim], the gate ``z`` [T, value_dim], ``b`` and ``a`` [T, Hv]."""
+        mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).split([self.hv, self.hv], dim=-1)
+        return mixed, z, b, a
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
         """g = -exp(A_log) * softplus(a + dt_bias), float32."""
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
-    def _decode_indexed(self, x: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+    def _decode_indexed(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+                        continues: torch.Tensor) -> torch.Tensor:
         """One token a row, states addressed by the device tensors ``slots`` / ``continues`` (no host
         value read: capturable in a CUDA graph). CUDA: the Triton decode step; elsewhere the same
         math vectorised in torch."""
-        mixed, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         weight = self.conv1d.weight.reshape(self.conv_dim, self.kernel)
-        if x.is_cuda:
+        if mixed.is_cuda:
             from vtcore.kernels.gated_delta import gdn_decode_step
             return gdn_decode_step(mixed, a, b, weight, self.A_log, self.dt_bias, conv_states, rec_states, slots,
                                    continues, self.hk, self.hv, self.dk, self.dv)
@@ -125,14 +145,15 @@ class GatedDeltaNet(StatefulLayer):
         rec_states[slots] = state
         return torch.einsum("bhkv,bhk->bhv", state, q)
 
-    def _forward_per_sequence(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _forward_per_sequence(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, md: AttentionMetadata
+                              ) -> torch.Tensor:
         """Any batch (prefill chunks, mixed): a loop over the sequences' host row ranges and slots."""
-        mixed = self.in_proj_qkv(x).float()
-        beta = self.in_proj_b(x).float().sigmoid()
-        g = self._decay(self.in_proj_a(x))
+        mixed = mixed.float()
+        beta = b.float().sigmoid()
+        g = self._decay(a)
         weight = self.conv1d.weight.float()
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
-        out = torch.empty(x.shape[0], self.hv, self.dv, dtype=torch.float32, device=x.device)
+        out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=torch.float32, device=mixed.device)
         for (row0, n), slot, continues in zip(md.seq_rows, md.state_slots, md.has_state):
             rows = slice(row0, row0 + n)
             prev = conv_states[slot] if continues else torch.zeros_like(conv_states[slot])

@@ -258,7 +258,7 @@ def test_layer_whole_chunked_and_token_by_token_agree(chunk_size: int, hv: int) 
             torch.testing.assert_close(got, want, **F32, msg=lambda m: f"{name} state: {m}")
     # the conv state is the last K-1 pre-conv inputs
     layer = make_gdn(seed=11, hv=hv)
-    mixed = (x @ layer.in_proj_qkv.weight.T)[-(KERNEL - 1):].T
+    mixed = layer.project(x)[0][-(KERNEL - 1):].T
     torch.testing.assert_close(states["whole"][0], mixed, **F32)
 
 
@@ -313,7 +313,12 @@ def test_layer_matches_transformers_gated_deltanet(hk: int, hv: int) -> None:
     hf = Qwen3_5GatedDeltaNet(config, 0).float().eval()
     ours = make_gdn(seed=13, hk=hk, hv=hv)
     ours.chunk_size = 8
-    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=True)
+    state = dict(ours.state_dict())  # our fused input projections, split back into HF's four
+    for fused in ("in_proj_qkvz", "in_proj_ba"):
+        weight = state.pop(f"{fused}.weight")
+        for shard, rows in getattr(ours, fused).shard_slices.items():
+            state[f"in_proj_{shard}.weight"] = weight[rows]
+    missing, unexpected = hf.load_state_dict(state, strict=True)
     assert not missing and not unexpected
     x = rand_x(14, 19)
     with torch.no_grad():

@@ -30,9 +30,9 @@ from vtcore.config import HFConfig
 from vtcore.errors import CheckpointError
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.attention import Attention
-from vtcore.layers.decoder import CausalLM, DecoderStack, GatedMLP, PreNormDecoderLayer
+from vtcore.layers.decoder import FUSED_QKV_GATE_UP, CausalLM, DecoderStack, GatedMLP, PreNormDecoderLayer
 from vtcore.layers.embedding import EmbedInto
-from vtcore.layers.gated_deltanet import GatedDeltaNet
+from vtcore.layers.gated_deltanet import GDN_FUSED, GatedDeltaNet
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
@@ -351,6 +351,8 @@ class DecoderLayer(PreNormDecoderLayer):
 
 
 class Qwen3_5ForCausalLM(CausalLM):
+    packed_modules_mapping = {**FUSED_QKV_GATE_UP, **GDN_FUSED}
+
     def __init__(self, config: HFConfig, max_position: int) -> None:
         if len(config.layer_types) != config.num_hidden_layers:
             raise ValueError(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers="
