@@ -132,18 +132,25 @@ class GatedDeltaNet(StatefulLayer):
         keep = continues.float()
         window = torch.cat((conv_states[slots] * keep[:, None, None], mixed.float()[:, :, None]), dim=-1)
         conv_states[slots] = window[:, :, 1:]
-        qkv = F.silu((window * weight.float()).sum(-1))  # [rows, conv_dim]
+        q, k, v = self._heads(F.silu((window * weight.float()).sum(-1)))  # [rows, heads, dim] each
+        # every (row, head) pair as one head of a one-token sequence: the torch reference rule
+        rows, dk, dv = q.shape[0], self.dk, self.dv
+        out, state = gated_delta_recurrent(
+            q.reshape(1, -1, dk), k.reshape(1, -1, dk), v.reshape(1, -1, dv), self._decay(a).reshape(1, -1),
+            b.float().sigmoid().reshape(1, -1), (rec_states[slots] * keep[:, None, None, None]).reshape(-1, dk, dv))
+        rec_states[slots] = state.reshape(rows, self.hv, dk, dv)
+        return out.reshape(rows, self.hv, dv)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Post-conv ``qkv`` [n, conv_dim] -> q, k [n, Hv, Dk] (l2-normalised, q scaled by Dk^-0.5, each
+        k head shared by Hv / Hk value heads) and v [n, Hv, Dv]."""
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(-1, self.hk, self.dk)) * self.dk ** -0.5
-        k = l2_normalize(k.reshape(-1, self.hk, self.dk))
+        q = l2_normalize(q.reshape(n, self.hk, self.dk)) * self.dk ** -0.5
+        k = l2_normalize(k.reshape(n, self.hk, self.dk))
         if self.hv != self.hk:
             q, k = (t.repeat_interleave(self.hv // self.hk, dim=1) for t in (q, k))
-        state = rec_states[slots] * keep[:, None, None, None] * self._decay(a).exp()[:, :, None, None]
-        delta = (v.reshape(-1, self.hv, self.dv) - torch.einsum("bhkv,bhk->bhv", state, k)) \
-            * b.float().sigmoid()[:, :, None]
-        state = state + k[:, :, :, None] * delta[:, :, None, :]
-        rec_states[slots] = state
-        return torch.einsum("bhkv,bhk->bhv", state, q)
+        return q, k, v.reshape(n, self.hv, self.dv)
 
     def _forward_per_sequence(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, md: AttentionMetadata
                               ) -> torch.Tensor:
@@ -160,14 +167,9 @@ class GatedDeltaNet(StatefulLayer):
             window = torch.cat((prev, mixed[rows].T), dim=-1)  # [conv_dim, K-1+n]
             conv_states[slot] = window[:, window.shape[1] - (self.kernel - 1):]
             qkv = F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)[0].T)  # [n, conv_dim]
-            q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = l2_normalize(q.reshape(n, self.hk, self.dk)) * self.dk ** -0.5
-            k = l2_normalize(k.reshape(n, self.hk, self.dk))
-            if self.hv != self.hk:
-                q, k = (t.repeat_interleave(self.hv // self.hk, dim=1) for t in (q, k))
+            q, k, v = self._heads(qkv)
             state = rec_states[slot] if continues else torch.zeros_like(rec_states[slot])
             rule = gated_delta_recurrent if n == 1 else gated_delta_chunked
             extra = {} if n == 1 else {"chunk": self.chunk_size}
-            out[rows], rec_states[slot] = rule(q, k, v.reshape(n, self.hv, self.dv), g[rows], beta[rows], state,
-                                               **extra)
+            out[rows], rec_states[slot] = rule(q, k, v, g[rows], beta[rows], state, **extra)
         return out

@@ -223,6 +223,9 @@ def test_padded_decode_path_equals_eager(checkpoint, family: str) -> None:
     path, the HF oracle holds, and the dummy slot is the only state the padding touches."""
     path, model = checkpoint(family)
     arrivals = mixed_arrivals(5, seed=11 + FAMILIES.index(family), vocab_size=512)
+    # one-token prompts arriving once others finished: their first step is decode-shaped, on a
+    # reused state slot, so it must start from zero state (state_continues False)
+    arrivals.setdefault(30, []).extend([("one-a", [7], greedy(6)), ("one-b", [300], greedy(5))])
     runs = {}
     for eager in (True, False):
         eng = build_engine(path, "async", **KNOBS, enforce_eager=eager)

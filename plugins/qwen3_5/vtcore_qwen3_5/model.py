@@ -95,13 +95,13 @@ class Experts(nn.Module):
     MXFP4's input quantization is fully dynamic: nothing is stored.
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int = 1) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.top_k = top_k  # experts a token uses (for active_fraction)
         self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up")
         self.down_proj = self._param(torch.empty(num_experts, hidden, intermediate), "down")
         self.quant: Any = None
-        self.top_k = 1  # set by SparseMoE (for active_fraction)
         self.fp4_quantizes_inputs = False
         self.checkpoint_prefix = "experts"  # our checkpoint name, set by fp4_take_over (for load errors)
 
@@ -311,8 +311,7 @@ class SparseMoE(nn.Module):
         hidden = config.hidden_size
         self.top_k = int(config.num_experts_per_tok)
         self.gate = Linear(hidden, int(config.num_experts))
-        self.experts = Experts(int(config.num_experts), hidden, int(config.moe_intermediate_size))
-        self.experts.top_k = self.top_k
+        self.experts = Experts(int(config.num_experts), hidden, int(config.moe_intermediate_size), self.top_k)
         self.shared_expert = GatedMLP(hidden, int(config.shared_expert_intermediate_size))
         self.shared_expert_gate = Linear(hidden, 1)
 
