@@ -30,6 +30,15 @@ SHAPES = {
                         "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "tie_word_embeddings": False,
                         "torch_dtype": "bfloat16"},
 }
+#: compressed-tensors' NVFP4A16 preset as llm-compressor writes it (weight-only; lm_head and, for MoE, the router
+#: and shared-expert gates left dense, as published NVFP4 Qwen3 MoE checkpoints do)
+_NVFP4A16 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "kv_cache_scheme": None,
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                 "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+                 "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}}},
+             "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$"]}
+SHAPES.update({f"{name}-nvfp4": {**SHAPES[name], "quantization_config": _NVFP4A16}
+               for name in ("qwen3-4b", "qwen3.5-35b-a3b")})
 
 
 def write_shape(root: str, name: str, architecture: str | None = None) -> str:

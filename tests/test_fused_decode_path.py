@@ -37,21 +37,47 @@ def _generate(path: str) -> tuple[dict[str, object], int]:
     return done, len(eng.runner.model.model.layers)
 
 
-def test_fused_gemv_decode_equals_torch(tiny_checkpoint, monkeypatch) -> None:
-    from vtcore.kernels import gemv
+@pytest.fixture(scope="module", params=[None, "NVFP4A16"])  # MXFP4: the kernel tests
+def checkpoint(request, tiny_checkpoint, tmp_path_factory) -> str:
+    """The tiny checkpoint, dense and as compressed-tensors' NVFP4A16 (the FP4 GEMV's path)."""
+    if request.param is None:
+        return tiny_checkpoint[0]
+    pytest.importorskip("compressed_tensors")
+    from vtcore.quant.quantize import quantize_checkpoint
 
-    ref, layers = _generate(tiny_checkpoint[0])
+    dst = str(tmp_path_factory.mktemp(request.param))
+    quantize_checkpoint(tiny_checkpoint[0], dst, request.param)
+    return dst
+
+
+def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
+    """Dense weights with the norm and SwiGLU prologues, and packed FP4 ones decoded inside the GEMV
+    (the torch path decodes them transiently in float32)."""
+    from vtcore.kernels import gemv
+    from vtcore.quant.fp4 import FP4Weight
+
+    ref, layers = _generate(checkpoint)
     calls = {"gemv_rms_norm": 0, "gemv_silu_and_mul": 0, "gemv": 0}
+    fp4_calls = []
     for name in calls:
         def spy(*args, _f=getattr(gemv, name), _n=name, **kwargs):
             calls[_n] += 1
+            fp4_calls.extend(a for a in args if isinstance(a, FP4Weight))
             return _f(*args, **kwargs)
         monkeypatch.setattr(gemv, name, spy)
     monkeypatch.setattr(linear, "use_gemv", lambda x: True)
-    got, _ = _generate(tiny_checkpoint[0])
-    # each of the 3 requests' 3 decode steps, in every layer: both norms fused (but the first layer's
-    # input norm, which has no residual to add) and SwiGLU fused
-    assert calls["gemv_rms_norm"] >= 9 * (2 * layers - 1) and calls["gemv_silu_and_mul"] >= 9 * layers
+    monkeypatch.setattr(gemv, "_num_sms", lambda device: 4)  # few, large programs: the interpreter runs them one by one
+    got, _ = _generate(checkpoint)
+    if "FP4" in checkpoint:
+        # qkv, o, gate_up and down of every one-row forward (9 decode steps and the 1-token prompt's
+        # prefill) take the FP4 GEMV, without prologues
+        assert len(fp4_calls) == 4 * layers * 10
+        assert calls["gemv_rms_norm"] == calls["gemv_silu_and_mul"] == 0
+    else:
+        # each of the 3 requests' 3 decode steps, in every layer: both norms fused (but the first
+        # layer's input norm, which has no residual to add) and SwiGLU fused
+        assert calls["gemv_rms_norm"] >= 9 * (2 * layers - 1) and calls["gemv_silu_and_mul"] >= 9 * layers
+        assert not fp4_calls
     assert calls["gemv"] > 0  # o_proj and lm_head
     for rid, want in ref.items():
         have = got[rid]

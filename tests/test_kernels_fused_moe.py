@@ -240,7 +240,7 @@ def test_partial_tiles(kind, path, dtype, h, i):
     x = _x(t, dtype, seed=h + 1, h=h)
     ids, weights = _routing(t, k, seed=h + 2)
     y = fused_experts(x, ids, weights, *dense, fp4=fp4, path=path, **blocks)
-    _close(y, fused_experts_ref(x, ids, weights, *dense, fp4=fp4))
+    _close(y, fused_experts_ref(x, ids, weights, *dense, fp4=fp4, path=path))
 
 
 @pytest.mark.parametrize("t,k,block_m", [(40, 4, 16), (5, 2, 4), (1, 1, 16)])
@@ -317,8 +317,9 @@ def test_deterministic(path):
                                           ("prefill", 20, torch.float32), ("prefill", 3, torch.float16)])
 def test_fp4_matches_reference(kind, path, t, dtype):
     """NVFP4 (e4m3 scales, global scales distinct for gate / up / down and per expert) and MXFP4:
-    the reference decodes with ``dequantize_fp4`` (rounded to 16-bit x's dtype); in float32 also
-    the model's per-expert ``fp4_linear_reference`` math."""
+    the reference decodes with ``dequantize_fp4`` (prefill: rounded to 16-bit x's dtype; decode:
+    float32, the group-factored sum rounds no weight); in float32 also the model's per-expert
+    ``fp4_linear_reference`` math."""
     k = 2
     fp4 = _fp4(kind, seed=90 + len(kind))
     x = _x(t, dtype, seed=91 + t)
@@ -326,7 +327,7 @@ def test_fp4_matches_reference(kind, path, t, dtype):
     ids, weights = moe_route(logits, k)
     blocks = _DECODE if path == "decode" else _PREFILL_FP4 if t < 16 else {}  # T = 20: the default blocks
     y = fused_experts(x, ids, weights, None, None, fp4=fp4, path=path, **blocks)
-    _close(y, fused_experts_ref(x, ids, weights, None, None, fp4=fp4))
+    _close(y, fused_experts_ref(x, ids, weights, None, None, fp4=fp4, path=path))
     if dtype == torch.float32:
         _close(y, _model_moe(x, logits, k, None, None, fp4)[0])
 
@@ -418,7 +419,9 @@ def test_cuda_fp4(kind, t):
     fp4 = _fp4(kind, seed=t, e=CE, h=CH, i=CI, device="cuda")
     x = _x(t, torch.bfloat16, seed=t + 1, device="cuda", h=CH)
     ids, weights = moe_route(torch.randn((t, CE), generator=_gen(t + 2)).to("cuda"), CK)
-    _close(fused_experts(x, ids, weights, None, None, fp4=fp4), fused_experts_ref(x, ids, weights, None, None, fp4=fp4))
+    path = "decode" if t == 1 else "prefill"
+    _close(fused_experts(x, ids, weights, None, None, fp4=fp4, path=path),
+           fused_experts_ref(x, ids, weights, None, None, fp4=fp4, path=path))
 
 
 @cuda

@@ -18,6 +18,19 @@ decodes them in registers with integer arithmetic and a bitcast to float32:
 
 Columns are split by parity rather than interleaved: the low nibbles of a ``[BLOCK_K/2, BLOCK_N]``
 byte tile multiply ``x``'s even columns and the high nibbles the odd ones (two ``tl.dot`` per step).
+
+Decode GEMVs (:mod:`vtcore.kernels.gemv` at one row, the fused MoE's decode path) use the group-
+factored form of the same product, cheap in integer work (they are integer-bound, not memory-bound,
+with a plain decode): ``y = (sum_g s_g * sum_{i in g} c_i x_i) / global`` in float32, the scale
+applied once per group and the global once per row, no weight rounded (more accurate than the
+bf16-decoded weight, equal to it up to float32 rounding). They read the packed bytes as int32 words
+of 8 codes, x's columns ``8 w + j`` beside code ``j`` of word ``w``. FP4 decode: nibble ``j`` shifted
+to the top of the word and arithmetic-shifted right by 6 puts a code ``s e e m`` as sign copies in
+bits 31..25 and ``e e m`` in bits 24..22; masked to ``0x81C00000`` that is the float32
+``s << 31 | eem << 22``, exactly ``c * 2^-126`` (``e == 0``: the subnormal ``m * 2^-127``): two
+integer ops a code plus a shift the compiler puts on the FMA pipe. x is taken times 2^100
+(``X_SCALE``) so each product ``(c * 2^-126) * (x * 2^100)`` is a normal float32, exact (2 and <= 24
+significant bits), and the row sum times 2^26 (``UNSCALE``) undoes both.
 """
 from __future__ import annotations
 
@@ -26,6 +39,11 @@ import triton
 import triton.language as tl
 
 __all__ = ["fp4_matmul"]
+
+#: The decode GEMVs' operand scales: x times 2^100, codes as float32 ``c * 2^-126`` (FP4 decode above),
+#: so each product is ``c * x * 2^-26``; a sum times ``UNSCALE`` (2^26) undoes it.
+X_SCALE: tl.constexpr = tl.constexpr(2.0 ** 100)
+UNSCALE: tl.constexpr = tl.constexpr(2.0 ** 26)
 
 
 @triton.jit
@@ -57,6 +75,26 @@ def _e8m0_to_f32(b):
     """int32 E8M0 bytes -> float32 2^(b-127) (b=0: the subnormal 2^-127; b=255: +inf)."""
     bits = tl.where(b == 0, 0x00400000, b << 23)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scale_f32(sb, SCALE_E8M0: tl.constexpr):
+    """int32 raw scale bytes -> float32 group scales (e4m3 through a bitcast: ``(b & 0x7f) << 20`` is the
+    value times 2^-120, subnormals included; NaN at 0x7f/0xff; e8m0 as :func:`_e8m0_to_f32`)."""
+    if SCALE_E8M0:
+        s = _e8m0_to_f32(sb)
+    else:
+        s = (((sb & 0x80) << 24) | ((sb & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+        s = tl.where((sb & 0x7F) == 0x7F, (s.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True), s)
+    return s
+
+
+@triton.jit
+def _word_scales(sb, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr):
+    """float32 ``[BLOCK_N, GROUPS * GROUP / 8]``: each group's scale (decoded once, from the int32 scale
+    bytes ``sb`` ``[BLOCK_N, GROUPS]``) repeated for the group's words."""
+    s = _group_scale_f32(sb, SCALE_E8M0)[:, :, None]
+    return tl.reshape(tl.broadcast_to(s, (BLOCK_N, GROUPS, GROUP // 8)), (BLOCK_N, GROUPS * (GROUP // 8)))
 
 
 @triton.jit

@@ -14,20 +14,22 @@ Rounding points, for an activation dtype ``dt`` (bf16 / fp16; float32 rounds now
    slot order, ``acc = 0; acc += weight[t, j] * y_j`` for j = 0, 1, ..., and ``acc`` is rounded to
    ``dt`` once. (The model's ``Experts.forward`` rounds ``y_j``, the product and every ``index_add``
    to ``dt`` and visits experts in id order; this is its float32 accumulation, more accurate, and
-   independent of which other tokens picked an expert.) On CUDA the multiply-add may be one FMA.
+   independent of which other tokens picked an expert.) Each product ``weight * y_j`` is a float32
+   value of its own (the decode path stores it; no FMA).
 
 ``topk_weights`` may be float32 (``moe_route``'s) or ``dt`` (the model's ``.to(x.dtype)``); they
 are read as float32. Expert ids outside ``[0, E)`` (e.g. -1 for "not on this rank") contribute
-nothing: a host check would need a sync, so the kernels mask such slots instead. No atomics
-anywhere and a fixed summation order: a call gives the same bits every time (the decode and
-prefill paths differ from each other in the float32 summation order only).
+nothing: a host check would need a sync, so the kernels mask such slots instead. Atomics only count
+arrivals (the decode down launch) and the summation order is fixed: a call gives the same bits every
+time (the decode and prefill paths differ from each other in the float32 summation order only).
 
 FP4 (W4A16, ``fp4=FP4Experts(...)``): packed E2M1 codes and raw scale bytes are decoded in
-registers with :mod:`vtcore.kernels.fp4_gemm`'s helpers (NVFP4: ``e4m3 / global`` by IEEE division,
-the global scale being the gate's for gate rows, the up's for up rows; MXFP4: ``2^(b-127)``), then
-``w = code * scale`` in float32, rounded to ``dt`` for a 16-bit ``x`` (compressed-tensors' bf16
-decompressed weight), as ``fp4_gemm`` does (``fp4_linear_reference``, the model's CPU path,
-keeps them float32: the same for float32 ``x``). No dense weight is ever materialised.
+registers with :mod:`vtcore.kernels.fp4_gemm`'s helpers (NVFP4 global scales: the gate's for gate
+rows, the up's for up rows; MXFP4: ``2^(b-127)``). No dense weight is ever materialised. The
+prefill path forms ``w = code * (e4m3 / global)`` in float32 rounded to ``dt`` for a 16-bit ``x``
+(compressed-tensors' bf16 decompressed weight), as ``fp4_gemm`` does; the decode path sums
+group-factored, ``(sum_g s_g sum_{i in g} c_i x_i) / global`` in float32, no weight rounded (the
+float32 decoded weight of ``fp4_linear_reference``, the model's CPU path, up to float32 rounding).
 
 Decode path (T <= 16 by default), two launches, each one grouped launch over the token's k experts:
 
@@ -36,8 +38,10 @@ Decode path (T <= 16 by default), two launches, each one grouped launch over the
   that expert (tiles contiguous along K, elementwise float32 accumulators summed once at the end,
   as ``gemv``'s M == 1 path), applies ``silu(gate) * up`` and writes ``act [T * k, I]``. Tokens
   sharing an expert each stream its rows (L2 absorbs the repeats at decode sizes).
-* ``_decode_down_kernel``, grid ``(T, cdiv(H, BLOCK_N))``: loops over the k slots in order, GEMV of
-  ``act[t * k + j]`` with ``down_e``, accumulates ``weight * y`` in float32, rounds once.
+* ``_decode_down_kernel``, grid ``(T, cdiv(H, BLOCK_N), k)``: a program per slot, GEMV of
+  ``act[t * k + j]`` with ``down_e`` times ``weight``, stored float32; the last of a tile's k
+  programs to arrive (:mod:`vtcore.kernels.workspace`'s counters) sums them in slot order and
+  rounds once (``4 * T * k * H`` bytes of workspace).
 
 Prefill path (T > 16), grouped GEMMs (``tl.dot``) over rows sorted by expert, as vLLM's
 ``moe_align_block_size``: the flattened ``(token, slot)`` rows are stably sorted by expert id on the
@@ -64,7 +68,9 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from vtcore.kernels.activation import exp, silu_mul
-from vtcore.kernels.fp4_gemm import _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
+from vtcore.kernels.fp4_gemm import UNSCALE, _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
+from vtcore.kernels.gemv import _fp4_step
+from vtcore.kernels.workspace import arrival_counters
 from vtcore.kernels.rmsnorm import INTERPRET, _cast
 from vtcore.quant.fp4 import dequantize_fp4, group_scales
 
@@ -190,31 +196,21 @@ def _gemv(x_ptr, stride_xk, valid, w_ptr, rows, stride_wn, stride_wk, s_ptr, str
     false masks every load off: the result is 0 and no byte is read.
     """
     k_end = tl.where(valid, K, 0)  # (a scalar & vector mask trips the interpreter)
-    if FP4:
-        HALF_K: tl.constexpr = BLOCK_K // 2
-        GROUPS: tl.constexpr = BLOCK_K // GROUP
-        offs_p = tl.arange(0, HALF_K)
-        offs_g = tl.arange(0, GROUPS)
-        acc = tl.zeros((BLOCK_N, HALF_K), dtype=tl.float32)
+    if FP4:  # group-factored, ``w_ptr`` at int32 words of 8 codes (gemv's FP4 path); the global divides once
+        offs_w = tl.arange(0, BLOCK_K // 8)
+        offs_g = tl.arange(0, BLOCK_K // GROUP)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            p = k0 // 2 + offs_p
-            p_mask = p < k_end // 2
-            wb = tl.load(w_ptr + rows[:, None] * stride_wn + p[None, :] * stride_wk, mask=p_mask[None, :],
-                         other=0).to(tl.int32)
+            wm = offs_w + k0 // 8 < k_end // 8
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk, mask=wm[None, :],
+                        other=0)
             g = k0 // GROUP + offs_g
             sb = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg,
                          mask=(g < k_end // GROUP)[None, :], other=0).to(tl.int32)
-            scale = _group_scale(sb, gs_ptr, SCALE_E8M0, HAS_GLOBAL)[:, :, None]
-            w_lo = tl.reshape(tl.reshape(_e2m1_to_f32(wb & 0xF), (BLOCK_N, GROUPS, GROUP // 2)) * scale,
-                              (BLOCK_N, HALF_K))
-            w_hi = tl.reshape(tl.reshape(_e2m1_to_f32((wb >> 4) & 0xF), (BLOCK_N, GROUPS, GROUP // 2)) * scale,
-                              (BLOCK_N, HALF_K))
-            if DT != tl.float32:
-                w_lo = _cast(w_lo, DT, INTERPRET).to(tl.float32)
-                w_hi = _cast(w_hi, DT, INTERPRET).to(tl.float32)
-            x_even = tl.load(x_ptr + (2 * p) * stride_xk, mask=p_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + (2 * p + 1) * stride_xk, mask=p_mask, other=0.0).to(tl.float32)
-            acc += w_lo * x_even[None, :] + w_hi * x_odd[None, :]
+            acc += _fp4_step(w, sb, x_ptr, k0, k_end, stride_xk, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, False)
+        y = tl.sum(acc, axis=1) * UNSCALE
+        if HAS_GLOBAL:
+            y = tl.div_rn(y, tl.load(gs_ptr))
     else:
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -224,7 +220,8 @@ def _gemv(x_ptr, stride_xk, valid, w_ptr, rows, stride_wn, stride_wk, s_ptr, str
             w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :] * stride_wk, mask=k_mask[None, :], other=0.0)
             xv = tl.load(x_ptr + kk * stride_xk, mask=k_mask, other=0.0)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+        y = tl.sum(acc, axis=1)
+    return y
 
 
 @triton.jit
@@ -308,27 +305,38 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    act_ptr, ids_ptr, weights_ptr, out_ptr,
+    act_ptr, ids_ptr, weights_ptr, out_ptr, ws_ptr, sem_ptr,
     w_ptr, s_ptr, gs_ptr, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr, GROUP: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (token t, n tile): ``out[t, n tile] = round(sum_j weight[t, j] * down_e(act[t * TOP_K + j]))``."""
+    """Program (token t, n tile, slot j): ``weight[t, j] * down_e(act[t * TOP_K + j])`` for the n tile
+    into the float32 workspace ``ws [T, TOP_K, H]``; then it counts itself in the (t, n tile)
+    arrival counter, and the last of the TOP_K to arrive sums the slots in order 0, 1, ... (the
+    order the module docstring fixes), rounds once, writes ``out`` and resets the counter. A slot a
+    program: TOP_K times the programs of one loop over the slots (the launch was latency-bound)."""
     DT: tl.constexpr = act_ptr.dtype.element_ty
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.program_id(2)
     rows = tl.minimum(offs_n, H - 1)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = t * TOP_K + j
-        e, valid = _expert(ids_ptr, row, E)
-        weight = tl.where(valid, tl.load(weights_ptr + row).to(tl.float32), 0.0)
-        y = _gemv(act_ptr + row.to(tl.int64) * I, 1, valid, w_ptr + e * stride_we, rows, stride_wn, stride_wk,
-                  s_ptr + e * stride_se, stride_sn, stride_sg, gs_ptr + e, I, BLOCK_N, BLOCK_K, FP4, GROUP,
-                  SCALE_E8M0, HAS_GLOBAL, DT, INTERPRET)
-        acc += weight * y
-    tl.store(out_ptr + t.to(tl.int64) * H + offs_n, _cast(acc, DT, INTERPRET), mask=offs_n < H)
+    row = t * TOP_K + j
+    e, valid = _expert(ids_ptr, row, E)
+    weight = tl.where(valid, tl.load(weights_ptr + row).to(tl.float32), 0.0)
+    y = _gemv(act_ptr + row.to(tl.int64) * I, 1, valid, w_ptr + e * stride_we, rows, stride_wn, stride_wk,
+              s_ptr + e * stride_se, stride_sn, stride_sg, gs_ptr + e, I, BLOCK_N, BLOCK_K, FP4, GROUP,
+              SCALE_E8M0, HAS_GLOBAL, DT, INTERPRET)
+    ws = ws_ptr + t.to(tl.int64) * (TOP_K * H) + offs_n
+    tl.store(ws + j * H, weight * y, mask=offs_n < H)
+    tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
+    sem = sem_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+        tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for jj in tl.static_range(TOP_K):
+            acc += tl.load(ws + jj * H, mask=offs_n < H, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + t.to(tl.int64) * H + offs_n, _cast(acc, DT, INTERPRET), mask=offs_n < H)
 
 
 # ------------------------------------------------------------------------------------ prefill path
@@ -443,11 +451,13 @@ class _Proj:
     scale: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
 
-    def args(self) -> tuple:
-        """(w, scale, global, w's [E, N, K] strides, scale's [E, N, G] strides) as the kernels take them."""
+    def args(self, words: bool = False) -> tuple:
+        """(w, scale, global, w's [E, N, K] strides, scale's [E, N, G] strides) as the kernels take them;
+        ``words``: FP4 packed bytes as int32 words of 8 codes (the decode path)."""
+        w = self.w.view(torch.int32) if words and self.scale is not None else self.w
         s = self.w if self.scale is None else self.scale
         g = self.w if self.global_scale is None else self.global_scale
-        return (self.w, s, g, *self.w.stride(), *(s.stride() if self.scale is not None else (0, 0, 0)))
+        return (w, s, g, *w.stride(), *(s.stride() if self.scale is not None else (0, 0, 0)))
 
 
 def _fail(name: str, t: torch.Tensor, expected: str) -> ValueError:
@@ -466,8 +476,8 @@ def _fp4_projs(fp4: FP4Experts, e: int, i: int, h: int, device: torch.device) ->
     if fp4.scale_kind not in ("e4m3", "e8m0"):
         raise ValueError(f"fused_experts: fp4.scale_kind={fp4.scale_kind!r}, expected 'e4m3' or 'e8m0'")
     g = fp4.group_size
-    if g < 2 or g & (g - 1) or h % g or i % g:
-        raise ValueError(f"fused_experts: fp4.group_size={g}, expected a power of two dividing H={h} and I={i}")
+    if g < 8 or g & (g - 1) or h % g or i % g:
+        raise ValueError(f"fused_experts: fp4.group_size={g}, expected a power of two >= 8 dividing H={h} and I={i}")
     scale_dtypes = (torch.uint8,) if fp4.scale_kind == "e8m0" else (torch.float8_e4m3fn, torch.uint8)
     projs = []
     for which, dims, shape, n_global in (("gate_up", ("E", "2I", "H"), (e, 2 * i, h), 2),
@@ -588,9 +598,13 @@ def fused_experts(
                 HAS_GLOBAL=gate_up.global_scale is not None, INTERPRET=INTERPRET, num_warps=4, enable_fp_fusion=True)
     if path == "decode":
         _decode_gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
-            x, ids, act, x.stride(0), x.stride(1), *gate_up.args(), TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1, **meta)
-        _decode_down_kernel[(t, triton.cdiv(h, bn2))](
-            act, ids, weights, out, *down.args(), TOP_K=k, BLOCK_N=bn2, BLOCK_K=bk2, **meta)
+            x, ids, act, x.stride(0), x.stride(1), *gate_up.args(words=True), TOP_K=k, BLOCK_N=bn1, BLOCK_K=bk1,
+            **meta)
+        n_tiles = triton.cdiv(h, bn2)
+        ws = torch.empty((t, k, h), dtype=torch.float32, device=x.device)
+        _decode_down_kernel[(t, n_tiles, k)](
+            act, ids, weights, out, ws, arrival_counters(x.device, t * n_tiles), *down.args(words=True), TOP_K=k,
+            BLOCK_N=bn2, BLOCK_K=bk2, **meta)
         return out
 
     bm = block_m or 64
@@ -611,7 +625,8 @@ def fused_experts(
 def _ref_weight(dense: torch.Tensor | None, fp4: FP4Experts | None, which: str, e: int, dtype: torch.dtype
                 ) -> torch.Tensor:
     """Expert ``e``'s ``which`` weight as the kernels see it, in float32: dense as is; FP4 decoded
-    in float32 (``dequantize_fp4``, per-row globals as ``Experts._fp4`` builds them) rounded to ``dtype``."""
+    in float32 (``dequantize_fp4``, per-row globals as ``Experts._fp4`` builds them) rounded to ``dtype``
+    (float32 for the decode path, which rounds no weight)."""
     if fp4 is None:
         return dense[e].float()
     packed, scale = getattr(fp4, f"{which}_packed")[e], getattr(fp4, f"{which}_scale")[e]
@@ -628,9 +643,11 @@ def fused_experts_ref(
     w_down: torch.Tensor | None,
     *,
     fp4: FP4Experts | None = None,
+    path: Literal["decode", "prefill"] = "prefill",
 ) -> torch.Tensor:
-    """Torch reference of :func:`fused_experts`: plain loops over tokens and slots, with the same
-    rounding points (module docstring) and no validation; it syncs, being a reference."""
+    """Torch reference of :func:`fused_experts` on ``path``: plain loops over tokens and slots, with
+    the same rounding points (module docstring) and no validation; it syncs, being a reference."""
+    wdtype = torch.float32 if path == "decode" else x.dtype
     n_exp = (w_gate_up if fp4 is None else fp4.gate_up_packed).shape[0]
     out = torch.empty_like(x)
     for t in range(x.shape[0]):
@@ -639,9 +656,9 @@ def fused_experts_ref(
             e = int(topk_ids[t, j])
             if not 0 <= e < n_exp:
                 continue
-            gate_up = (x[t].float() @ _ref_weight(w_gate_up, fp4, "gate_up", e, x.dtype).T).to(x.dtype)
+            gate_up = (x[t].float() @ _ref_weight(w_gate_up, fp4, "gate_up", e, wdtype).T).to(x.dtype)
             gate, up = gate_up.chunk(2)
-            y = (F.silu(gate) * up).float() @ _ref_weight(w_down, fp4, "down", e, x.dtype).T
+            y = (F.silu(gate) * up).float() @ _ref_weight(w_down, fp4, "down", e, wdtype).T
             acc = acc + topk_weights[t, j].float() * y
         out[t] = acc.to(x.dtype)
     return out

@@ -53,14 +53,18 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from vtcore.kernels.activation import silu_mul
+from vtcore.kernels.fp4_gemm import UNSCALE, X_SCALE, _word_scales
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.kernels.workspace import arrival_counters
+from vtcore.quant.fp4 import FP4Weight
 
 __all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "supports", "gemv_ref"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+Weight = torch.Tensor | FP4Weight  # a dense [N, K] weight in x's dtype, or packed FP4
 _MAX_M = 16
 _TILE_BYTES = 8192  # weight bytes per program per K step
+_FP4_TILE_BYTES = 4096  # packed FP4 bytes per program per K step (each byte decodes to two float32)
 _PROGRAMS_PER_SM = 3  # programs the heuristic aims for
 _SPLIT_BELOW_PER_SM = 1  # split K when the N tiles are fewer than this many per SM
 _INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
@@ -73,17 +77,31 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
              prologue: str | None = None) -> bool:
     """Whether :func:`gemv` (``prologue`` None), :func:`gemv_silu_and_mul` ("silu_and_mul": ``x`` is
     [M, 2K]) or :func:`gemv_rms_norm` ("rms_norm") handles these operands (else use torch)."""
-    if not (x.is_cuda or INTERPRET) or x.device != weight.device:
+    if not (x.is_cuda or INTERPRET) or x.device != weight.device or x.dim() != 2 or x.dtype not in _DTYPES:
         return False
-    if x.dim() != 2 or weight.dim() != 2 or x.dtype not in _DTYPES or weight.dtype != x.dtype:
+    if isinstance(weight, FP4Weight):
+        g = weight.group_size
+        # No prologue: recomputed per x element in every program, it costs more than its own launch
+        # (an NVFP4 Qwen3-4B decode step took 4.1 ms with them; the GEMV streams codes at ~6 instructions
+        # a code, so x work per code counts).
+        ok = (x.shape[0] == 1 and prologue is None and weight.scale_kind in ("e4m3", "e8m0") and g >= 8 and not g & (g - 1)
+              and weight.packed.storage_offset() % 4 == 0  # read as int32 words
+              and weight.shape[1] % g == 0 and weight.packed.dtype == torch.uint8 and weight.scale.dtype == torch.uint8
+              and weight.packed.is_contiguous() and weight.scale.is_contiguous()
+              and tuple(weight.scale.shape) == (weight.shape[0], weight.shape[1] // g)
+              and (weight.row_global is None) == (weight.scale_kind == "e8m0"))
+        if not ok or (weight.row_global is not None and (weight.row_global.shape != (weight.shape[0],)
+                                                         or weight.row_global.dtype != torch.float32)):
+            return False
+    elif weight.dim() != 2 or weight.dtype != x.dtype or not weight.is_contiguous():
         return False
     m, k = x.shape[0], weight.shape[1]
     width = 2 * k if prologue == "silu_and_mul" else k
-    if m > _MAX_M or x.shape[1] != width or k == 0 or k % 8 or not weight.is_contiguous() or x.stride(1) != 1:
+    if m > _MAX_M or x.shape[1] != width or k == 0 or k % 8 or x.stride(1) != 1:
         return False
     return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()
                             and bias.device == x.device)
@@ -128,12 +146,46 @@ def _x_tile(x_ptr, r_ptr, nw_ptr, x_off, r_off, cols, mask, rstd, K: tl.constexp
 
 
 @triton.jit
+def _fp4_loads(w_ptrs, s_ptrs, kw, kg, K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+               EVEN: tl.constexpr):
+    """One K step's packed int32 words ``[BLOCK_N, BLOCK_K / 8]`` from word ``kw`` and int32 scale bytes
+    ``[BLOCK_N, BLOCK_K / GROUP]`` from group ``kg`` (offsets the caller forms by multiplying, not
+    dividing, so the compiler sees their alignment and issues 16-byte loads)."""
+    wm = tl.arange(0, BLOCK_K // 8) + kw < K // 8
+    gm = tl.arange(0, BLOCK_K // GROUP) + kg < K // GROUP
+    return _load(w_ptrs + kw, wm[None, :], EVEN), _load(s_ptrs + kg, gm[None, :], EVEN).to(tl.int32)
+
+
+@triton.jit
+def _fp4_step(w, sb, x_ptr, k0, k_lim, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+              SCALE_E8M0: tl.constexpr, EVEN: tl.constexpr):
+    """float32 ``[BLOCK_N, BLOCK_K / 8]``: one K step (from column ``k0``) of packed words ``w``, each
+    word's ``sum_j c_j x_j * 2^-26`` times its group's scale (bytes ``sb`` ``[BLOCK_N, BLOCK_K / GROUP]``);
+    x's column ``8 w + j`` (columns at or past ``k_lim`` read as 0) meets code ``j`` of word ``w``. No
+    reduction inside the K loop: a per-group sum here cost a shared-memory layout change a step. See
+    :mod:`vtcore.kernels.fp4_gemm`."""
+    cols = 8 * tl.arange(0, BLOCK_K // 8) + k0
+    for j in tl.static_range(8):
+        xj = _load(x_ptr + (cols + j) * stride_xk, cols < k_lim, EVEN).to(tl.float32) * X_SCALE
+        # code j as float32 c * 2^-126 (vtcore.kernels.fp4_gemm: FP4 decode; inlined, as the
+        # interpreter pays per helper call): to the top of the word, arithmetic >> 6, mask
+        t = w if j == 7 else w << (28 - 4 * j)
+        code = ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000 as an int32
+        if j == 0:
+            prod = code * xj[None, :]
+        else:
+            prod += code * xj[None, :]
+    return prod * _word_scales(sb, BLOCK_N, BLOCK_K // GROUP, GROUP, SCALE_E8M0)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr, M, stride_xm, stride_rm, eps,
-    N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr, M, stride_xm, stride_rm,
+    eps, N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    FP4: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
@@ -186,7 +238,30 @@ def _gemv_kernel(
             if HAS_RESIDUAL and pid_k == 0 and (k0 // BLOCK_K) % tl.num_programs(0) == pid_n:
                 tl.store(r_out_ptr + offs_m[None, :] * K + k0 + offs_k[:, None], h.to(DT), mask=xm)
         rstd = tl.rsqrt(ss * (1.0 / K) + eps)[None, :]
-    if BLOCK_M == 1:
+    if FP4:  # one row, no prologue (the host never picks either); loads double-buffered as below
+        rows64 = rows.to(tl.int64)
+        w_words = w_ptr + rows64[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+        sc_ptrs = s_ptr + rows64[:, None] * (K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        kw = pid_k * (K_SPLIT // 8)
+        kg = pid_k * (K_SPLIT // GROUP)
+        steps = tl.cdiv(k_end - k_start, BLOCK_K)
+        w, sb = _fp4_loads(w_words, sc_ptrs, kw, kg, K, BLOCK_K, GROUP, EVEN_K)
+        for i in range(1, steps):
+            w_next, sb_next = _fp4_loads(w_words, sc_ptrs, kw + i * (BLOCK_K // 8), kg + i * (BLOCK_K // GROUP), K,
+                                         BLOCK_K, GROUP, EVEN_K)
+            acc += _fp4_step(w, sb, x_ptr, k_start + (i - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
+                             EVEN_K)
+            w, sb = w_next, sb_next
+        acc += _fp4_step(w, sb, x_ptr, k_start + (steps - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
+                         EVEN_K)
+        y = tl.sum(acc, axis=1) * UNSCALE
+        if HAS_GLOBAL:
+            y = tl.div_rn(y, tl.load(g_ptr + rows))
+        out_mask = n_mask
+        dst = offs_n
+        bias_off = offs_n
+    elif BLOCK_M == 1:
         # Register double buffering: tile i + 1 is requested before tile i is multiplied, so two
         # tiles per program are in flight (Triton's pipeliner stages only loads that feed a dot).
         # Every program has at least one tile (the host never makes an empty split).
@@ -251,18 +326,21 @@ def _pick_block_k(k: int, target: int, floor: int) -> int:
 
 
 @functools.cache
-def _config(m: int, n: int, k: int, itemsize: int, sms: int, block_n: int | None, block_k: int | None,
+def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, block_k: int | None,
             split_k: int | None, num_warps: int | None, num_stages: int | None) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split, K_SPLIT, num_warps, num_stages) for one shape; forced values win."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split, K_SPLIT, num_warps, num_stages) for one shape of ``bits``-bit
+    weights (16 or 32; 4: packed FP4, whose tiles are ``_FP4_TILE_BYTES``); forced values win."""
     target = _PROGRAMS_PER_SM * sms
     if m == 1:
         block_m = 1
-        bn = block_n or next((b for b in (16, 8) if triton.cdiv(n, b) >= target), 4)
+        widths = (32, 16, 8) if bits == 4 else (16, 8)  # FP4: 32 rows x 256 codes measured best (gate_up)
+        bn = block_n or next((b for b in widths if triton.cdiv(n, b) >= target), 4)
     else:
         block_m = 16
         bn = block_n or (16 if m <= 4 else 32)
-    floor = 32 * (16 // itemsize)  # one warp of 16-byte loads across K
-    bk = block_k or _pick_block_k(k, max(16, _TILE_BYTES // (bn * itemsize)), floor)
+    tile_bytes = _FP4_TILE_BYTES if bits == 4 else _TILE_BYTES
+    floor = 32 * 16 * 8 // bits  # one warp of 16-byte loads across K
+    bk = block_k or _pick_block_k(k, max(16, tile_bytes * 8 // (bn * bits)), floor)
     k_tiles = triton.cdiv(k, bk)
     n_tiles = triton.cdiv(n, bn)
     if split_k is not None:
@@ -270,7 +348,7 @@ def _config(m: int, n: int, k: int, itemsize: int, sms: int, block_n: int | None
     elif n_tiles < _SPLIT_BELOW_PER_SM * sms and k_tiles > 1:
         # Capped so the float32 partials (written and read back: 8 * split * M * N bytes) stay
         # under a quarter of the weight bytes.
-        split = max(1, min(k_tiles, triton.cdiv(target, n_tiles), k * itemsize // (32 * m)))
+        split = max(1, min(k_tiles, triton.cdiv(target, n_tiles), k * bits // (8 * 32 * m)))
         split = next((s for s in range(split, min(k_tiles, 2 * split) + 1) if k_tiles % s == 0), split)
     else:
         split = 1
@@ -279,43 +357,55 @@ def _config(m: int, n: int, k: int, itemsize: int, sms: int, block_n: int | None
     return block_m, bn, bk, split, per_split * bk, num_warps or 4, num_stages or 3
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, prologue: int,
+def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue: int,
             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, zero_centered: bool,
             config: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, new residual or None); shapes already checked. ``config`` forces launch parameters."""
     unknown = set(config) - set(_CONFIG_KEYS)
     if unknown:
         raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    m, (n, k) = x.shape[0], weight.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
         return out, new_residual
-    block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, x.element_size(), _num_sms(x.device),
+    fp4 = weight if isinstance(weight, FP4Weight) else None
+    w = weight if fp4 is None else fp4.packed.view(torch.int32)  # 8 codes a word
+    bits = 4 if fp4 is not None else 8 * x.element_size()
+    block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, bits, _num_sms(x.device),
                                                              *(config.get(key) for key in _CONFIG_KEYS))
+    if fp4 is not None and prologue:
+        raise ValueError("gemv: FP4 weights take no prologue (see supports()); run the norm / SwiGLU first")
+    if fp4 is not None and (bk % fp4.group_size or bk % 8):
+        raise ValueError(f"gemv: block_k={bk} must be a multiple of group_size={fp4.group_size} (and of 8) for FP4")
     n_tiles = triton.cdiv(n, bn)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
     _gemv_kernel[(n_tiles, split)](
-        x, x if residual is None else residual, weight if norm_weight is None else norm_weight,
-        out if new_residual is None else new_residual, weight, weight if bias is None else bias, out, ws, sem,
+        x, x if residual is None else residual, w if norm_weight is None else norm_weight,
+        out if new_residual is None else new_residual, w, w if fp4 is None else fp4.scale,
+        w if fp4 is None or fp4.row_global is None else fp4.row_global, w if bias is None else bias, out, ws, sem,
         m, x.stride(0), 0 if residual is None else residual.stride(0), eps,
         N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
+        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, FP4=fp4 is not None,
+        GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
+        HAS_GLOBAL=fp4 is not None and fp4.row_global is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
         INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
         enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
     return out, new_residual
 
 
-def _check(name: str, x: torch.Tensor, weight: torch.Tensor, width: int, expected: str) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width or x.shape[0] > _MAX_M:
+def _check(name: str, x: torch.Tensor, weight: Weight, width: int, expected: str) -> None:
+    max_m = 1 if isinstance(weight, FP4Weight) else _MAX_M
+    if x.dim() != 2 or len(weight.shape) != 2 or x.shape[1] != width or x.shape[0] > max_m:
         raise ValueError(f"{name}: x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected {expected} "
+                         f"{'(FP4 weights take one row) ' if max_m == 1 else ''}"
                          "(see supports() for the dtype and layout rules)")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **config: int) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, **config: int) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [M, K] (M <= 16; rows may be strided, the last dim
     contiguous), ``weight`` [N, K] contiguous, ``bias`` [N]; all one dtype (bf16/fp16/fp32), see
     :func:`supports`. Returns a new contiguous [M, N] tensor in x's dtype: float32 accumulation,
@@ -324,6 +414,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Keywords (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``; also taken by the
     prologue variants) force parts of the launch config (powers of two; ``block_n`` >= 16 when M > 1;
     ``split_k`` is capped at the number of K tiles); by default :func:`_config` picks them.
+
+    ``weight`` may be an :class:`~vtcore.kernels.fp4_gemm.FP4Weight` (W4A16, one row only; the
+    prologue variants take it too): the codes and scales are decoded in registers (see
+    :mod:`vtcore.kernels.fp4_gemm`), ``block_k`` then a multiple of the group size.
     """
     _check("gemv", x, weight, weight.shape[-1], f"x [M<={_MAX_M}, K] and weight [N, K]")
     return _launch(x, weight, bias, 0, None, None, 0.0, False, config)[0]

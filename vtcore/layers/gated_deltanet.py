@@ -3,8 +3,9 @@
 Per token: fused q/k/v projection, a causal depthwise conv1d with SiLU over the last ``K`` inputs
 (its conv state, the last K-1 pre-conv inputs, lives in the request's slot), l2-normalised q and k
 (q scaled by Dk^-0.5), decay g = -exp(A_log) * softplus(a + dt_bias), write strength
-beta = sigmoid(b), the gated delta rule on an fp32 per-head state (chunked for prefill chunks,
-recurrent for single tokens), the gated output norm rms(x) * w * silu(z), and out_proj.
+beta = sigmoid(b), the gated delta rule on an fp32 per-head state (chunked for prefill chunks, the
+Triton kernel on CUDA; recurrent for single tokens), the gated output norm rms(x) * w * silu(z), and
+out_proj.
 Parameter names follow the HF checkpoints (``conv1d.weight``, ``dt_bias``, ``A_log``, ``norm.weight``,
 ``out_proj``) but for the input projections, fused at load as vLLM fuses them (``GDN_FUSED`` in a
 family's ``packed_modules_mapping``): ``in_proj_qkvz`` = [in_proj_qkv | in_proj_z] and ``in_proj_ba``
@@ -22,6 +23,16 @@ from vtcore.layers.attention import AttentionMetadata, get_attention_metadata
 from vtcore.layers.gated_delta import gated_delta_chunked, gated_delta_recurrent, l2_normalize
 from vtcore.layers.linear import Linear
 from vtcore.layers.state import StatefulLayer
+
+
+#: Prefill tokens per Triton chunked-rule call: its per-chunk states take 32 MB at this length for
+#: Qwen3.5-35B-A3B's 32 heads of 128 x 128.
+KERNEL_MAX_TOKENS = 1024
+
+
+def use_chunk_kernel(x: torch.Tensor) -> bool:
+    """Prefill chunks on CUDA run the Triton chunked rule (tests point this at the interpreter on CPU)."""
+    return x.is_cuda
 
 
 #: checkpoint name part -> (fused parameter, shard): the GDN input projections (see the module docstring)
@@ -169,7 +180,26 @@ class GatedDeltaNet(StatefulLayer):
             qkv = F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)[0].T)  # [n, conv_dim]
             q, k, v = self._heads(qkv)
             state = rec_states[slot] if continues else torch.zeros_like(rec_states[slot])
-            rule = gated_delta_recurrent if n == 1 else gated_delta_chunked
-            extra = {} if n == 1 else {"chunk": self.chunk_size}
-            out[rows], rec_states[slot] = rule(q, k, v, g[rows], beta[rows], state, **extra)
+            if n == 1:
+                out[rows], rec_states[slot] = gated_delta_recurrent(q, k, v, g[rows], beta[rows], state)
+            elif use_chunk_kernel(mixed) and self.chunk_size >= 16:  # the kernel's smallest chunk
+                out[rows], rec_states[slot] = self._chunked_kernel(q, k, v, g[rows], beta[rows], state)
+            else:
+                out[rows], rec_states[slot] = gated_delta_chunked(q, k, v, g[rows], beta[rows], state,
+                                                                  chunk=self.chunk_size)
         return out
+
+    def _chunked_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton chunked rule over at most ``KERNEL_MAX_TOKENS`` tokens a call (its scratch holds
+        a state per chunk: Hv * Dk * Dv * 4 bytes per 64 tokens), the state carried between calls."""
+        from vtcore.kernels.gated_delta import chunk_gated_delta_rule
+
+        outs = []
+        state = state.contiguous()
+        for s in range(0, q.shape[0], KERNEL_MAX_TOKENS):
+            part = slice(s, s + KERNEL_MAX_TOKENS)
+            o, state = chunk_gated_delta_rule(q[part], k[part], v[part], g[part], beta[part], state,
+                                              chunk=self.chunk_size)
+            outs.append(o)
+        return torch.cat(outs) if len(outs) > 1 else outs[0], state

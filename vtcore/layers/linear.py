@@ -5,7 +5,8 @@ A fused layer names its shards (``("q", 2048), ("k", 512), ("v", 512)``); the lo
 row slice (or, for a parameter marked ``per_shard``, such as a quantized layer's global scales,
 its shard's own entry). The loader uses ``param.shards`` to check that every shard arrived.
 A quant method may take a Linear over (``quant_method.prepare``): it replaces ``weight`` with its
-packed parameters and sets ``self.quant``, whose ``apply(layer, x)`` then computes the layer.
+packed parameters and sets ``self.quant``, whose ``apply(layer, x)`` then computes the layer (at
+decode sizes its ``gemv_weight(layer)``, when not None, feeds the Triton GEMV instead).
 """
 from __future__ import annotations
 
@@ -67,36 +68,40 @@ class Linear(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def _gemv(self, x: torch.Tensor, prologue: str | None = None) -> bool:
-        """Whether this call takes the Triton GEMV (decode-sized rows on CUDA, plain weights); with a
-        prologue only at one row: at M > 1 the transform sits between the loads and the dot and
-        stalls the pipelined loop (a 0.6B decode step at batch 2: 2.3 ms with prologues, 1.3 ms with
-        the separate launches, H200)."""
+    def _gemv_weight(self, x: torch.Tensor, prologue: str | None = None) -> object | None:
+        """The weight operand of the Triton GEMV for this call (decode-sized rows on CUDA: the dense
+        weight, or what the quant method offers, e.g. packed FP4), or None: torch / the quant method's
+        own kernel. With a prologue only at one row: at M > 1 the transform sits between the loads and
+        the dot and stalls the pipelined loop (a 0.6B decode step at batch 2: 2.3 ms with prologues,
+        1.3 ms with the separate launches, H200)."""
         rows = GEMV_MAX_ROWS if prologue is None else PROLOGUE_MAX_ROWS
-        if self.quant is not None or not use_gemv(x) or x.dim() != 2 or x.shape[0] > rows:
-            return False
+        if not use_gemv(x) or x.dim() != 2 or x.shape[0] > rows:
+            return None
+        weight = self.weight if self.quant is None else self.quant.gemv_weight(self)
         from vtcore.kernels import gemv
-        return gemv.supports(x, self.weight, self.bias, prologue)
+        return weight if weight is not None and gemv.supports(x, weight, self.bias, prologue) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._gemv_weight(x)
+        if weight is not None:  # decode: a Triton GEMV beats cuBLAS (and the FP4 tile GEMM) at small M
+            from vtcore.kernels import gemv
+            return gemv.gemv(x, weight, self.bias)
         if self.quant is not None:
             return self.quant.apply(self, x)
-        if self._gemv(x):  # decode: a Triton GEMV beats cuBLAS at small M
-            from vtcore.kernels import gemv
-            return gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu(gate) * up)`` for ``gate_up`` = [gate | up]; the SwiGLU fused into the GEMV's loads
         on the GEMV path."""
-        if self._gemv(gate_up, "silu_and_mul"):
+        weight = self._gemv_weight(gate_up, "silu_and_mul")
+        if weight is not None:
             from vtcore.kernels import gemv
-            return gemv.gemv_silu_and_mul(gate_up, self.weight, self.bias)
+            return gemv.gemv_silu_and_mul(gate_up, weight, self.bias)
         return self(silu_and_mul(gate_up))
 
     def can_fuse_rms_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
         """Whether :meth:`forward_rms_norm` runs as one GEMV with the norm in its prologue."""
-        return norm.weight.dtype == x.dtype and self._gemv(x, "rms_norm")
+        return norm.weight.dtype == x.dtype and self._gemv_weight(x, "rms_norm") is not None
 
     def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +109,8 @@ class Linear(nn.Module):
         :meth:`can_fuse_rms_norm`."""
         if self.can_fuse_rms_norm(x, norm):
             from vtcore.kernels import gemv
-            return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias, norm.zero_centered)
+            return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, self._gemv_weight(x, "rms_norm"),
+                                      self.bias, norm.zero_centered)
         h, residual = norm(x, residual)
         return self(h), residual
 

@@ -22,3 +22,8 @@ class QuantMethod(abc.ABC):
     @abc.abstractmethod
     def prepare(self, model: nn.Module) -> None:
         """Swap the targeted Linears of ``model`` to this method's packed weights and kernel."""
+
+    def gemv_weight(self, layer: nn.Module) -> object | None:
+        """The operand :func:`vtcore.kernels.gemv.gemv` takes for ``layer``'s weight at decode sizes
+        (e.g. a :class:`~vtcore.kernels.fp4_gemm.FP4Weight`), or None to run ``apply`` instead."""
+        return None

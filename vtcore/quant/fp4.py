@@ -35,11 +35,13 @@ The decode reproduces compressed-tensors' ``decompress`` (which returns bfloat16
 """
 from __future__ import annotations
 
+import attrs
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "E2M1",
+    "FP4Weight",
     "unpack_e2m1",
     "decode_e4m3",
     "decode_e8m0",
@@ -49,6 +51,28 @@ __all__ = [
     "dequantize_fp4",
     "fp4_linear_reference",
 ]
+
+@attrs.frozen
+class FP4Weight:
+    """One Linear's FP4 weight as the decode GEMV takes it: ``packed`` uint8 ``[N, K/2]`` (low nibble =
+    even column), ``scale`` raw scale bytes ``[N, K/group_size]`` (uint8), ``scale_kind`` ``"e4m3"``
+    (NVFP4) or ``"e8m0"`` (MXFP4), ``row_global`` float32 ``[N]`` that NVFP4 rows are divided by (or None)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    scale_kind: str
+    group_size: int
+    row_global: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the dense weight."""
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
 
 # code -> value; bit 3 is the sign, so code 8 is -0.0.
 E2M1 = torch.tensor(

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vtcore.errors import CheckpointError, NotSupportedError
+from vtcore.quant.fp4 import FP4Weight
 from vtcore.layers.linear import Linear
 from vtcore.quant.base import QuantMethod
 from vtcore.quant.fp4_activations import fake_quantize_mxfp4_input, fake_quantize_nvfp4_input
@@ -186,19 +187,37 @@ class FP4Method(QuantMethod):
         scales = group_scales(tensors["weight_scale"], self.scale_kind, glob)
         return dequantize_fp4(tensors["weight_packed"], scales, self.group_size)
 
+    def fp4_weight(self, layer: Linear) -> FP4Weight:
+        """``layer``'s packed weight with a float32 global scale per output row (NVFP4), cached on the
+        layer until its global scales change (their tensor version): no gather launch per call."""
+        if not self.has_global_scale:
+            return FP4Weight(layer.weight_packed, layer.weight_scale.view(torch.uint8), self.scale_kind,
+                             self.group_size)
+        version = layer.weight_global_scale._version
+        cached = getattr(layer, "_fp4_weight", None)
+        if (cached is None or cached[0] != version or cached[1].packed is not layer.weight_packed
+                or cached[1].row_global.device != layer.weight_packed.device):
+            weight = FP4Weight(layer.weight_packed, layer.weight_scale.view(torch.uint8), self.scale_kind,
+                               self.group_size, layer.weight_global_scale[layer.row_shard].contiguous())
+            layer._fp4_weight = cached = (version, weight)
+        return cached[1]
+
+    def gemv_weight(self, layer: Linear) -> FP4Weight | None:
+        """W4A16 layers decode through the FP4 GEMV; W4A4 ones quantize their input first (``apply``)."""
+        return None if self.quantize_inputs else self.fp4_weight(layer)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        row_global = layer.weight_global_scale[layer.row_shard] if self.has_global_scale else None
+        w = self.fp4_weight(layer)
         if self.quantize_inputs:  # shards share one value (checked at load): a float32 [1]
             x = self.quantize_input(x, layer.input_global_scale[:1] if self.has_global_scale else None)
         if x.is_cuda:
             from vtcore.kernels.fp4_gemm import fp4_matmul
 
-            return fp4_matmul(x, layer.weight_packed, layer.weight_scale.view(torch.uint8), self.scale_kind,
-                              row_global, self.group_size, layer.bias)
+            return fp4_matmul(x, w.packed, w.scale, self.scale_kind, w.row_global, self.group_size, layer.bias)
         from vtcore.quant.fp4 import fp4_linear_reference
 
-        return fp4_linear_reference(x, layer.weight_packed, layer.weight_scale, self.scale_kind, row_global,
-                                    self.group_size, layer.bias)
+        return fp4_linear_reference(x, w.packed, w.scale, self.scale_kind, w.row_global, self.group_size,
+                                    layer.bias)
 
     @torch.no_grad()
     def dummy_init(self, layer: Linear, gen: torch.Generator) -> None:

@@ -113,6 +113,26 @@ def test_long_prompt_default_chunk(checkpoint, family: str) -> None:
     assert_matches_hf(model, prompt, out, GEN)
 
 
+def test_chunk_kernel_prefill_on_the_oracle(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton chunked rule (CUDA's prefill path) in the interpreter: a 150-token prompt, 64 tokens a
+    call (so the state is carried between calls, across a partial chunk), on the HF oracle."""
+    from vtcore.kernels.rmsnorm import INTERPRET
+    from vtcore.layers import gated_deltanet
+
+    if not INTERPRET:
+        pytest.skip("CPU tensors need the Triton interpreter")
+    calls = []
+    kernel = GatedDeltaNet._chunked_kernel
+    monkeypatch.setattr(gated_deltanet, "use_chunk_kernel", lambda x: True)
+    monkeypatch.setattr(gated_deltanet, "KERNEL_MAX_TOKENS", 64)
+    monkeypatch.setattr(GatedDeltaNet, "_chunked_kernel", lambda self, *a: calls.append(a[0].shape[0]) or kernel(self, *a))
+    path, model = checkpoint("dense")
+    prompt = rand_prompt(150, seed=150)
+    (out,) = _llm(path).generate([{"prompt_token_ids": prompt}], greedy(GEN))
+    assert calls and all(n == 150 for n in calls)  # every GDN layer's prefill went through the kernel path
+    assert_matches_hf(model, prompt, out, GEN)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_batch_small_chunk(checkpoint, small_gdn_chunk: int, family: str, variant: str) -> None:

@@ -1,0 +1,130 @@
+"""FP4 (W4A16) decode GEMV: ``vtcore.kernels.gemv`` with an ``FP4Weight``, against float64 products of
+the decoded weights (``vtcore.quant.fp4``, itself held bit-exact to compressed-tensors' decompress).
+
+The kernel computes ``(sum_g s_g * sum_{i in g} c_i x_i) / global`` in float32; the oracle is the exact
+``x @ W.T`` of the float32 decoded weights ``W = c * s / global``. float32 x: within 1e-5 of max |y|
+(float32 rounding of the sums, the scale and the global division). 16-bit x: the exact product rounded
+once to the dtype, 1 ulp of |y| allowed (plus 1e-3 of max |y| for values near 0), as the dense GEMV.
+The weights cover every code, e4m3 subnormal and negative scales, e8m0 exponents down to 2^-127.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from vtcore.kernels.gemv import INTERPRET, gemv, gemv_silu_and_mul, supports  # noqa: E402
+from vtcore.quant.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+_ULP = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+_GROUP = {"e4m3": 16, "e8m0": 32}
+
+
+def fp4_weight(n: int, k: int, kind: str, seed: int, device: str = "cpu") -> FP4Weight:
+    """Random codes (all 16 appear), scales spread over the format's range incl. subnormal e4m3 and
+    negative e4m3 scales, per-row NVFP4 global scales."""
+    g = torch.Generator().manual_seed(seed)
+    group = _GROUP[kind]
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    if kind == "e4m3":
+        scale = torch.randint(0, 0x7F, (n, k // group), generator=g, dtype=torch.int32)  # no NaN byte
+        scale |= torch.randint(0, 2, scale.shape, generator=g, dtype=torch.int32) << 7
+        row_global = torch.rand(n, generator=g) * 400 + 1
+    else:
+        scale = torch.randint(100, 135, (n, k // group), generator=g, dtype=torch.int32)
+        scale[0, 0] = 0  # 2^-127, the subnormal
+        row_global = None
+    return FP4Weight(packed.to(device), scale.to(torch.uint8).to(device), kind, group,
+                     None if row_global is None else row_global.to(device))
+
+
+def dense(w: FP4Weight) -> torch.Tensor:
+    return dequantize_fp4(w.packed.cpu(), group_scales(w.scale.cpu(), w.scale_kind,
+                                                       None if w.row_global is None else w.row_global.cpu()),
+                          w.group_size)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | None = None) -> None:
+    ref = x.double().cpu() @ dense(w).double().T + (0 if bias is None else bias.double().cpu())
+    y = y.double().cpu()
+    assert y.shape == ref.shape
+    if x.dtype == torch.float32:
+        assert (y - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    else:
+        tol = _ULP[x.dtype] * ref.abs() + 1e-3 * ref.abs().max()
+        assert ((y - ref).abs() <= tol).all(), (y - ref).abs().max().item()
+
+
+@interp
+@pytest.mark.parametrize("kind", ["e4m3", "e8m0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,split", [(256, 1), (256, 4), (160, 1)])  # 160: the last K tile masked
+def test_interpreter_matches_decoded_weights(kind, dtype, k, split):
+    w = fp4_weight(24, k, kind, seed=k + split)  # 24 rows: a partial N tile of 16
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(24).to(dtype)
+    check(gemv(x, w, bias, block_n=16, block_k=64, split_k=split), x, w, bias)
+
+
+@interp
+def test_interpreter_small_values_keep_their_precision():
+    """Codes +-0.5 (the e2m1 subnormals, decoded through float32 subnormal bits) on tiny x: a
+    flush-to-zero anywhere would zero or shift these."""
+    w = fp4_weight(16, 64, "e4m3", seed=3)
+    w.packed.copy_(torch.tensor([0x91, 0x19], dtype=torch.uint8).repeat(16, 16))  # codes 1, 9 = +0.5, -0.5
+    x = (torch.rand(1, 64, generator=torch.Generator().manual_seed(4)) * 1e-20).float()
+    y = gemv(x, w, block_n=16, block_k=64)
+    check(y, x, w)
+    assert y.abs().min() > 0
+
+
+@interp
+def test_interpreter_nan_scale_gives_nan():
+    w = fp4_weight(16, 64, "e4m3", seed=5)
+    w.scale[3, 1] = 0x7F
+    y = gemv(torch.ones(1, 64), w, block_n=16, block_k=64)
+    assert torch.isnan(y[0, 3]) and not torch.isnan(y[0, torch.arange(16) != 3]).any()
+
+
+def test_supports_fp4():
+    w = fp4_weight(16, 64, "e4m3", seed=8)
+    x = torch.randn(1, 64)
+    assert supports(x, w) is INTERPRET
+    assert not supports(torch.randn(2, 64), w)  # one row only
+    assert not supports(x, w, prologue="rms_norm") and not supports(torch.randn(1, 128), w, prologue="silu_and_mul")
+    assert not supports(x, FP4Weight(w.packed, w.scale, "e4m3", 16, None))  # NVFP4 without its global
+    assert not supports(x, FP4Weight(w.packed, w.scale[:, :2], "e4m3", 16, w.row_global))
+    with pytest.raises(ValueError, match=r"x \(2, 64\).*FP4 weights take one row"):
+        gemv(torch.randn(2, 64), w)
+    if INTERPRET:
+        with pytest.raises(ValueError, match="FP4 weights take no prologue"):
+            gemv_silu_and_mul(torch.randn(1, 128), w)
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+#: (N, K): NVFP4 Qwen3-4B gate_up, down, fused qkv, o_proj; a Qwen3.5-35B-A3B GDN in_proj_qkvz
+SHAPES = [(19456, 2560), (2560, 9728), (6144, 2560), (2560, 4096), (12288, 2048)]
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["e4m3", "e8m0"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_cuda_decode_shapes(n, k, kind):
+    w = fp4_weight(n, k, kind, seed=n + k, device="cuda")
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    check(gemv(x, w), x, w)
+    check(gemv(x.float(), w), x.float(), w)
+
+
+@cuda
+def test_cuda_subnormal_codes_not_flushed():
+    w = fp4_weight(256, 1024, "e4m3", seed=9, device="cuda")
+    w.packed.copy_(torch.tensor([0x91, 0x19], dtype=torch.uint8, device="cuda").repeat(256, 256))
+    x = torch.rand(1, 1024, device="cuda") * 1e-20
+    y = gemv(x, w)
+    check(y, x, w)
+    assert y.abs().min() > 0
