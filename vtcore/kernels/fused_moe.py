@@ -69,7 +69,7 @@ from torch.nn import functional as F
 
 from vtcore.kernels.activation import exp, silu_mul
 from vtcore.kernels.fp4_gemm import UNSCALE, _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
-from vtcore.kernels.gemv import _fp4_step
+from vtcore.kernels.gemv import _fp4_step, _num_sms
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.kernels.rmsnorm import INTERPRET, _cast
 from vtcore.quant.fp4 import dequantize_fp4, group_scales
@@ -531,12 +531,19 @@ def _pow2(name: str, v: int, low: int) -> None:
 
 
 @functools.cache
-def _decode_blocks(n: int, k: int, itemsize: int, group: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of a decode GEMV over ``n`` rows of length ``k``: 16 rows a program and
-    ~8 KB of dense weight a step (bf16: 256 columns), FP4 (``group`` > 0) 256 columns (128 bytes a
-    row); K blocks stay within next_pow2(k) and, for FP4, hold whole groups."""
+def _decode_blocks(n: int, k: int, itemsize: int, group: int, programs_per_tile: int, sms: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a decode GEMV over ``n`` rows of length ``k`` (``programs_per_tile``
+    programs share each n tile: T * top_k). Dense: 16 rows a program and ~8 KB of weight a step (bf16:
+    256 columns). FP4 (``group`` > 0): 256 columns (128 bytes a row) and the widest of 32, 16, 8 rows
+    giving >= 3 programs an SM (the launches are latency-bound; the H200 sweep of
+    ``scripts/bench_gemv.py --fp4 --sweep``, 35B-A3B layer at T = 1: gate_up 8 rows 14.0 us vs 16 rows
+    16.0 us, down 32 rows 6.9 us vs 16 rows 8.2 us). K blocks stay within next_pow2(k) and, for FP4,
+    hold whole groups."""
     bk = 256 if group else _GEMV_TILE_BYTES // (16 * itemsize)
-    return min(16, triton.next_power_of_2(n)), max(group, 16, min(bk, triton.next_power_of_2(k)))
+    bn = 16
+    if group:
+        bn = next((b for b in (32, 16) if programs_per_tile * triton.cdiv(n, b) >= 3 * sms), 8)
+    return min(bn, triton.next_power_of_2(n)), max(group, 16, min(bk, triton.next_power_of_2(k)))
 
 
 @functools.cache
@@ -579,7 +586,9 @@ def fused_experts(
     if path not in ("decode", "prefill"):
         raise ValueError(f"fused_experts: path={path!r}, expected 'decode' or 'prefill'")
     if path == "decode":
-        blocks = [_decode_blocks(n, kk, x.element_size(), group) for n, kk in ((i, h), (h, i))]
+        sms = _num_sms(x.device)
+        blocks = [_decode_blocks(n, kk, x.element_size(), group, t * k, sms)
+                  for n, kk in ((i, h), (h, i))]
     else:
         blocks = [_prefill_blocks(n, kk, group) for n, kk in ((i, h), (h, i))]
         _pow2("block_m", block_m or 64, 16)

@@ -64,7 +64,6 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Weight = torch.Tensor | FP4Weight  # a dense [N, K] weight in x's dtype, or packed FP4
 _MAX_M = 16
 _TILE_BYTES = 8192  # weight bytes per program per K step
-_FP4_TILE_BYTES = 4096  # packed FP4 bytes per program per K step (each byte decodes to two float32)
 _PROGRAMS_PER_SM = 3  # programs the heuristic aims for
 _SPLIT_BELOW_PER_SM = 1  # split K when the N tiles are fewer than this many per SM
 _INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
@@ -329,18 +328,18 @@ def _pick_block_k(k: int, target: int, floor: int) -> int:
 def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, block_k: int | None,
             split_k: int | None, num_warps: int | None, num_stages: int | None) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split, K_SPLIT, num_warps, num_stages) for one shape of ``bits``-bit
-    weights (16 or 32; 4: packed FP4, whose tiles are ``_FP4_TILE_BYTES``); forced values win."""
+    weights (16 or 32; 4: packed FP4); forced values win."""
     target = _PROGRAMS_PER_SM * sms
     if m == 1:
         block_m = 1
-        widths = (32, 16, 8) if bits == 4 else (16, 8)  # FP4: 32 rows x 256 codes measured best (gate_up)
-        bn = block_n or next((b for b in widths if triton.cdiv(n, b) >= target), 4)
+        # FP4: 64 rows x 256 codes (8 KB), split-K below the SM count: within ~10% of the best of a
+        # 96-config sweep on each NVFP4 Qwen3-4B shape (scripts/bench_gemv.py --fp4 --sweep, H200)
+        bn = block_n or (64 if bits == 4 else next((b for b in (16, 8) if triton.cdiv(n, b) >= target), 4))
     else:
         block_m = 16
         bn = block_n or (16 if m <= 4 else 32)
-    tile_bytes = _FP4_TILE_BYTES if bits == 4 else _TILE_BYTES
     floor = 32 * 16 * 8 // bits  # one warp of 16-byte loads across K
-    bk = block_k or _pick_block_k(k, max(16, tile_bytes * 8 // (bn * bits)), floor)
+    bk = block_k or _pick_block_k(k, max(16, _TILE_BYTES * 8 // (bn * bits)), floor)
     k_tiles = triton.cdiv(k, bk)
     n_tiles = triton.cdiv(n, bn)
     if split_k is not None:
