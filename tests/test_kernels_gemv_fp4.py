@@ -128,3 +128,23 @@ def test_cuda_subnormal_codes_not_flushed():
     y = gemv(x, w)
     check(y, x, w)
     assert y.abs().min() > 0
+
+
+def test_linear_fp4_weight_follows_reloaded_global_scales():
+    """A quantized Linear caches its per-row global scales for the GEMV; a reload of the per-shard
+    globals (an in-place copy) must show up in the next call, per shard."""
+    from vtcore.layers.linear import Linear
+    from vtcore.quant.fp4_method import FP4Method
+
+    class NV(FP4Method):
+        format, group_size, scale_dtype, scale_kind, has_global_scale = "nv", 16, torch.float8_e4m3fn, "e4m3", True
+
+    cfg = {"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+    layer = Linear(32, [("q", 16), ("k", 8)])
+    NV(cfg).prepare(layer)
+    layer.weight_global_scale.data.copy_(torch.tensor([2.0, 3.0]))
+    first = layer.quant.fp4_weight(layer)
+    assert first.row_global.tolist() == [2.0] * 16 + [3.0] * 8
+    assert layer.quant.fp4_weight(layer) is first  # cached: no gather per call
+    layer.weight_global_scale.weight_loader(layer.weight_global_scale, torch.tensor([5.0]), "k")  # as the loader calls it
+    assert layer.quant.fp4_weight(layer).row_global.tolist() == [2.0] * 16 + [5.0] * 8

@@ -159,6 +159,7 @@ class FP4Method(QuantMethod):
             layer.weight_global_scale = layer.new_param(
                 torch.empty(len(layer.shard_names), dtype=torch.float32, device=device), per_shard=True,
                 exact_dtype=True)
+            layer.weight_global_scale.weight_loader = _uncaching_loader(layer, layer.weight_loader)
             sizes = [s.stop - s.start for s in layer.shard_slices.values()] or [out]
             row_shard = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
             layer.register_buffer("row_shard", row_shard.to(device), persistent=False)
@@ -189,7 +190,8 @@ class FP4Method(QuantMethod):
 
     def fp4_weight(self, layer: Linear) -> FP4Weight:
         """``layer``'s packed weight with a float32 global scale per output row (NVFP4), cached on the
-        layer until its global scales change (their tensor version): no gather launch per call."""
+        layer (no gather launch per call) until its global scales change: a load through their
+        ``weight_loader`` drops the cache, an in-place op on the parameter bumps its version."""
         if not self.has_global_scale:
             return FP4Weight(layer.weight_packed, layer.weight_scale.view(torch.uint8), self.scale_kind,
                              self.group_size)
@@ -238,6 +240,15 @@ class FP4Method(QuantMethod):
             layer.weight_scale.fill_(round(math.log2(scale)) + 127)
         if layer.bias is not None:
             layer.bias.zero_()
+
+
+def _uncaching_loader(layer: Linear, load: Any) -> Any:
+    """``load``, then drop the layer's cached per-row global scales (the loader writes through
+    ``param.data``, which leaves the parameter's version unchanged)."""
+    def loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        load(param, loaded, shard)
+        layer.__dict__.pop("_fp4_weight", None)
+    return loader
 
 
 def _shared_scale_loader(layer: Linear):
