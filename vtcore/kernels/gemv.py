@@ -27,6 +27,12 @@ and RMSNorm before qkv_proj / gate_up_proj; each program recomputes the row stat
 row is a few KB, and the programs of split 0 share out writing the new residual). Both round
 exactly as their standalone kernels do.
 
+FP4 (W4A16) weights, an ``FP4Weight``, take the one-row path with no prologue: packed int32 words
+of 8 codes and their group scales are decoded in registers and summed group-factored (see
+:mod:`vtcore.kernels.fp4_gemm`), in 64-row x 256-code tiles, split-K as above. The kernel is bound
+by instruction issue (~6 SASS instructions a code), not by memory; a prologue's per-element work,
+redone in every program, would cost more than its own launch.
+
 Launch configs come from host ints only (M, N, K, dtype size, SM count), cached with
 ``functools.cache``; no autotuning, no sync, no data-dependent grid, so calls can be captured in a
 CUDA graph. Allocations: the output, plus the float32 workspace on the split path (a caching-
@@ -87,7 +93,8 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
         # No prologue: recomputed per x element in every program, it costs more than its own launch
         # (an NVFP4 Qwen3-4B decode step took 4.1 ms with them; the GEMV streams codes at ~6 instructions
         # a code, so x work per code counts).
-        ok = (x.shape[0] == 1 and prologue is None and weight.scale_kind in ("e4m3", "e8m0") and g >= 8 and not g & (g - 1)
+        ok = (x.shape[0] == 1 and prologue is None and weight.scale_kind in ("e4m3", "e8m0")
+              and g >= 8 and not g & (g - 1)
               and weight.packed.storage_offset() % 4 == 0  # read as int32 words
               and weight.shape[1] % g == 0 and weight.packed.dtype == torch.uint8 and weight.scale.dtype == torch.uint8
               and weight.packed.is_contiguous() and weight.scale.is_contiguous()
