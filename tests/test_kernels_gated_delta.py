@@ -400,3 +400,20 @@ def test_cuda_graph_decode():
     torch.testing.assert_close(conv[1:].cpu(), ref_conv[1:], rtol=0, atol=0)  # slot 0: the padded row's
     torch.testing.assert_close(rec[1:].cpu(), ref_rec[1:], **CUDA_TOL)
     assert torch.equal(rec[1].cpu(), rec0[1]) and torch.equal(rec[3].cpu(), rec0[3])
+
+
+@interp
+def test_layer_prefill_calls_carry_the_state(monkeypatch):
+    """``GatedDeltaNet._chunked_kernel`` (CUDA's prefill) in 64-token calls over 150 tokens from a
+    nonzero state == the torch chunked rule over the whole sequence, output and state; slow decay
+    (g in [-0.05, 0]) so the state carried between calls dominates (a dropped carry moves both)."""
+    from types import SimpleNamespace
+
+    from vtcore.layers import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "KERNEL_MAX_TOKENS", 64)
+    q, k, v, g, beta, state = _rule_inputs(150, 4, 16, 32, seed=21, g_range=(-0.05, 0.0))
+    out, new_state = GatedDeltaNet._chunked_kernel(SimpleNamespace(chunk_size=32), q, k, v, g, beta, state)
+    ref_out, ref_state = gated_delta_chunked(q, k, v, g, beta, state, chunk=32)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(new_state, ref_state, **TOL)

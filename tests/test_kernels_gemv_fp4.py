@@ -62,7 +62,7 @@ def check(y: torch.Tensor, x: torch.Tensor, w: FP4Weight, bias: torch.Tensor | N
 @interp
 @pytest.mark.parametrize("kind", ["e4m3", "e8m0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,split", [(256, 1), (256, 4), (160, 1)])  # 160: the last K tile masked
+@pytest.mark.parametrize("k,split", [(256, 1), (256, 4), (512, 2), (160, 1)])  # 512/2: 4 steps a split; 160: masked tail
 def test_interpreter_matches_decoded_weights(kind, dtype, k, split):
     w = fp4_weight(24, k, kind, seed=k + split)  # 24 rows: a partial N tile of 16
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -71,15 +71,30 @@ def test_interpreter_matches_decoded_weights(kind, dtype, k, split):
 
 
 @interp
-def test_interpreter_small_values_keep_their_precision():
-    """Codes +-0.5 (the e2m1 subnormals, decoded through float32 subnormal bits) on tiny x: a
-    flush-to-zero anywhere would zero or shift these."""
+@pytest.mark.parametrize("magnitude", [1e-15, 1.0, 2.0 ** 40])
+def test_interpreter_x_magnitudes(magnitude):
+    """Codes +-0.5 (the e2m1 subnormals, decoded through float32 subnormal bits) and all the others,
+    on x far from 1 both ways: the pre-scaled products must stay finite and exact (an x scale of
+    2^100 turned |x| >= 2^28 into inf, and a zero code times inf into NaN)."""
     w = fp4_weight(16, 64, "e4m3", seed=3)
+    x = (torch.rand(1, 64, generator=torch.Generator().manual_seed(4)) * magnitude).float()
+    check(gemv(x, w, block_n=16, block_k=64), x, w)
     w.packed.copy_(torch.tensor([0x91, 0x19], dtype=torch.uint8).repeat(16, 16))  # codes 1, 9 = +0.5, -0.5
-    x = (torch.rand(1, 64, generator=torch.Generator().manual_seed(4)) * 1e-20).float()
     y = gemv(x, w, block_n=16, block_k=64)
     check(y, x, w)
     assert y.abs().min() > 0
+
+
+@interp
+def test_interpreter_masked_tail_reads_no_scale_past_the_rows():
+    """K = 160 with 64-column steps: the last step's groups 10 and 11 lie past each row; the byte after
+    the last row is a NaN scale, which an unmasked load would bring in."""
+    w = fp4_weight(24, 160, "e4m3", seed=12)
+    buf = torch.full((25, 10), 0x7F, dtype=torch.uint8)
+    buf[:24] = w.scale
+    w = FP4Weight(w.packed, buf[:24], "e4m3", 16, w.row_global)
+    x = torch.randn(1, 160, generator=torch.Generator().manual_seed(13))
+    check(gemv(x, w, block_n=8, block_k=64), x, w)
 
 
 @interp
@@ -98,6 +113,7 @@ def test_supports_fp4():
     assert not supports(x, w, prologue="rms_norm") and not supports(torch.randn(1, 128), w, prologue="silu_and_mul")
     assert not supports(x, FP4Weight(w.packed, w.scale, "e4m3", 16, None))  # NVFP4 without its global
     assert not supports(x, FP4Weight(w.packed, w.scale[:, :2], "e4m3", 16, w.row_global))
+    assert not supports(x, FP4Weight(w.packed, w.scale, "e4m3", 16, torch.ones(1).expand(16)))  # strided globals
     with pytest.raises(ValueError, match=r"x \(2, 64\).*FP4 weights take one row"):
         gemv(torch.randn(2, 64), w)
     if INTERPRET:

@@ -28,9 +28,10 @@ of 8 codes, x's columns ``8 w + j`` beside code ``j`` of word ``w``. FP4 decode:
 to the top of the word and arithmetic-shifted right by 6 puts a code ``s e e m`` as sign copies in
 bits 31..25 and ``e e m`` in bits 24..22; masked to ``0x81C00000`` that is the float32
 ``s << 31 | eem << 22``, exactly ``c * 2^-126`` (``e == 0``: the subnormal ``m * 2^-127``): two
-integer ops a code plus a shift the compiler puts on the FMA pipe. x is taken times 2^100
-(``X_SCALE``) so each product ``(c * 2^-126) * (x * 2^100)`` is a normal float32, exact (2 and <= 24
-significant bits), and the row sum times 2^26 (``UNSCALE``) undoes both.
+integer ops a code plus a shift the compiler puts on the FMA pipe. x is taken times 2^64
+(``X_SCALE``) so each product ``(c * 2^-126) * (x * 2^64) = c * x * 2^-62`` is a normal float32,
+exact (2 and <= 24 significant bits), for any 2^-63 <= |x| < 2^64; the group scales are decoded
+times 2^62, which undoes both (e8m0 scales above 2^65, far beyond any real weight, saturate to inf).
 """
 from __future__ import annotations
 
@@ -40,10 +41,9 @@ import triton.language as tl
 
 __all__ = ["fp4_matmul"]
 
-#: The decode GEMVs' operand scales: x times 2^100, codes as float32 ``c * 2^-126`` (FP4 decode above),
-#: so each product is ``c * x * 2^-26``; a sum times ``UNSCALE`` (2^26) undoes it.
-X_SCALE: tl.constexpr = tl.constexpr(2.0 ** 100)
-UNSCALE: tl.constexpr = tl.constexpr(2.0 ** 26)
+#: The decode GEMVs' x scale: x times 2^64, codes as float32 ``c * 2^-126`` (FP4 decode above), so each
+#: product is ``c * x * 2^-62``; :func:`_group_scale_f32`'s factor 2^62 undoes it.
+X_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
 
 
 @triton.jit
@@ -79,12 +79,15 @@ def _e8m0_to_f32(b):
 
 @triton.jit
 def _group_scale_f32(sb, SCALE_E8M0: tl.constexpr):
-    """int32 raw scale bytes -> float32 group scales (e4m3 through a bitcast: ``(b & 0x7f) << 20`` is the
-    value times 2^-120, subnormals included; NaN at 0x7f/0xff; e8m0 as :func:`_e8m0_to_f32`)."""
+    """int32 raw scale bytes -> float32 group scales times 2^62 (the decode GEMVs' unscaling, see
+    ``X_SCALE``). e4m3 through a bitcast: ``s << 31 | (b & 0x7f) << 20`` is the value times 2^-120,
+    subnormals included, then times 2^91 twice; NaN at 0x7f/0xff. e8m0 ``b``: ``2^(b - 65)`` as the
+    float32 bits ``(b + 62) << 23`` (b = 0, the reference's 2^-127, included), +inf from b = 193 on."""
     if SCALE_E8M0:
-        s = _e8m0_to_f32(sb)
+        s = tl.where(sb + 62 > 254, 0x7F800000, (sb + 62) << 23).to(tl.float32, bitcast=True)
     else:
-        s = (((sb & 0x80) << 24) | ((sb & 0x7F) << 20)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+        s = (((sb & 0x80) << 24) | ((sb & 0x7F) << 20)).to(tl.float32, bitcast=True)
+        s = s * 2.4758800785707605e27 * 2.4758800785707605e27  # 2^91 twice: exact, and 2^182 is no float32
         s = tl.where((sb & 0x7F) == 0x7F, (s.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True), s)
     return s
 

@@ -68,7 +68,7 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from vtcore.kernels.activation import exp, silu_mul
-from vtcore.kernels.fp4_gemm import UNSCALE, _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
+from vtcore.kernels.fp4_gemm import _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
 from vtcore.kernels.gemv import _fp4_step, _num_sms
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.kernels.rmsnorm import INTERPRET, _cast
@@ -208,7 +208,7 @@ def _gemv(x_ptr, stride_xk, valid, w_ptr, rows, stride_wn, stride_wk, s_ptr, str
             sb = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg,
                          mask=(g < k_end // GROUP)[None, :], other=0).to(tl.int32)
             acc += _fp4_step(w, sb, x_ptr, k0, k_end, stride_xk, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, False)
-        y = tl.sum(acc, axis=1) * UNSCALE
+        y = tl.sum(acc, axis=1)
         if HAS_GLOBAL:
             y = tl.div_rn(y, tl.load(gs_ptr))
     else:

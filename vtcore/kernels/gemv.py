@@ -59,7 +59,7 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from vtcore.kernels.activation import silu_mul
-from vtcore.kernels.fp4_gemm import UNSCALE, X_SCALE, _word_scales
+from vtcore.kernels.fp4_gemm import X_SCALE, _word_scales
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.quant.fp4 import FP4Weight
@@ -101,7 +101,9 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
               and tuple(weight.scale.shape) == (weight.shape[0], weight.shape[1] // g)
               and (weight.row_global is None) == (weight.scale_kind == "e8m0"))
         if not ok or (weight.row_global is not None and (weight.row_global.shape != (weight.shape[0],)
-                                                         or weight.row_global.dtype != torch.float32)):
+                                                         or weight.row_global.dtype != torch.float32
+                                                         or not weight.row_global.is_contiguous()
+                                                         or weight.row_global.device != x.device)):
             return False
     elif weight.dim() != 2 or weight.dtype != x.dtype or not weight.is_contiguous():
         return False
@@ -166,7 +168,7 @@ def _fp4_loads(w_ptrs, s_ptrs, kw, kg, K: tl.constexpr, BLOCK_K: tl.constexpr, G
 def _fp4_step(w, sb, x_ptr, k0, k_lim, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
               SCALE_E8M0: tl.constexpr, EVEN: tl.constexpr):
     """float32 ``[BLOCK_N, BLOCK_K / 8]``: one K step (from column ``k0``) of packed words ``w``, each
-    word's ``sum_j c_j x_j * 2^-26`` times its group's scale (bytes ``sb`` ``[BLOCK_N, BLOCK_K / GROUP]``);
+    word's ``sum_j c_j x_j * 2^-62`` times its group's scale (times 2^62) (bytes ``sb`` ``[BLOCK_N, BLOCK_K / GROUP]``);
     x's column ``8 w + j`` (columns at or past ``k_lim`` read as 0) meets code ``j`` of word ``w``. No
     reduction inside the K loop: a per-group sum here cost a shared-memory layout change a step. See
     :mod:`vtcore.kernels.fp4_gemm`."""
@@ -261,7 +263,7 @@ def _gemv_kernel(
             w, sb = w_next, sb_next
         acc += _fp4_step(w, sb, x_ptr, k_start + (steps - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
                          EVEN_K)
-        y = tl.sum(acc, axis=1) * UNSCALE
+        y = tl.sum(acc, axis=1)
         if HAS_GLOBAL:
             y = tl.div_rn(y, tl.load(g_ptr + rows))
         out_mask = n_mask

@@ -182,7 +182,8 @@ class GatedDeltaNet(StatefulLayer):
             state = rec_states[slot] if continues else torch.zeros_like(rec_states[slot])
             if n == 1:
                 out[rows], rec_states[slot] = gated_delta_recurrent(q, k, v, g[rows], beta[rows], state)
-            elif use_chunk_kernel(mixed) and self.chunk_size >= 16:  # the kernel's smallest chunk
+            elif use_chunk_kernel(mixed) and self.chunk_size >= 16 and not self.chunk_size & (self.chunk_size - 1):
+                # (the kernel takes power-of-two chunks from 16)
                 out[rows], rec_states[slot] = self._chunked_kernel(q, k, v, g[rows], beta[rows], state)
             else:
                 out[rows], rec_states[slot] = gated_delta_chunked(q, k, v, g[rows], beta[rows], state,
