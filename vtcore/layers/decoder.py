@@ -42,17 +42,23 @@ class GatedMLP(nn.Module):
 
 class QKVAttention(nn.Module):
     """GQA self-attention over a fused [q | k | v] projection, RoPE, and (``qk_norm``, Qwen3) a
-    per-head RMSNorm of q and k before it; HF's ``self_attn`` names (``qkv_proj`` fused at load)."""
+    per-head RMSNorm of q and k before it; HF's ``self_attn`` names (``qkv_proj`` fused at load).
+    ``output_gate`` (Qwen3.5): ``q_proj`` holds each head's query and a gate, ``[q_h | gate_h]`` per
+    head, and the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``;
+    ``zero_centered`` makes the q/k norms ``(1 + w)``-scaled."""
 
-    def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qk_norm: bool = False) -> None:
+    def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qk_norm: bool = False, *,
+                 output_gate: bool = False, zero_centered: bool = False) -> None:
         super().__init__()
         hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         bias = bool(config.get("attention_bias", False))
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
-        self.qkv_proj = Linear(config.hidden_size, [("q", nq * hd), ("k", nkv * hd), ("v", nkv * hd)], bias=bias)
+        self.output_gate = output_gate
+        q_width = (2 if output_gate else 1) * nq * hd
+        self.qkv_proj = Linear(config.hidden_size, [("q", q_width), ("k", nkv * hd), ("v", nkv * hd)], bias=bias)
         self.o_proj = Linear(nq * hd, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered) if qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(nq, nkv, hd, hd ** -0.5)
 
@@ -61,10 +67,14 @@ class QKVAttention(nn.Module):
         return self.qkv_proj
 
     def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        hd, nkv = self.head_dim, self.num_kv_heads
-        q, k, v = qkv.split([self.num_heads * hd, nkv * hd, nkv * hd], -1)
-        out = self.attn(q.view(-1, self.num_heads, hd), k.view(-1, nkv, hd), v.view(-1, nkv, hd), positions,
-                        self.rotary, self.q_norm, self.k_norm)
+        hd, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = qkv.split([self.qkv_proj.shard_slices["q"].stop, nkv * hd, nkv * hd], -1)
+        if self.output_gate:
+            q, gate = q.view(-1, nq, 2 * hd).chunk(2, dim=-1)
+        out = self.attn(q.view(-1, nq, hd), k.view(-1, nkv, hd), v.view(-1, nkv, hd), positions, self.rotary,
+                        self.q_norm, self.k_norm)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate.reshape(out.shape))
         return self.o_proj(out)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -99,18 +99,14 @@ class Linear(nn.Module):
             return gemv.gemv_silu_and_mul(gate_up, weight, self.bias)
         return self(silu_and_mul(gate_up))
 
-    def can_fuse_rms_norm(self, x: torch.Tensor, norm: nn.Module) -> bool:
-        """Whether :meth:`forward_rms_norm` runs as one GEMV with the norm in its prologue."""
-        return norm.weight.dtype == x.dtype and self._gemv_weight(x, "rms_norm") is not None
-
     def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(x + residual)), x + residual)`` for an ``RMSNorm`` ``norm``; one launch when
-        :meth:`can_fuse_rms_norm`."""
-        if self.can_fuse_rms_norm(x, norm):
+        """``(self(norm(x + residual)), x + residual)`` for an ``RMSNorm`` ``norm``; one launch when the
+        GEMV takes the norm as its prologue."""
+        weight = self._gemv_weight(x, "rms_norm") if norm.weight.dtype == x.dtype else None
+        if weight is not None:
             from vtcore.kernels import gemv
-            return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, self._gemv_weight(x, "rms_norm"),
-                                      self.bias, norm.zero_centered)
+            return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, weight, self.bias, norm.zero_centered)
         h, residual = norm(x, residual)
         return self(h), residual
 

@@ -29,8 +29,8 @@ from torch.nn import functional as F
 from vtcore.config import HFConfig
 from vtcore.errors import CheckpointError
 from vtcore.layers.activation import silu_and_mul
-from vtcore.layers.attention import Attention
-from vtcore.layers.decoder import FUSED_QKV_GATE_UP, CausalLM, DecoderStack, GatedMLP, PreNormDecoderLayer
+from vtcore.layers.decoder import (FUSED_QKV_GATE_UP, CausalLM, DecoderStack, GatedMLP, PreNormDecoderLayer,
+                                  QKVAttention)
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.gated_deltanet import GDN_FUSED, GatedDeltaNet
 from vtcore.layers.linear import Linear
@@ -46,34 +46,6 @@ _EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(gate_up|down)_"
                            r"(proj|weight_packed|weight_scale|weight_global_scale|input_global_scale)$")
 _SKIPPED_PREFIXES = {"mtp.": "the multi-token-prediction head (speculative decoding only)",
                      "model.visual.": "the vision tower", "visual.": "the vision tower"}
-
-
-class GatedAttention(nn.Module):
-    def __init__(self, config: HFConfig, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.nq, self.nkv, self.hd = nq, nkv, hd
-        self.qkv_proj = Linear(config.hidden_size, [("q", 2 * nq * hd), ("k", nkv * hd), ("v", nkv * hd)],
-                               bias=bool(config.get("attention_bias", False)))
-        self.o_proj = Linear(nq * hd, config.hidden_size, bias=bool(config.get("attention_bias", False)))
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered=True)
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered=True)
-        self.rotary = rotary
-        self.attn = Attention(nq, nkv, hd, hd ** -0.5)
-
-    @property
-    def in_proj(self) -> Linear:
-        return self.qkv_proj
-
-    def forward_projected(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        qg, k, v = qkv.split([2 * self.nq * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
-        q, gate = qg.view(-1, self.nq, 2 * self.hd).chunk(2, dim=-1)
-        out = self.attn(q, k.view(-1, self.nkv, self.hd), v.view(-1, self.nkv, self.hd), positions, self.rotary,
-                        self.q_norm, self.k_norm)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_projected(positions, self.qkv_proj(x))
 
 
 class Experts(nn.Module):
@@ -336,7 +308,7 @@ class DecoderLayer(PreNormDecoderLayer):
                                              config.linear_num_value_heads, config.linear_key_head_dim,
                                              config.linear_value_head_dim, config.linear_conv_kernel_dim, eps)
         elif layer_type == "full_attention":
-            self.self_attn = GatedAttention(config, rotary)
+            self.self_attn = QKVAttention(config, rotary, qk_norm=True, output_gate=True, zero_centered=True)
         else:
             raise ValueError(f"layer_types entry {layer_type!r}: expected 'linear_attention' or 'full_attention'")
         self.is_linear = layer_type == "linear_attention"
