@@ -11,6 +11,7 @@ Qwen3.5-35B-A3B layer (per kernel, from the profiler, over random expert picks i
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -18,6 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from vtcore.kernels.fp4_mma import layout_ok
 from vtcore.kernels.gemv import _config, _num_sms, gemv
 from vtcore.quant.fp4 import FP4Weight
 
@@ -84,25 +86,29 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
         x = x_cache.setdefault(k, torch.randn(1, k, device="cuda", dtype=torch.bfloat16))
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, (512 << 20) // (2 * n * k)))]
         us, bf16_us = timed(gemv, copies, x), timed(gemv, dense, x)
+        plain_us = timed(lambda xx, w: gemv(xx, w, fp4_mma=0), copies, x)
         row = {"shape": name, "n": n, "k": k, "mb": nbytes / 1e6, "us": us, "frac_of_copy": nbytes / us / 1e3 / copy_bw,
+               "plain_us": plain_us, "plain_frac_of_copy": nbytes / plain_us / 1e3 / copy_bw,
                "bf16_us": bf16_us, "bf16_frac_of_copy": 2 * n * k / bf16_us / 1e3 / copy_bw,
-               "config": _config(1, n, k, 4, _num_sms(torch.device("cuda")), *[None] * 5)}
+               "config": _config(1, n, k, 4, _num_sms(torch.device("cuda")), *[None] * 5, True)}
         del dense
         if sweep_configs:
             row["sweep"] = []
-            for bn in (8, 16, 32, 64):
-                for bk in (128, 256, 512, 1024):
-                    for warps in (2, 4):
-                        cfg = dict(block_n=bn, block_k=bk, num_warps=warps)
+            for bn in (32, 64):
+                for bk in (256,):
+                    for warps, stages, split in itertools.product((4, 8), (2, 3, 4), (None, 2, 4)):
+                        cfg = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                                   **({"split_k": split} if split else {}))
                         try:
                             t = timed(lambda xx, w: gemv(xx, w, **cfg), copies, x)
                         except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
                             print("skip", cfg, type(e).__name__)
                             continue
-                        row["sweep"].append({**cfg, "us": t})
+                        row["sweep"].append({**cfg, "mma": layout_ok(bn, bk // 8, warps), "us": t})
             row["best"] = min(row["sweep"], key=lambda r: r["us"])
         rows.append(row)
         print(f"nvfp4 {name:11s} {row['mb']:5.1f} MB  {us:7.2f} us ({row['frac_of_copy']:.0%} of copy)  "
+              f"plain {plain_us:7.2f} us ({row['plain_frac_of_copy']:.0%})  "
               f"bf16 {bf16_us:7.2f} us ({row['bf16_frac_of_copy']:.0%})  config {row['config']}"
               + (f"  best {row['best']}" if sweep_configs else ""))
         del copies

@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from vtcore.kernels.gemv import INTERPRET, gemv, gemv_silu_and_mul, supports  # noqa: E402
+from vtcore.kernels.fp4_mma import layout_ok  # noqa: E402
+from vtcore.kernels.gemv import INTERPRET, gemv, gemv_silu_and_mul, supports, use_fp4_mma  # noqa: E402
 from vtcore.quant.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
@@ -121,6 +122,17 @@ def test_supports_fp4():
             gemv_silu_and_mul(torch.randn(1, 128), w)
 
 
+def test_tensor_core_path_needs_compiled_nvfp4_bf16():
+    """The tensor-core path (inline PTX) is CUDA-only; forcing it elsewhere names what failed."""
+    w = fp4_weight(32, 256, "e4m3", seed=2)
+    assert not use_fp4_mma(torch.randn(1, 256).bfloat16(), w)  # CPU: the interpreter runs no PTX
+    assert layout_ok(32, 32, 4) and layout_ok(64, 32, 8) and layout_ok(16, 32, 2)
+    assert not layout_ok(16, 32, 4) and not layout_ok(64, 64, 4) and not layout_ok(32, 16, 4)
+    if INTERPRET:
+        with pytest.raises(ValueError, match=r"fp4_mma forced but x torch.bfloat16 on cpu.*K 256"):
+            gemv(torch.randn(1, 256).bfloat16(), w, fp4_mma=1)
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 #: (N, K): NVFP4 Qwen3-4B gate_up, down, fused qkv, o_proj; a Qwen3.5-35B-A3B GDN in_proj_qkvz
 SHAPES = [(19456, 2560), (2560, 9728), (6144, 2560), (2560, 4096), (12288, 2048)]
@@ -134,6 +146,46 @@ def test_cuda_decode_shapes(n, k, kind):
     x = torch.randn(1, k, device="cuda").bfloat16()
     check(gemv(x, w), x, w)
     check(gemv(x.float(), w), x.float(), w)
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [{}, {"block_n": 64, "num_warps": 8}, {"block_n": 16, "num_warps": 2},
+                                 {"block_n": 32, "split_k": 4}, {"block_n": 64, "split_k": 3}])
+def test_cuda_tensor_core_path(cfg):
+    """NVFP4 with bf16 x on tensor cores (forced: it raises if the path is not taken): every code,
+    subnormal and negative e4m3 scales, 23 x 256-code steps (odd: the unrolled loop's tail; split 3
+    leaves a shorter last split), a partial row tile; the plain decode GEMV agrees."""
+    w = fp4_weight(200, 23 * 256, "e4m3", seed=21, device="cuda")
+    x = torch.randn(1, 23 * 256, device="cuda").bfloat16()
+    y = gemv(x, w, fp4_mma=1, **cfg)
+    check(y, x, w)
+    plain = gemv(x, w, fp4_mma=0).double()
+    assert ((y.double() - plain).abs() <= 2 * _ULP[torch.bfloat16] * plain.abs() + 1e-3 * plain.abs().max()).all()
+
+
+@cuda
+def test_cuda_tensor_core_codes_scales_and_nan():
+    """Each code alone (a bf16 subnormal when e == 0) at each of a step's 256 columns maps to its row
+    and column; a 0x7f scale makes its row NaN and no other."""
+    n, k = 64, 512
+    x = (torch.arange(k, device="cuda") % 61 + 1).bfloat16()[None]
+    codes = torch.arange(16, device="cuda", dtype=torch.uint8)
+    packed = torch.zeros(n, k // 2, dtype=torch.uint8, device="cuda")
+    col = (torch.arange(n, device="cuda") * 37) % k  # one column a row, all 8 nibble slots and both halves
+    code = codes[torch.arange(n, device="cuda") % 16]
+    packed[torch.arange(n), col // 2] = (code << (4 * (col % 2))).to(torch.uint8)
+    scale = torch.full((n, k // 16), 0x38, dtype=torch.uint8, device="cuda")  # 1.0
+    scale[5, col[5] // 16] = 0x01  # the smallest e4m3 subnormal, 2^-9
+    w = FP4Weight(packed, scale, "e4m3", 16, torch.ones(n, device="cuda"))
+    y = gemv(x, w, fp4_mma=1)
+    check(y, x, w)
+    values = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device="cuda")
+    want = values[(code & 7).long()] * torch.where(code >= 8, -1.0, 1.0) * x[0, col].float()
+    want[5] *= 2.0 ** -9
+    assert torch.equal(y[0].float(), want.bfloat16().float())
+    w.scale[9, 3] = 0x7F
+    y = gemv(x, w, fp4_mma=1)[0]
+    assert torch.isnan(y[9]) and not torch.isnan(y[torch.arange(n, device="cuda") != 9]).any()
 
 
 @cuda

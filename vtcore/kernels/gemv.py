@@ -29,9 +29,12 @@ exactly as their standalone kernels do.
 
 FP4 (W4A16) weights, an ``FP4Weight``, take the one-row path with no prologue: packed int32 words
 of 8 codes and their group scales are decoded in registers and summed group-factored (see
-:mod:`vtcore.kernels.fp4_gemm`), in 64-row x 256-code tiles, split-K as above. The kernel is bound
-by instruction issue (~6 SASS instructions a code), not by memory; a prologue's per-element work,
-redone in every program, would cost more than its own launch.
+:mod:`vtcore.kernels.fp4_gemm`), in 64-row x 256-code tiles, split-K as above. On CUDA with bf16 x
+and NVFP4 weights (:func:`use_fp4_mma`) the words are decoded to bf16 pairs in inline PTX and summed
+by ``mma`` instead (:mod:`vtcore.kernels.fp4_mma`; 32-row tiles where those still make 3x SMs
+tiles); the interpreter and the other formats keep the float32 decode. Both are bound by
+instruction issue and latency (~4 and ~6 SASS instructions a code), not by memory; a prologue's
+per-element work, redone in every program, would cost more than its own launch.
 
 Launch configs come from host ints only (M, N, K, dtype size, SM count), cached with
 ``functools.cache``; no autotuning, no sync, no data-dependent grid, so calls can be captured in a
@@ -60,6 +63,7 @@ from torch.nn import functional as F
 
 from vtcore.kernels.activation import silu_mul
 from vtcore.kernels.fp4_gemm import X_SCALE, _word_scales
+from vtcore.kernels.fp4_mma import fp4_mma_rows, layout_ok
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.quant.fp4 import FP4Weight
@@ -193,7 +197,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    FP4: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    FP4: tl.constexpr, FP4_MMA: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
@@ -247,23 +251,26 @@ def _gemv_kernel(
                 tl.store(r_out_ptr + offs_m[None, :] * K + k0 + offs_k[:, None], h.to(DT), mask=xm)
         rstd = tl.rsqrt(ss * (1.0 / K) + eps)[None, :]
     if FP4:  # one row, no prologue (the host never picks either); loads double-buffered as below
-        rows64 = rows.to(tl.int64)
-        w_words = w_ptr + rows64[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
-        sc_ptrs = s_ptr + rows64[:, None] * (K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        kw = pid_k * (K_SPLIT // 8)
-        kg = pid_k * (K_SPLIT // GROUP)
-        steps = tl.cdiv(k_end - k_start, BLOCK_K)
-        w, sb = _fp4_loads(w_words, sc_ptrs, kw, kg, K, BLOCK_K, GROUP, EVEN_K)
-        for i in range(1, steps):
-            w_next, sb_next = _fp4_loads(w_words, sc_ptrs, kw + i * (BLOCK_K // 8), kg + i * (BLOCK_K // GROUP), K,
-                                         BLOCK_K, GROUP, EVEN_K)
-            acc += _fp4_step(w, sb, x_ptr, k_start + (i - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
+        if FP4_MMA:  # x_ptr is x's int32 pair view
+            y = fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K, BLOCK_N, BLOCK_K)
+        else:
+            rows64 = rows.to(tl.int64)
+            w_words = w_ptr + rows64[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+            sc_ptrs = s_ptr + rows64[:, None] * (K // GROUP) + tl.arange(0, BLOCK_K // GROUP)[None, :]
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+            kw = pid_k * (K_SPLIT // 8)
+            kg = pid_k * (K_SPLIT // GROUP)
+            steps = tl.cdiv(k_end - k_start, BLOCK_K)
+            w, sb = _fp4_loads(w_words, sc_ptrs, kw, kg, K, BLOCK_K, GROUP, EVEN_K)
+            for i in range(1, steps):
+                w_next, sb_next = _fp4_loads(w_words, sc_ptrs, kw + i * (BLOCK_K // 8), kg + i * (BLOCK_K // GROUP), K,
+                                             BLOCK_K, GROUP, EVEN_K)
+                acc += _fp4_step(w, sb, x_ptr, k_start + (i - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
+                                 EVEN_K)
+                w, sb = w_next, sb_next
+            acc += _fp4_step(w, sb, x_ptr, k_start + (steps - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
                              EVEN_K)
-            w, sb = w_next, sb_next
-        acc += _fp4_step(w, sb, x_ptr, k_start + (steps - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
-                         EVEN_K)
-        y = tl.sum(acc, axis=1)
+            y = tl.sum(acc, axis=1)
         if HAS_GLOBAL:
             y = tl.div_rn(y, tl.load(g_ptr + rows))
         out_mask = n_mask
@@ -335,20 +342,23 @@ def _pick_block_k(k: int, target: int, floor: int) -> int:
 
 @functools.cache
 def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, block_k: int | None,
-            split_k: int | None, num_warps: int | None, num_stages: int | None) -> tuple[int, ...]:
+            split_k: int | None, num_warps: int | None, num_stages: int | None, fp4_mma: bool = False) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split, K_SPLIT, num_warps, num_stages) for one shape of ``bits``-bit
-    weights (16 or 32; 4: packed FP4); forced values win."""
+    weights (16 or 32; 4: packed FP4, ``fp4_mma``: on the tensor-core path); forced values win."""
     target = _PROGRAMS_PER_SM * sms
     if m == 1:
         block_m = 1
         # FP4: 64 rows x 256 codes (8 KB), split-K below the SM count: within ~10% of the best of a
-        # 96-config sweep on each NVFP4 Qwen3-4B shape (scripts/bench_gemv.py --fp4 --sweep, H200)
-        bn = block_n or (64 if bits == 4 else next((b for b in (16, 8) if triton.cdiv(n, b) >= target), 4))
+        # 96-config sweep on each NVFP4 Qwen3-4B shape (scripts/bench_gemv.py --fp4 --sweep, H200); on
+        # tensor cores (bits 4 with ``fp4_mma``) 32 rows where that still makes 3x SMs tiles (~5%
+        # better on gate_up, worse below)
+        bn = block_n or (next((b for b in (32, 64) if b == 64 or triton.cdiv(n, b) >= target), 64) if fp4_mma
+                         else 64 if bits == 4 else next((b for b in (16, 8) if triton.cdiv(n, b) >= target), 4))
     else:
         block_m = 16
         bn = block_n or (16 if m <= 4 else 32)
     floor = 32 * 16 * 8 // bits  # one warp of 16-byte loads across K
-    bk = block_k or _pick_block_k(k, max(16, _TILE_BYTES * 8 // (bn * bits)), floor)
+    bk = block_k or (256 if fp4_mma else _pick_block_k(k, max(16, _TILE_BYTES * 8 // (bn * bits)), floor))
     k_tiles = triton.cdiv(k, bk)
     n_tiles = triton.cdiv(n, bn)
     if split_k is not None:
@@ -369,9 +379,10 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, zero_centered: bool,
             config: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, new residual or None); shapes already checked. ``config`` forces launch parameters."""
-    unknown = set(config) - set(_CONFIG_KEYS)
+    unknown = set(config) - set(_CONFIG_KEYS) - {"fp4_mma"}
     if unknown:
-        raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of {_CONFIG_KEYS}")
+        raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of "
+                        f"{_CONFIG_KEYS + ('fp4_mma',)}")
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
@@ -380,29 +391,45 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
     fp4 = weight if isinstance(weight, FP4Weight) else None
     w = weight if fp4 is None else fp4.packed.view(torch.int32)  # 8 codes a word
     bits = 4 if fp4 is not None else 8 * x.element_size()
+    mma = fp4 is not None and config.get("fp4_mma", True) and use_fp4_mma(x, fp4)
     block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, bits, _num_sms(x.device),
-                                                             *(config.get(key) for key in _CONFIG_KEYS))
+                                                             *(config.get(key) for key in _CONFIG_KEYS), mma)
     if fp4 is not None and prologue:
         raise ValueError("gemv: FP4 weights take no prologue (see supports()); run the norm / SwiGLU first")
     if fp4 is not None and (bk % fp4.group_size or bk % 8):
         raise ValueError(f"gemv: block_k={bk} must be a multiple of group_size={fp4.group_size} (and of 8) for FP4")
+    mma = mma and bk == 256 and layout_ok(bn, bk // 8, warps)  # a forced tile may not fit the PTX
+    if config.get("fp4_mma") and not mma:
+        raise ValueError(f"gemv: fp4_mma forced but x {x.dtype} on {x.device}, {fp4 and fp4.scale_kind} scales, "
+                         f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
+                         "(see use_fp4_mma and fp4_mma.layout_ok)")
     n_tiles = triton.cdiv(n, bn)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
     _gemv_kernel[(n_tiles, split)](
-        x, x if residual is None else residual, w if norm_weight is None else norm_weight,
-        out if new_residual is None else new_residual, w, w if fp4 is None else fp4.scale,
+        x[0].view(torch.int32) if mma else x, x if residual is None else residual, w if norm_weight is None else norm_weight,
+        out if new_residual is None else new_residual, w, w if fp4 is None else fp4.scale.view(torch.int32) if mma else fp4.scale,
         w if fp4 is None or fp4.row_global is None else fp4.row_global, w if bias is None else bias, out, ws, sem,
         m, x.stride(0), 0 if residual is None else residual.stride(0), eps,
         N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, FP4=fp4 is not None,
+        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, FP4=fp4 is not None, FP4_MMA=mma,
         GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
         HAS_GLOBAL=fp4 is not None and fp4.row_global is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
         INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
         enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
     return out, new_residual
+
+
+def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
+    """Whether the one-row FP4 GEMV runs on tensor cores (:mod:`vtcore.kernels.fp4_mma`): compiled CUDA
+    (sm_80+; inline PTX does not interpret), bf16 x with an even offset (read as int32 pairs), NVFP4
+    weights (e4m3 scales, group 16; the scales read as int32) and K a multiple of the 256-code step
+    (the launch tile must then fit the PTX's layout: :func:`vtcore.kernels.fp4_mma.layout_ok`)."""
+    return (x.is_cuda and not INTERPRET and x.dtype == torch.bfloat16 and weight.scale_kind == "e4m3"
+            and weight.group_size == 16 and x.storage_offset() % 2 == 0 and weight.scale.storage_offset() % 4 == 0
+            and x.shape[1] % 256 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
 def _check(name: str, x: torch.Tensor, weight: Weight, width: int, expected: str) -> None:

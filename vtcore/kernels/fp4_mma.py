@@ -1,0 +1,186 @@
+"""NVFP4 decode GEMV on tensor cores: packed FP4 codes decoded to bf16 pairs and summed by ``mma``.
+
+The one-row FP4 GEMV (:mod:`vtcore.kernels.gemv`) is bound by instruction issue, not memory: a
+float32 decode costs three integer ops and an FMA a code. Here (CUDA, sm_80+, bf16 x, e4m3 group-16
+scales: NVFP4) the decode is Marlin-style packed 16-bit work in inline PTX, and the multiply-adds
+go to the tensor cores:
+
+* A word ``q`` of 8 codes (code ``j`` in nibble ``j``) gives four bf16x2 registers, pair ``n`` holding
+  codes ``n`` and ``n + 4``: the magnitude bits ``e e m`` shifted to bf16 bits 8..6 and the sign to
+  bit 15 of each half (``c * 2^-126``, the e == 0 codes as bf16 subnormals); four ops a pair.
+* The group's e4m3 scale, times 2^119 (a normal bf16 for every e4m3 value), multiplies each pair
+  (``fma.rn.bf16x2``): ``w = c * s * 2^-7``, exact in bf16 (<= 6 significant bits) and normal.
+* ``mma.m16n8k16`` with the weights as A: a thread's pairs of two weight rows R, R' (rows 16 apart
+  in the tile, the same words) go in as A's two row halves, x's matching bf16 pairs (a byte permute
+  of the loaded words) as B's column ``groupID``. Row ``groupID`` of the product, column
+  ``groupID`` (the diagonal), is R's sum over the 16 codes its lane quad holds; the other 7
+  columns are cross terms and are dropped. The accumulator carries the diagonal over all K steps.
+
+This needs Triton's register layout of the ``[BLOCK_N, 32]`` word tile (256 codes a K step): 4
+int32 words a lane along K (one 16-byte load), 8 lanes a row (so a lane quad shares a row), and row
+repetitions in consecutive registers (``pack=8``: 4 words of row R, then 4 of R' = R + 4 * warps).
+The scales and x are loaded into that same layout (indices contiguous in 4s; x broadcast over the
+rows), so Triton changes no layout inside the loop (an earlier version loaded them otherwise and
+Triton 3.6 moved the whole tile through shared memory every step). The host only launches tiles
+where the layout holds (:func:`layout_ok`); the GPU tests pin every code to its row and column and
+check the sums against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): 1.35x the
+float32 decode on NVFP4 Qwen3-4B gate_up, 43% of copy bandwidth; the loop is latency-bound with ~4
+warps a scheduler (ptxas issues each step's loads late, whatever the source order). The interpreter
+cannot run inline PTX: CPU tests cover the plain decode GEMV.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["layout_ok", "fp4_mma_rows"]
+
+_MASK_MAG = "0x01C001C0"
+_MASK_SIGN = "0x80008000"
+
+
+def layout_ok(block_n: int, block_kw: int, num_warps: int) -> bool:
+    """Whether a ``[block_n, block_kw]`` int32 word tile over ``num_warps`` warps has the layout the
+    PTX assumes: 32 words (256 codes) a K step, 8 lanes a row with 4 words each (one 16-byte load; a
+    lane quad then shares a row), and at least two row repetitions (R and R')."""
+    return block_kw == 32 and block_n % (2 * 4 * num_warps) == 0
+
+
+def _pairs(q: str, dst: str) -> list[str]:
+    """PTX: word register ``q`` -> bf16x2 registers ``dst0..dst3`` (pair n = codes n, n + 4)."""
+    ops = []
+    for n in range(4):
+        mag = 6 - 4 * n
+        shift = f"shl.b32 %m, {q}, {mag};" if mag > 0 else f"shr.b32 %m, {q}, {-mag};"
+        ops += [shift, f"and.b32 %m, %m, {_MASK_MAG};"]
+        sign = 12 - 4 * n
+        if sign:
+            ops += [f"shl.b32 %n, {q}, {sign};", f"lop3.b32 {dst}{n}, %m, %n, {_MASK_SIGN}, 0xF8;"]
+        else:
+            ops += [f"lop3.b32 {dst}{n}, %m, {q}, {_MASK_SIGN}, 0xF8;"]
+    return ops
+
+
+def _scale(b: str, dst: str) -> list[str]:
+    """PTX: the e4m3 byte in the low 8 bits of ``b`` -> bf16x2 ``dst`` = (s * 2^119, s * 2^119): the
+    float32 bits ``sign << 31 | (b & 0x7f) << 20`` are s * 2^-120 (subnormals too), times 2^120 times
+    2^119, each exact; NaN at 0x7f/0xff."""
+    return [
+        f"and.b32 %m, {b}, 0x7F;", "shl.b32 %n, %m, 20;", f"and.b32 %o, {b}, 0x80;", "shl.b32 %o, %o, 24;",
+        "or.b32 %n, %n, %o;", "mov.b32 %f, %n;",
+        "mul.rn.f32 %f, %f, 0f7B800000;", "mul.rn.f32 %f, %f, 0f7B000000;",  # no .ftz: subnormals kept
+        "setp.eq.u32 %p, %m, 0x7F;", "@%p mov.f32 %f, 0f7FC00000;",
+        f"cvt.rn.bf16x2.f32 {dst}, %f, %f;",
+    ]
+
+
+def _step_asm() -> str:
+    """One K step (256 codes) of one thread's rows R (elements 0..3: its words 0..3) and R' (4..7).
+
+    Operands: $0..$7 accumulators out (chain A = words 0, 1 in $0..$3, chain B = words 2, 3 in $4..$7,
+    each an mma C fragment); $8..$15 accumulators in; $16..$23 words; $24..$31 the row's 16 scale
+    bytes of the step as four int32 (R: $24..$27, R': $28..$31; lane ``t`` = lane % 8 owns words
+    ``4t..4t+3``, groups ``2t, 2t+1``: bytes ``2t, 2t+1``); $32..$63 x's int32 bf16 pairs, ``$32 + 8j + i``
+    = pair ``i`` of the thread's word ``j`` (x columns ``8w + 2i``, ``8w + 2i + 1``)."""
+    ops = ["{", ".reg .b32 %m, %n, %o, %z, %l, %v, %w;", ".reg .f32 %f;", ".reg .pred %p, %p1, %p2;",
+           ".reg .b32 %sa<2>, %sb<2>, %ra<4>, %rb<4>, %x<4>;", "mov.b32 %z, 0x80008000;",
+           # this lane's scale halfword: int32 slot t // 2, shifted by 16 * (t % 2)
+           "mov.u32 %l, %laneid;", "and.b32 %m, %l, 2;", "setp.ne.u32 %p1, %m, 0;", "and.b32 %m, %l, 4;",
+           "setp.ne.u32 %p2, %m, 0;", "and.b32 %l, %l, 1;", "shl.b32 %l, %l, 4;"]
+    for rows, base, dst in (("R", 24, "%sa"), ("R'", 28, "%sb")):
+        ops += [f"selp.b32 %v, ${base + 1}, ${base}, %p1;", f"selp.b32 %w, ${base + 3}, ${base + 2}, %p1;",
+                "selp.b32 %v, %w, %v, %p2;", "shr.b32 %v, %v, %l;", "shr.b32 %w, %v, 8;"]
+        ops += _scale("%v", f"{dst}0") + _scale("%w", f"{dst}1")
+    for j in range(4):  # word j of R ($16 + j) and of R' ($20 + j)
+        ops += _pairs(f"${16 + j}", "%ra") + _pairs(f"${20 + j}", "%rb")
+        ops += [f"fma.rn.bf16x2 %ra{n}, %ra{n}, %sa{j // 2}, %z;" for n in range(4)]
+        ops += [f"fma.rn.bf16x2 %rb{n}, %rb{n}, %sb{j // 2}, %z;" for n in range(4)]
+        v = [f"${32 + 8 * j + i}" for i in range(4)]  # (x[8w+2i], x[8w+2i+1])
+        ops += [f"prmt.b32 %x0, {v[0]}, {v[2]}, 0x5410;", f"prmt.b32 %x1, {v[0]}, {v[2]}, 0x7632;",
+                f"prmt.b32 %x2, {v[1]}, {v[3]}, 0x5410;", f"prmt.b32 %x3, {v[1]}, {v[3]}, 0x7632;"]
+        out = 4 * (j // 2)
+        d = f"{{${out}, ${out + 1}, ${out + 2}, ${out + 3}}}"
+        c = d if j % 2 else f"{{${8 + out}, ${9 + out}, ${10 + out}, ${11 + out}}}"
+        for h in range(2):  # pairs 2h, 2h + 1: k columns (2tig, 2tig + 1) and (2tig + 8, 2tig + 9)
+            a = f"{{%ra{2 * h}, %rb{2 * h}, %ra{2 * h + 1}, %rb{2 * h + 1}}}"
+            ops.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d}, {a}, {{%x{2 * h}, %x{2 * h + 1}}}, "
+                       f"{c if h == 0 else d};")
+    ops.append("}")
+    return "\n".join(ops)
+
+
+def _diag_asm() -> str:
+    """The diagonal of both chains: lane (g, tig) with tig == g // 2 holds row R's sum in C[g][g]
+    (chain element g % 2) and R''s in C[g + 8][g] (2 + g % 2); element 0 / 4 out, 0 elsewhere."""
+    return "\n".join([
+        "{", ".reg .b32 %l, %g, %h;", ".reg .pred %p, %q;", ".reg .f32 %a, %b;",
+        "mov.u32 %l, %laneid;", "shr.b32 %g, %l, 2;", "and.b32 %l, %l, 3;", "shr.b32 %h, %g, 1;",
+        "setp.eq.u32 %p, %l, %h;", "and.b32 %g, %g, 1;", "setp.eq.u32 %q, %g, 1;",
+        "selp.f32 %a, $9, $8, %q;", "selp.f32 %b, $13, $12, %q;", "add.rn.f32 %a, %a, %b;", "selp.f32 $0, %a, 0f00000000, %p;",
+        "selp.f32 %a, $11, $10, %q;", "selp.f32 %b, $15, $14, %q;", "add.rn.f32 %a, %a, %b;", "selp.f32 $4, %a, 0f00000000, %p;",
+        *[f"mov.f32 ${i}, 0f00000000;" for i in (1, 2, 3, 5, 6, 7)], "}"])
+
+
+_STEP: tl.constexpr = tl.constexpr(_step_asm())
+_DIAG: tl.constexpr = tl.constexpr(_diag_asm())
+_STEP_CONSTRAINTS: tl.constexpr = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 48))
+_DIAG_CONSTRAINTS: tl.constexpr = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+#: the sum's factor: w = c * s * 2^-7 in the tensor cores
+UNSCALE: tl.constexpr = tl.constexpr(128.0)
+
+
+@triton.jit
+def mma_step(acc, w, sb, x0, x1, x2, x3):
+    """One K step: float32 accumulators ``acc`` [BLOCK_N, 32] (mma C fragments) plus words ``w`` times
+    their scales (``sb``: the rows' step scales as int32) times x (``x0..x3``: the pairs of each lane's
+    words); operands as :func:`_step_asm` lays them out."""
+    return tl.inline_asm_elementwise(_STEP, _STEP_CONSTRAINTS, [acc, w, sb, x0, x1, x2, x3],
+                                     dtype=tl.float32, is_pure=True, pack=8)
+
+
+@triton.jit
+def mma_rows(acc):
+    """float32 [BLOCK_N]: each row's sum (times 2^-7, see ``UNSCALE``) from the accumulators."""
+    return tl.sum(tl.inline_asm_elementwise(_DIAG, _DIAG_CONSTRAINTS, [acc], dtype=tl.float32, is_pure=True,
+                                            pack=8), axis=1)
+
+
+@triton.jit
+def _mma_loads(w_words, sc_words, x_lane, kw):
+    """One K step from word ``kw`` (a multiple of 32), each operand in the word tile's layout (each
+    index contiguous in 4s along K, so Triton gives the three loads the words' 16-byte layout and no
+    layout change happens in the loop): the words, the rows' 16 scale bytes of the step (every lane
+    of a row loads them; L1 serves the repeats) and x's pairs for each lane's words ``j`` = 0..3
+    (``x_lane`` is broadcast over the rows: loads of one address)."""
+    x = x_lane + 4 * kw
+    return (tl.load(w_words + kw), tl.load(sc_words + kw // 8), tl.load(x), tl.load(x + 4), tl.load(x + 8),
+            tl.load(x + 12))
+
+
+@triton.jit
+def fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: ``sum_k c[row, k] * s[row, k // 16] * x[k]`` over ``[k_start, k_end)`` (multiples
+    of 256) for the int32 word view ``w_ptr`` ([N, K / 8]), the int32 view of the e4m3 scale bytes
+    ``s_ptr`` ([N, K / 64]) and x's int32 pair view ``x_ptr`` ([K / 2], bf16). Loads double-buffered
+    in registers, as the plain GEMV's."""
+    BLOCK_KW: tl.constexpr = BLOCK_K // 8
+    rows64 = rows.to(tl.int64)
+    wi = tl.arange(0, BLOCK_KW)
+    w_words = w_ptr + rows64[:, None] * (K // 8) + wi[None, :]
+    sc_words = s_ptr + rows64[:, None] * (K // 64) + (wi % 4)[None, :]
+    x_lane = x_ptr + tl.broadcast_to((16 * (wi // 4) + wi % 4)[None, :], (BLOCK_N, BLOCK_KW))
+    acc = tl.zeros((BLOCK_N, BLOCK_KW), dtype=tl.float32)
+    kw0 = k_start // 8
+    steps = (k_end - k_start) // BLOCK_K
+    # Two register buffers used in turn (unrolled by two): each step's loads are issued a step before
+    # use. Written as one buffer carried through the loop, ptxas sank the loads to the loop's end.
+    w, sb, x0, x1, x2, x3 = _mma_loads(w_words, sc_words, x_lane, kw0)
+    for i in range(0, steps // 2):
+        bw, bsb, bx0, bx1, bx2, bx3 = _mma_loads(w_words, sc_words, x_lane, kw0 + (2 * i + 1) * BLOCK_KW)
+        acc = mma_step(acc, w, sb, x0, x1, x2, x3)
+        w, sb, x0, x1, x2, x3 = _mma_loads(w_words, sc_words, x_lane, kw0 + tl.minimum(2 * i + 2, steps - 1) * BLOCK_KW)
+        acc = mma_step(acc, bw, bsb, bx0, bx1, bx2, bx3)
+    if steps % 2 == 1:
+        acc = mma_step(acc, w, sb, x0, x1, x2, x3)
+    return mma_rows(acc) * UNSCALE
