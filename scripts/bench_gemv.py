@@ -5,7 +5,8 @@ Each launch is timed inside a CUDA graph with CUDA events over rotating weight c
 holds the weight), median of 5 rounds of 20 launches; GB/s counts weight bytes only. ``--sweep`` also times, at M = 1,
 a grid of forced launch configs per shape and prints the fastest beside the heuristic's (input for ``_config``).
 ``--fp4`` times instead the NVFP4 W4A16 GEMV at M = 1 (bytes: packed codes and scales) on the NVFP4 Qwen3-4B shapes,
-with a config sweep, and the fused MoE's two grouped decode launches for the 8 routed experts of one
+by default (on tensor cores for bf16 x) and with the float32 decode (``fp4_mma=0``), the sweep forcing tiles, warps
+and splits (``mma`` marks the configs the tensor-core path takes), and the fused MoE's two grouped decode launches for the 8 routed experts of one
 Qwen3.5-35B-A3B layer (per kernel, from the profiler, over random expert picks in >= 4x L2 of experts).
 """
 from __future__ import annotations
@@ -94,17 +95,15 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
         del dense
         if sweep_configs:
             row["sweep"] = []
-            for bn in (32, 64):
-                for bk in (256,):
-                    for warps, stages, split in itertools.product((4, 8), (2, 3, 4), (None, 2, 4)):
-                        cfg = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                                   **({"split_k": split} if split else {}))
-                        try:
-                            t = timed(lambda xx, w: gemv(xx, w, **cfg), copies, x)
-                        except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
-                            print("skip", cfg, type(e).__name__)
-                            continue
-                        row["sweep"].append({**cfg, "mma": layout_ok(bn, bk // 8, warps), "us": t})
+            for bn, bk in ((16, 512), (32, 256), (64, 256), (128, 256)):
+                for warps, split in itertools.product((2, 4, 8), (None, 2, 4)):
+                    cfg = dict(block_n=bn, block_k=bk, num_warps=warps, **({"split_k": split} if split else {}))
+                    try:
+                        t = timed(lambda xx, w: gemv(xx, w, **cfg), copies, x)
+                    except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
+                        print("skip", cfg, type(e).__name__)
+                        continue
+                    row["sweep"].append({**cfg, "mma": bk == 256 and layout_ok(bn, bk // 8, warps), "us": t})
             row["best"] = min(row["sweep"], key=lambda r: r["us"])
         rows.append(row)
         print(f"nvfp4 {name:11s} {row['mb']:5.1f} MB  {us:7.2f} us ({row['frac_of_copy']:.0%} of copy)  "

@@ -10,8 +10,8 @@ go to the tensor cores:
   bit 15 of each half (``c * 2^-126``, the e == 0 codes as bf16 subnormals); four ops a pair.
 * The group's e4m3 scale, times 2^119 (a normal bf16 for every e4m3 value), multiplies each pair
   (``fma.rn.bf16x2``): ``w = c * s * 2^-7``, exact in bf16 (<= 6 significant bits) and normal.
-* ``mma.m16n8k16`` with the weights as A: a thread's pairs of two weight rows R, R' (rows 16 apart
-  in the tile, the same words) go in as A's two row halves, x's matching bf16 pairs (a byte permute
+* ``mma.m16n8k16`` with the weights as A: a thread's pairs of two weight rows R, R' (rows
+  4 x warps apart, the same words) go in as A's two row halves, x's matching bf16 pairs (a byte permute
   of the loaded words) as B's column ``groupID``. Row ``groupID`` of the product, column
   ``groupID`` (the diagonal), is R's sum over the 16 codes its lane quad holds; the other 7
   columns are cross terms and are dropped. The accumulator carries the diagonal over all K steps.
@@ -23,8 +23,8 @@ The scales and x are loaded into that same layout (indices contiguous in 4s; x b
 rows), so Triton changes no layout inside the loop (an earlier version loaded them otherwise and
 Triton 3.6 moved the whole tile through shared memory every step). The host only launches tiles
 where the layout holds (:func:`layout_ok`); the GPU tests pin every code to its row and column and
-check the sums against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): 1.35x the
-float32 decode on NVFP4 Qwen3-4B gate_up, 43% of copy bandwidth; the loop is latency-bound with ~4
+check the sums against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): 1.4x the
+float32 decode on NVFP4 Qwen3-4B gate_up, 45% of copy bandwidth; the loop is latency-bound with ~4
 warps a scheduler (ptxas issues each step's loads late, whatever the source order). The interpreter
 cannot run inline PTX: CPU tests cover the plain decode GEMV.
 """
@@ -61,16 +61,19 @@ def _pairs(q: str, dst: str) -> list[str]:
     return ops
 
 
-def _scale(b: str, dst: str) -> list[str]:
-    """PTX: the e4m3 byte in the low 8 bits of ``b`` -> bf16x2 ``dst`` = (s * 2^119, s * 2^119): the
-    float32 bits ``sign << 31 | (b & 0x7f) << 20`` are s * 2^-120 (subnormals too), times 2^120 times
-    2^119, each exact; NaN at 0x7f/0xff."""
+def _scales(v: str, dst: str) -> list[str]:
+    """PTX: the e4m3 bytes in bits 0..7 and 8..15 of ``v`` -> bf16x2 ``dst0`` = (s0, s0) * 2^119 and
+    ``dst1`` = (s1, s1) * 2^119, both groups at once: ``sign << 15 | (b & 0x7f) << 4`` is the bf16
+    s * 2^-120 (e4m3 subnormals as bf16 subnormals), times 2^120 then 2^119 in bf16x2 (each exact);
+    0x7f / 0xff -> NaN."""
     return [
-        f"and.b32 %m, {b}, 0x7F;", "shl.b32 %n, %m, 20;", f"and.b32 %o, {b}, 0x80;", "shl.b32 %o, %o, 24;",
-        "or.b32 %n, %n, %o;", "mov.b32 %f, %n;",
-        "mul.rn.f32 %f, %f, 0f7B800000;", "mul.rn.f32 %f, %f, 0f7B000000;",  # no .ftz: subnormals kept
-        "setp.eq.u32 %p, %m, 0x7F;", "@%p mov.f32 %f, 0f7FC00000;",
-        f"cvt.rn.bf16x2.f32 {dst}, %f, %f;",
+        f"prmt.b32 %q, {v}, 0, 0x4140;",  # b0 in half 0, b1 in half 1
+        "shl.b32 %m, %q, 4;", "and.b32 %m, %m, 0x07F007F0;", "shl.b32 %n, %q, 8;",
+        f"lop3.b32 %m, %m, %n, {_MASK_SIGN}, 0xF8;",
+        "and.b32 %o, %q, 0x007F007F;", "add.u32 %o, %o, 0x00010001;", "and.b32 %o, %o, 0x00800080;",  # 0x80: NaN byte
+        "fma.rn.bf16x2 %m, %m, %c120, %z;", "fma.rn.bf16x2 %m, %m, %c119, %z;",
+        "shr.b32 %o, %o, 7;", "mul.lo.u32 %o, %o, 0x7FC0;", "or.b32 %m, %m, %o;",
+        f"prmt.b32 {dst}0, %m, %m, 0x1010;", f"prmt.b32 {dst}1, %m, %m, 0x3232;",
     ]
 
 
@@ -82,15 +85,16 @@ def _step_asm() -> str:
     bytes of the step as four int32 (R: $24..$27, R': $28..$31; lane ``t`` = lane % 8 owns words
     ``4t..4t+3``, groups ``2t, 2t+1``: bytes ``2t, 2t+1``); $32..$63 x's int32 bf16 pairs, ``$32 + 8j + i``
     = pair ``i`` of the thread's word ``j`` (x columns ``8w + 2i``, ``8w + 2i + 1``)."""
-    ops = ["{", ".reg .b32 %m, %n, %o, %z, %l, %v, %w;", ".reg .f32 %f;", ".reg .pred %p, %p1, %p2;",
+    ops = ["{", ".reg .b32 %m, %n, %o, %q, %z, %c120, %c119, %l, %v, %w;", ".reg .pred %p1, %p2;",
            ".reg .b32 %sa<2>, %sb<2>, %ra<4>, %rb<4>, %x<4>;", "mov.b32 %z, 0x80008000;",
+           "mov.b32 %c120, 0x7B807B80;", "mov.b32 %c119, 0x7B007B00;",  # bf16x2 (2^120, 2^120), (2^119, 2^119)
            # this lane's scale halfword: int32 slot t // 2, shifted by 16 * (t % 2)
            "mov.u32 %l, %laneid;", "and.b32 %m, %l, 2;", "setp.ne.u32 %p1, %m, 0;", "and.b32 %m, %l, 4;",
            "setp.ne.u32 %p2, %m, 0;", "and.b32 %l, %l, 1;", "shl.b32 %l, %l, 4;"]
-    for rows, base, dst in (("R", 24, "%sa"), ("R'", 28, "%sb")):
+    for base, dst in ((24, "%sa"), (28, "%sb")):  # R, R'
         ops += [f"selp.b32 %v, ${base + 1}, ${base}, %p1;", f"selp.b32 %w, ${base + 3}, ${base + 2}, %p1;",
-                "selp.b32 %v, %w, %v, %p2;", "shr.b32 %v, %v, %l;", "shr.b32 %w, %v, 8;"]
-        ops += _scale("%v", f"{dst}0") + _scale("%w", f"{dst}1")
+                "selp.b32 %v, %w, %v, %p2;", "shr.b32 %v, %v, %l;"]
+        ops += _scales("%v", dst)
     for j in range(4):  # word j of R ($16 + j) and of R' ($20 + j)
         ops += _pairs(f"${16 + j}", "%ra") + _pairs(f"${20 + j}", "%rb")
         ops += [f"fma.rn.bf16x2 %ra{n}, %ra{n}, %sa{j // 2}, %z;" for n in range(4)]
