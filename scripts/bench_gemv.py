@@ -20,8 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from vtcore.kernels.fp4_mma import layout_ok
-from vtcore.kernels.gemv import _config, _num_sms, gemv
+from vtcore.kernels.gemv import _config, _num_sms, fp4_mma_tile, gemv
 from vtcore.quant.fp4 import FP4Weight
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
@@ -103,7 +102,7 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
                     except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
                         print("skip", cfg, type(e).__name__)
                         continue
-                    row["sweep"].append({**cfg, "mma": bk == 256 and layout_ok(bn, bk // 8, warps), "us": t})
+                    row["sweep"].append({**cfg, "mma": fp4_mma_tile(bn, bk, warps), "us": t})
             row["best"] = min(row["sweep"], key=lambda r: r["us"])
         rows.append(row)
         print(f"nvfp4 {name:11s} {row['mb']:5.1f} MB  {us:7.2f} us ({row['frac_of_copy']:.0%} of copy)  "

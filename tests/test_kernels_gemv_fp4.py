@@ -165,27 +165,52 @@ def test_cuda_tensor_core_path(cfg):
 
 @cuda
 def test_cuda_tensor_core_codes_scales_and_nan():
-    """Each code alone (a bf16 subnormal when e == 0) at each of a step's 256 columns maps to its row
-    and column; a 0x7f scale makes its row NaN and no other."""
-    n, k = 64, 512
+    """One code a row (all 16 codes, bf16 subnormals when e == 0), at columns spread over 5 K steps
+    (one split: the unrolled loop's body and its odd tail), each must land on its row times its x;
+    subnormal e4m3 scales in a lane's first and second group (the two halves of its scale pair); 0x7f
+    and 0xff scales, again in both halves, make their row NaN and no other."""
+    n, k = 64, 1280
     x = (torch.arange(k, device="cuda") % 61 + 1).bfloat16()[None]
-    codes = torch.arange(16, device="cuda", dtype=torch.uint8)
+    rows = torch.arange(n, device="cuda")
+    col = (rows * 37) % k
+    col[5], col[6] = 16 * 4 + 3, 16 * 7 + 1  # groups 4 and 7
+    code = (rows % 16).to(torch.uint8)
     packed = torch.zeros(n, k // 2, dtype=torch.uint8, device="cuda")
-    col = (torch.arange(n, device="cuda") * 37) % k  # one column a row, all 8 nibble slots and both halves
-    code = codes[torch.arange(n, device="cuda") % 16]
-    packed[torch.arange(n), col // 2] = (code << (4 * (col % 2))).to(torch.uint8)
+    packed[rows, col // 2] = (code << (4 * (col % 2))).to(torch.uint8)
     scale = torch.full((n, k // 16), 0x38, dtype=torch.uint8, device="cuda")  # 1.0
-    scale[5, col[5] // 16] = 0x01  # the smallest e4m3 subnormal, 2^-9
+    scale[5, 4], scale[6, 7] = 0x01, 0x03  # e4m3 subnormals: 2^-9, 3 * 2^-9
     w = FP4Weight(packed, scale, "e4m3", 16, torch.ones(n, device="cuda"))
-    y = gemv(x, w, fp4_mma=1)
+    y = gemv(x, w, fp4_mma=1, split_k=1)
     check(y, x, w)
     values = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device="cuda")
     want = values[(code & 7).long()] * torch.where(code >= 8, -1.0, 1.0) * x[0, col].float()
     want[5] *= 2.0 ** -9
+    want[6] *= 3 * 2.0 ** -9
     assert torch.equal(y[0].float(), want.bfloat16().float())
-    w.scale[9, 3] = 0x7F
-    y = gemv(x, w, fp4_mma=1)[0]
-    assert torch.isnan(y[9]) and not torch.isnan(y[torch.arange(n, device="cuda") != 9]).any()
+    w.scale[9, 2], w.scale[10, 3], w.scale[11, 40], w.scale[12, 79] = 0x7F, 0xFF, 0xFF, 0x7F
+    y = gemv(x, w, fp4_mma=1, split_k=1)[0]
+    nan = torch.zeros(n, dtype=torch.bool, device="cuda")
+    nan[9:13] = True
+    assert torch.equal(torch.isnan(y), nan)
+
+
+@cuda
+def test_cuda_tensor_core_path_needs_16_byte_alignment():
+    """x, the packed words or the scales at a 4-byte offset: Triton then lays the tile out otherwise
+    than the PTX assumes (all three misaligned gave wrong sums), so the float32 decode runs instead."""
+    w = fp4_weight(200, 2560, "e4m3", seed=23, device="cuda")
+    x = torch.randn(1, 2560, device="cuda").bfloat16()
+    xs = torch.empty(1, 2562, device="cuda", dtype=torch.bfloat16)[:, 2:]
+    xs.copy_(x)
+    packed = torch.empty(200 * 1280 + 4, device="cuda", dtype=torch.uint8)[4:].view(200, 1280)
+    packed.copy_(w.packed)
+    scales = torch.empty(200 * 160 + 4, device="cuda", dtype=torch.uint8)[4:].view(200, 160)
+    scales.copy_(w.scale)
+    shifted = FP4Weight(packed, scales, "e4m3", 16, w.row_global)
+    assert use_fp4_mma(x, w) and not use_fp4_mma(xs, w) and not use_fp4_mma(x, shifted)
+    check(gemv(xs, shifted), x, w)
+    with pytest.raises(ValueError, match="fp4_mma forced"):
+        gemv(xs, shifted, fp4_mma=1)
 
 
 @cuda

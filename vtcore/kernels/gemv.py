@@ -352,7 +352,7 @@ def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, bl
         # 96-config sweep on each NVFP4 Qwen3-4B shape (scripts/bench_gemv.py --fp4 --sweep, H200); on
         # tensor cores (bits 4 with ``fp4_mma``) 32 rows where that still makes 3x SMs tiles (~5%
         # better on gate_up, worse below)
-        bn = block_n or (next((b for b in (32, 64) if b == 64 or triton.cdiv(n, b) >= target), 64) if fp4_mma
+        bn = block_n or ((32 if triton.cdiv(n, 32) >= target else 64) if fp4_mma
                          else 64 if bits == 4 else next((b for b in (16, 8) if triton.cdiv(n, b) >= target), 4))
     else:
         block_m = 16
@@ -398,11 +398,11 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         raise ValueError("gemv: FP4 weights take no prologue (see supports()); run the norm / SwiGLU first")
     if fp4 is not None and (bk % fp4.group_size or bk % 8):
         raise ValueError(f"gemv: block_k={bk} must be a multiple of group_size={fp4.group_size} (and of 8) for FP4")
-    mma = mma and bk == 256 and layout_ok(bn, bk // 8, warps)  # a forced tile may not fit the PTX
+    mma = mma and fp4_mma_tile(bn, bk, warps)  # a forced tile may not fit the PTX
     if config.get("fp4_mma") and not mma:
         raise ValueError(f"gemv: fp4_mma forced but x {x.dtype} on {x.device}, {fp4 and fp4.scale_kind} scales, "
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
-                         "(see use_fp4_mma and fp4_mma.layout_ok)")
+                         "(see use_fp4_mma and fp4_mma_tile)")
     n_tiles = triton.cdiv(n, bn)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
@@ -423,13 +423,20 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
 
 
 def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
-    """Whether the one-row FP4 GEMV runs on tensor cores (:mod:`vtcore.kernels.fp4_mma`): compiled CUDA
-    (sm_80+; inline PTX does not interpret), bf16 x with an even offset (read as int32 pairs), NVFP4
-    weights (e4m3 scales, group 16; the scales read as int32) and K a multiple of the 256-code step
-    (the launch tile must then fit the PTX's layout: :func:`vtcore.kernels.fp4_mma.layout_ok`)."""
-    return (x.is_cuda and not INTERPRET and x.dtype == torch.bfloat16 and weight.scale_kind == "e4m3"
-            and weight.group_size == 16 and x.storage_offset() % 2 == 0 and weight.scale.storage_offset() % 4 == 0
-            and x.shape[1] % 256 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 0))
+    """Whether the one-row FP4 GEMV runs on tensor cores (:mod:`vtcore.kernels.fp4_mma`): compiled
+    NVIDIA CUDA (sm_80+; inline PTX does not interpret), bf16 x, NVFP4 weights (e4m3 scales, group 16),
+    K a multiple of the 256-code step, and x, the packed words and the scales 16-byte aligned (read as
+    int32 vectors; with less, Triton lays the tile out otherwise than the PTX assumes and the sums come
+    out wrong). The launch tile must fit too (:func:`fp4_mma_tile`)."""
+    return (x.is_cuda and not INTERPRET and torch.version.hip is None and x.dtype == torch.bfloat16
+            and weight.scale_kind == "e4m3" and weight.group_size == 16 and x.shape[1] % 256 == 0
+            and all(t.data_ptr() % 16 == 0 for t in (x, weight.packed, weight.scale))
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+
+
+def fp4_mma_tile(block_n: int, block_k: int, num_warps: int) -> bool:
+    """Whether a launch tile suits the tensor-core FP4 path: 256-code K steps in the PTX's layout."""
+    return block_k == 256 and layout_ok(block_n, block_k // 8, num_warps)
 
 
 def _check(name: str, x: torch.Tensor, weight: Weight, width: int, expected: str) -> None:
@@ -450,9 +457,11 @@ def gemv(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, **co
     prologue variants) force parts of the launch config (powers of two; ``block_n`` >= 16 when M > 1;
     ``split_k`` is capped at the number of K tiles); by default :func:`_config` picks them.
 
-    ``weight`` may be an :class:`~vtcore.kernels.fp4_gemm.FP4Weight` (W4A16, one row only; the
-    prologue variants take it too): the codes and scales are decoded in registers (see
-    :mod:`vtcore.kernels.fp4_gemm`), ``block_k`` then a multiple of the group size.
+    ``weight`` may be an :class:`~vtcore.kernels.fp4_gemm.FP4Weight` (W4A16, one row only): the codes
+    and scales are decoded in registers (see :mod:`vtcore.kernels.fp4_gemm`), ``block_k`` then a
+    multiple of the group size; NVFP4 with bf16 x on CUDA is summed on tensor cores where
+    :func:`use_fp4_mma` and :func:`fp4_mma_tile` allow (keyword ``fp4_mma``: 0 keeps the float32
+    decode, 1 requires the tensor cores and raises ValueError where they do not apply).
     """
     _check("gemv", x, weight, weight.shape[-1], f"x [M<={_MAX_M}, K] and weight [N, K]")
     return _launch(x, weight, bias, 0, None, None, 0.0, False, config)[0]
