@@ -5,8 +5,9 @@ Each launch is timed inside a CUDA graph with CUDA events over rotating weight c
 holds the weight), median of 5 rounds of 20 launches; GB/s counts weight bytes only. ``--sweep`` also times, at M = 1,
 a grid of forced launch configs per shape and prints the fastest beside the heuristic's (input for ``_config``).
 ``--fp4`` times instead the NVFP4 W4A16 GEMV at M = 1 (bytes: packed codes and scales) on the NVFP4 Qwen3-4B shapes,
-by default (on tensor cores for bf16 x) and with the float32 decode (``fp4_mma=0``), the sweep forcing tiles, warps
-and splits (``mma`` marks the configs the tensor-core path takes), and the fused MoE's two grouped decode launches for the 8 routed experts of one
+by default (on tensor cores for bf16 x, registers capped by ``_registers``), with ptxas's own register count
+(``maxnreg=0``) and with the float32 decode (``fp4_mma=0``), the sweep forcing tiles, warps, splits and, on the
+tensor-core tiles, the register cap (``mma`` marks the configs the tensor-core path takes), and the fused MoE's two grouped decode launches for the 8 routed experts of one
 Qwen3.5-35B-A3B layer (per kernel, from the profiler, over random expert picks in >= 4x L2 of experts).
 """
 from __future__ import annotations
@@ -87,7 +88,9 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, (512 << 20) // (2 * n * k)))]
         us, bf16_us = timed(gemv, copies, x), timed(gemv, dense, x)
         plain_us = timed(lambda xx, w: gemv(xx, w, fp4_mma=0), copies, x)
+        ptxas_us = timed(lambda xx, w: gemv(xx, w, maxnreg=0), copies, x)
         row = {"shape": name, "n": n, "k": k, "mb": nbytes / 1e6, "us": us, "frac_of_copy": nbytes / us / 1e3 / copy_bw,
+               "ptxas_regs_us": ptxas_us, "ptxas_regs_frac_of_copy": nbytes / ptxas_us / 1e3 / copy_bw,
                "plain_us": plain_us, "plain_frac_of_copy": nbytes / plain_us / 1e3 / copy_bw,
                "bf16_us": bf16_us, "bf16_frac_of_copy": 2 * n * k / bf16_us / 1e3 / copy_bw,
                "config": _config(1, n, k, 4, _num_sms(torch.device("cuda")), *[None] * 5, True)}
@@ -95,8 +98,11 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
         if sweep_configs:
             row["sweep"] = []
             for bn, bk in ((16, 512), (32, 256), (64, 256), (128, 256)):
-                for warps, split in itertools.product((2, 4, 8), (None, 2, 4)):
-                    cfg = dict(block_n=bn, block_k=bk, num_warps=warps, **({"split_k": split} if split else {}))
+                for warps, split, regs in itertools.product((2, 4, 8), (None, 2, 4), (None, 0, 128)):
+                    if regs is not None and not fp4_mma_tile(bn, bk, warps):
+                        continue
+                    cfg = dict(block_n=bn, block_k=bk, num_warps=warps, **({"split_k": split} if split else {}),
+                               **({} if regs is None else {"maxnreg": regs}))
                     try:
                         t = timed(lambda xx, w: gemv(xx, w, **cfg), copies, x)
                     except Exception as e:  # noqa: BLE001 - a config the compiler refuses is skipped
@@ -106,6 +112,7 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
             row["best"] = min(row["sweep"], key=lambda r: r["us"])
         rows.append(row)
         print(f"nvfp4 {name:11s} {row['mb']:5.1f} MB  {us:7.2f} us ({row['frac_of_copy']:.0%} of copy)  "
+              f"ptxas regs {ptxas_us:7.2f} us ({row['ptxas_regs_frac_of_copy']:.0%})  "
               f"plain {plain_us:7.2f} us ({row['plain_frac_of_copy']:.0%})  "
               f"bf16 {bf16_us:7.2f} us ({row['bf16_frac_of_copy']:.0%})  config {row['config']}"
               + (f"  best {row['best']}" if sweep_configs else ""))

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from vtcore.kernels.fp4_mma import layout_ok  # noqa: E402
-from vtcore.kernels.gemv import INTERPRET, gemv, gemv_silu_and_mul, supports, use_fp4_mma  # noqa: E402
+from vtcore.kernels.gemv import INTERPRET, _registers, gemv, gemv_silu_and_mul, supports, use_fp4_mma  # noqa: E402
 from vtcore.quant.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
@@ -133,6 +133,24 @@ def test_tensor_core_path_needs_compiled_nvfp4_bf16():
             gemv(torch.randn(1, 256).bfloat16(), w, fp4_mma=1)
 
 
+def test_tensor_core_register_cap_keeps_the_grid_in_one_wave():
+    """The register cap fits every program of the launch on the SMs at once, as high as that allows
+    up to 128 (NVFP4 Qwen3-4B on the H200's 132 SMs: gate_up 608 programs, down 760, qkv 480, o 640),
+    and leaves ptxas its choice where the grid would need under 64."""
+    assert [_registers(p, 132, 4) for p in (608, 760, 480, 640)] == [96, 80, 128, 96]
+    for programs in range(1, 132 * 8 + 1, 7):
+        for warps in (2, 4, 8):
+            regs = _registers(programs, 132, warps)
+            per_sm = -(-programs // 132)
+            if regs is None:
+                assert 65536 // (per_sm * warps * 32) < 64
+                continue
+            assert regs % 8 == 0 and 64 <= regs <= 128 and per_sm * warps * 32 * regs <= 65536
+            assert regs == 128 or per_sm * warps * 32 * (regs + 8) > 65536  # the most that fits
+    with pytest.raises(TypeError, match="maxnreg"):
+        gemv(torch.randn(1, 256), fp4_weight(32, 256, "e4m3", seed=2), max_regs=64)
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 #: (N, K): NVFP4 Qwen3-4B gate_up, down, fused qkv, o_proj; a Qwen3.5-35B-A3B GDN in_proj_qkvz
 SHAPES = [(19456, 2560), (2560, 9728), (6144, 2560), (2560, 4096), (12288, 2048)]
@@ -150,7 +168,8 @@ def test_cuda_decode_shapes(n, k, kind):
 
 @cuda
 @pytest.mark.parametrize("cfg", [{}, {"block_n": 64, "num_warps": 8}, {"block_n": 16, "num_warps": 2},
-                                 {"block_n": 32, "split_k": 4}, {"block_n": 64, "split_k": 3}])
+                                 {"block_n": 32, "split_k": 4}, {"block_n": 64, "split_k": 3},
+                                 {"maxnreg": 0}, {"block_n": 64, "maxnreg": 64}])
 def test_cuda_tensor_core_path(cfg):
     """NVFP4 with bf16 x on tensor cores (forced: it raises if the path is not taken): every code,
     subnormal and negative e4m3 scales, 23 x 256-code steps (odd: the unrolled loop's tail; split 3

@@ -26,7 +26,8 @@ where the layout holds (:func:`layout_ok`, and 16-byte aligned operands: with a 
 Triton picks another layout, found in review); the GPU tests pin every code to its row and column and
 check the sums against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): 1.4x the
 float32 decode on NVFP4 Qwen3-4B gate_up, 45% of copy bandwidth; the loop is latency-bound with ~4
-warps a scheduler (ptxas issues each step's loads late, whatever the source order). The interpreter
+warps a scheduler (left to choose, ptxas issues each step's loads late, whatever the source order, to
+save registers: the launch caps them, see ``vtcore.kernels.gemv._registers``). The interpreter
 cannot run inline PTX: CPU tests cover the plain decode GEMV.
 """
 from __future__ import annotations

@@ -32,7 +32,8 @@ of 8 codes and their group scales are decoded in registers and summed group-fact
 :mod:`vtcore.kernels.fp4_gemm`), in 64-row x 256-code tiles, split-K as above. On CUDA with bf16 x
 and NVFP4 weights (:func:`use_fp4_mma`) the words are decoded to bf16 pairs in inline PTX and summed
 by ``mma`` instead (:mod:`vtcore.kernels.fp4_mma`; 32-row tiles where those still make 3x SMs
-tiles); the interpreter and the other formats keep the float32 decode. Both are bound by
+tiles, registers capped so the grid is one wave: :func:`_registers`); the interpreter and the other
+formats keep the float32 decode. Both are bound by
 instruction issue and latency (~4 and ~6 SASS instructions a code), not by memory; a prologue's
 per-element work, redone in every program, would cost more than its own launch.
 
@@ -78,6 +79,9 @@ _PROGRAMS_PER_SM = 3  # programs the heuristic aims for
 _SPLIT_BELOW_PER_SM = 1  # split K when the N tiles are fewer than this many per SM
 _INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
 _CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # _config's forced fields, in order
+_LAUNCH_KEYS = _CONFIG_KEYS + ("fp4_mma", "maxnreg")  # every key gemv() takes
+_REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds (sm_80 .. sm_90)
+_REGISTER_CAP = (64, 128)  # the tensor-core FP4 path's register cap stays in this range (see _registers)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -379,10 +383,9 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, zero_centered: bool,
             config: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, new residual or None); shapes already checked. ``config`` forces launch parameters."""
-    unknown = set(config) - set(_CONFIG_KEYS) - {"fp4_mma"}
+    unknown = set(config) - set(_LAUNCH_KEYS)
     if unknown:
-        raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of "
-                        f"{_CONFIG_KEYS + ('fp4_mma',)}")
+        raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of {_LAUNCH_KEYS}")
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
@@ -404,6 +407,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
                          "(see use_fp4_mma and fp4_mma_tile)")
     n_tiles = triton.cdiv(n, bn)
+    maxnreg = config.get("maxnreg", _registers(n_tiles * split, _num_sms(x.device), warps) if mma else 0) or None
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
     _gemv_kernel[(n_tiles, split)](
@@ -417,9 +421,25 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
         HAS_GLOBAL=fp4 is not None and fp4.row_global is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
-        INTERPRET=INTERPRET, num_warps=warps, num_stages=stages,
+        INTERPRET=INTERPRET, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
         enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
     return out, new_residual
+
+
+def _registers(programs: int, sms: int, num_warps: int) -> int | None:
+    """The register cap (ptx ``.maxnreg``) for a tensor-core FP4 launch of ``programs`` programs: the
+    most (a multiple of 8, at most 128) that keeps the whole grid resident at once, or None (ptxas's
+    choice) where under 64 would be needed.
+
+    Why: the loop is latency-bound (docs/BENCHMARKS.md) and ptxas, left to itself, keeps registers
+    low by issuing each K step's weight loads just before their use. sm_90 SASS from Triton 3.6's
+    ptxas (``scripts/sass_fp4_mma.py``), NVFP4 Qwen3-4B: gate_up (608 programs, 5 an SM) 74
+    registers and loads a median 0.22 of a step ahead uncapped, 96 and 0.88 steps capped; qkv 92 ->
+    128 registers, loads 81 -> 231 instructions ahead; down and o_proj about as before; no spills.
+    """
+    per_sm = triton.cdiv(programs, sms)
+    regs = _REGISTERS_PER_SM // (per_sm * num_warps * 32) // 8 * 8
+    return min(regs, _REGISTER_CAP[1]) if regs >= _REGISTER_CAP[0] else None
 
 
 def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
@@ -461,7 +481,9 @@ def gemv(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, **co
     and scales are decoded in registers (see :mod:`vtcore.kernels.fp4_gemm`), ``block_k`` then a
     multiple of the group size; NVFP4 with bf16 x on CUDA is summed on tensor cores where
     :func:`use_fp4_mma` and :func:`fp4_mma_tile` allow (keyword ``fp4_mma``: 0 keeps the float32
-    decode, 1 requires the tensor cores and raises ValueError where they do not apply).
+    decode, 1 requires the tensor cores and raises ValueError where they do not apply; ``maxnreg``
+    caps a thread's registers, 0 leaving them to ptxas, by default :func:`_registers` on tensor
+    cores and ptxas's choice elsewhere).
     """
     _check("gemv", x, weight, weight.shape[-1], f"x [M<={_MAX_M}, K] and weight [N, K]")
     return _launch(x, weight, bias, 0, None, None, 0.0, False, config)[0]
