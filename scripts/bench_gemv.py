@@ -7,7 +7,8 @@ a grid of forced launch configs per shape and prints the fastest beside the heur
 ``--fp4`` times instead the NVFP4 W4A16 GEMV at M = 1 (bytes: packed codes and scales) on the NVFP4 Qwen3-4B shapes,
 by default (on tensor cores for bf16 x, registers capped by ``_registers``), with ptxas's own register count
 (``maxnreg=0``) and with the float32 decode (``fp4_mma=0``), the sweep forcing tiles, warps, splits and, on the
-tensor-core tiles, the register cap (``mma`` marks the configs the tensor-core path takes), and the fused MoE's two grouped decode launches for the 8 routed experts of one
+tensor-core tiles, the register cap (``mma`` marks the configs the tensor-core path takes), gate_up also with its
+SwiGLU epilogue (``gemv_swiglu``), and the fused MoE's two grouped decode launches for the 8 routed experts of one
 Qwen3.5-35B-A3B layer (per kernel, from the profiler, over random expert picks in >= 4x L2 of experts).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from vtcore.kernels.gemv import _config, _num_sms, fp4_mma_tile, gemv
+from vtcore.kernels.gemv import _config, _num_sms, fp4_mma_tile, gemv, gemv_swiglu
 from vtcore.quant.fp4 import FP4Weight
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
@@ -94,6 +95,8 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
                "plain_us": plain_us, "plain_frac_of_copy": nbytes / plain_us / 1e3 / copy_bw,
                "bf16_us": bf16_us, "bf16_frac_of_copy": 2 * n * k / bf16_us / 1e3 / copy_bw,
                "config": _config(1, n, k, 4, _num_sms(torch.device("cuda")), *[None] * 5, True)}
+        if name.endswith("gate_up"):  # with the SwiGLU as its epilogue (one launch, the act written)
+            row["swiglu_epilogue_us"] = timed(gemv_swiglu, copies, x)
         del dense
         if sweep_configs:
             row["sweep"] = []
@@ -115,6 +118,7 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
               f"ptxas regs {ptxas_us:7.2f} us ({row['ptxas_regs_frac_of_copy']:.0%})  "
               f"plain {plain_us:7.2f} us ({row['plain_frac_of_copy']:.0%})  "
               f"bf16 {bf16_us:7.2f} us ({row['bf16_frac_of_copy']:.0%})  config {row['config']}"
+              + (f"  with SwiGLU epilogue {row['swiglu_epilogue_us']:7.2f} us" if "swiglu_epilogue_us" in row else "")
               + (f"  best {row['best']}" if sweep_configs else ""))
         del copies
     return rows + bench_moe(copy_bw, sweep_configs)

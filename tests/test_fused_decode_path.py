@@ -2,7 +2,8 @@
 
 On CUDA, Linear calls of <= 16 rows take the Triton GEMV, and the decoder layer hands the
 residual add + RMSNorm to the GEMV of the next Linear (``gemv_rms_norm``) and SwiGLU to the
-down projection's (``gemv_silu_and_mul``). Here ``use_gemv`` is pointed at CPU tensors, so the
+down projection's (``gemv_silu_and_mul``); FP4 GEMVs take no prologue, and the SwiGLU runs as
+gate_up's epilogue instead (``gemv_swiglu``). Here ``use_gemv`` is pointed at CPU tensors, so the
 same layer code runs those kernels in the interpreter (float32: the interpreter's dot mishandles
 bf16), and the tokens and logprobs must match the plain torch path. One sequence at a time: the
 prologues run at one row only (``PROLOGUE_MAX_ROWS``).
@@ -52,12 +53,12 @@ def checkpoint(request, tiny_checkpoint, tmp_path_factory) -> str:
 
 def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
     """Dense weights with the norm and SwiGLU prologues, and packed FP4 ones decoded inside the GEMV
-    (the torch path decodes them transiently in float32)."""
+    with the SwiGLU epilogue (the torch path decodes them transiently in float32)."""
     from vtcore.kernels import gemv
     from vtcore.quant.fp4 import FP4Weight
 
     ref, layers = _generate(checkpoint)
-    calls = {"gemv_rms_norm": 0, "gemv_silu_and_mul": 0, "gemv": 0}
+    calls = {"gemv_rms_norm": 0, "gemv_silu_and_mul": 0, "gemv_swiglu": 0, "gemv": 0}
     fp4_calls = []
     for name in calls:
         def spy(*args, _f=getattr(gemv, name), _n=name, **kwargs):
@@ -70,14 +71,14 @@ def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
     got, _ = _generate(checkpoint)
     if "FP4" in checkpoint:
         # qkv, o, gate_up and down of every one-row forward (9 decode steps and the 1-token prompt's
-        # prefill) take the FP4 GEMV, without prologues
-        assert len(fp4_calls) == 4 * layers * 10
+        # prefill) take the FP4 GEMV, without prologues; gate_up with the SwiGLU epilogue
+        assert len(fp4_calls) == 4 * layers * 10 and calls["gemv_swiglu"] == layers * 10
         assert calls["gemv_rms_norm"] == calls["gemv_silu_and_mul"] == 0
     else:
         # each of the 3 requests' 3 decode steps, in every layer: both norms fused (but the first
         # layer's input norm, which has no residual to add) and SwiGLU fused
         assert calls["gemv_rms_norm"] >= 9 * (2 * layers - 1) and calls["gemv_silu_and_mul"] >= 9 * layers
-        assert not fp4_calls
+        assert not fp4_calls and calls["gemv_swiglu"] == 0
     assert calls["gemv"] > 0  # o_proj and lm_head
     for rid, want in ref.items():
         have = got[rid]

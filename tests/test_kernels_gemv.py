@@ -29,7 +29,7 @@ pytest.importorskip("triton")
 
 from vtcore.kernels.activation import silu_and_mul  # noqa: E402
 from vtcore.kernels.gemv import (  # noqa: E402
-    INTERPRET, _config, gemv, gemv_ref, gemv_rms_norm, gemv_silu_and_mul, supports)
+    INTERPRET, _config, gemv, gemv_ref, gemv_rms_norm, gemv_silu_and_mul, gemv_swiglu, supports)
 from vtcore.kernels.rmsnorm import fused_add_rms_norm, rms_norm  # noqa: E402
 from vtcore.kernels.workspace import arrival_counters  # noqa: E402
 
@@ -320,7 +320,7 @@ def test_interpreter_silu_and_mul_prologue(m, dtype, split):
     gate_up = (torch.randn((m, 2 * 192), generator=g) * 2).to(dtype)
     w = (torch.randn((40, 192), generator=g) / 192 ** 0.5).to(dtype)
     b = torch.randn((40,), generator=g).to(dtype)
-    assert supports(gate_up, w, b, prologue="silu_and_mul") and not supports(gate_up, w, b)
+    assert supports(gate_up, w, b, fused="silu_and_mul") and not supports(gate_up, w, b)
     y = gemv_silu_and_mul(gate_up, w, b, block_n=bn, block_k=bk, split_k=split)
     assert torch.equal(y, gemv(silu_and_mul(gate_up), w, b, block_n=bn, block_k=bk, split_k=split))
     assert _counters_zero(8)
@@ -363,6 +363,27 @@ def test_interpreter_rms_norm_prologue_many_programs_write_the_residual():
         y, new_r = gemv_rms_norm(x, r, norm_w, 1e-6, w, None, block_n=8, block_k=bk, split_k=2)
         assert torch.equal(new_r, x + r)
         assert torch.equal(y, gemv(fused_add_rms_norm(x, r, norm_w, 1e-6)[0], w, block_n=8, block_k=bk, split_k=2))
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("i", [32, 28])  # 28: the last tile's gate and up halves partial
+def test_interpreter_swiglu_epilogue(dtype, split, i):
+    """``gemv_swiglu`` equals ``silu_and_mul(gemv(...))`` bit for bit: a tile holds gate rows and the
+    matching up rows (not rows ``I`` apart in one half), the sums round as the projection's output."""
+    g = torch.Generator().manual_seed(i + split)
+    x = torch.randn((1, 192), generator=g).to(dtype)
+    w = (torch.randn((2 * i, 192), generator=g) / 192 ** 0.5 * 3).to(dtype)
+    b = torch.randn((2 * i,), generator=g).to(dtype)
+    assert supports(x, w, b, fused="swiglu") and not supports(torch.randn(2, 192).to(dtype), w, b, fused="swiglu")
+    for bias in (None, b):
+        y = gemv_swiglu(x, w, bias, block_n=8, block_k=32, split_k=split)
+        assert y.shape == (1, i) and y.dtype == dtype
+        assert torch.equal(y, silu_and_mul(gemv(x, w, bias, block_n=8, block_k=32, split_k=split)))
+    assert _counters_zero(8)
+    with pytest.raises(ValueError, match=r"gemv_swiglu: x \(1, 192\), weight \(7, 192\).*even number"):
+        gemv_swiglu(x, w[:7])
 
 
 @interp

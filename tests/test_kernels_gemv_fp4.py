@@ -15,7 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 from vtcore.kernels.fp4_mma import layout_ok  # noqa: E402
-from vtcore.kernels.gemv import INTERPRET, _registers, gemv, gemv_silu_and_mul, supports, use_fp4_mma  # noqa: E402
+from vtcore.kernels.activation import silu_and_mul  # noqa: E402
+from vtcore.kernels.gemv import (  # noqa: E402
+    INTERPRET, _registers, gemv, gemv_silu_and_mul, gemv_swiglu, supports, use_fp4_mma)
 from vtcore.quant.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
@@ -72,6 +74,19 @@ def test_interpreter_matches_decoded_weights(kind, dtype, k, split):
 
 
 @interp
+@pytest.mark.parametrize("kind,split", [("e4m3", 1), ("e8m0", 2)])
+def test_interpreter_swiglu_epilogue(kind, split):
+    """The SwiGLU epilogue on FP4 weights (gate rows and their up rows in one tile, each row with its
+    own global scale) equals the projection followed by ``silu_and_mul``, bit for bit; 40 rows = I 20:
+    the last 16-row tile holds 4 gate and 4 up rows."""
+    w = fp4_weight(40, 256, kind, seed=31 + split)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(32)).bfloat16()
+    y = gemv_swiglu(x, w, block_n=16, block_k=64, split_k=split)
+    assert y.shape == (1, 20)
+    assert torch.equal(y, silu_and_mul(gemv(x, w, block_n=16, block_k=64, split_k=split)))
+
+
+@interp
 @pytest.mark.parametrize("magnitude", [1e-15, 1.0, 2.0 ** 40])
 def test_interpreter_x_magnitudes(magnitude):
     """Codes +-0.5 (the e2m1 subnormals, decoded through float32 subnormal bits) and all the others,
@@ -111,7 +126,8 @@ def test_supports_fp4():
     x = torch.randn(1, 64)
     assert supports(x, w) is INTERPRET
     assert not supports(torch.randn(2, 64), w)  # one row only
-    assert not supports(x, w, prologue="rms_norm") and not supports(torch.randn(1, 128), w, prologue="silu_and_mul")
+    assert not supports(x, w, fused="rms_norm") and not supports(torch.randn(1, 128), w, fused="silu_and_mul")
+    assert supports(x, w, fused="swiglu") is INTERPRET  # an epilogue: FP4 takes it
     assert not supports(x, FP4Weight(w.packed, w.scale, "e4m3", 16, None))  # NVFP4 without its global
     assert not supports(x, FP4Weight(w.packed, w.scale[:, :2], "e4m3", 16, w.row_global))
     assert not supports(x, FP4Weight(w.packed, w.scale, "e4m3", 16, torch.ones(1).expand(16)))  # strided globals
@@ -230,6 +246,18 @@ def test_cuda_tensor_core_path_needs_16_byte_alignment():
     check(gemv(xs, shifted), x, w)
     with pytest.raises(ValueError, match="fp4_mma forced"):
         gemv(xs, shifted, fp4_mma=1)
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [{}, {"fp4_mma": 0}, {"block_n": 64, "split_k": 3}])
+def test_cuda_swiglu_epilogue(cfg):
+    """NVFP4 Qwen3-4B gate_up with the SwiGLU epilogue (tensor cores, float32 decode, split): bit-equal
+    to the projection then ``silu_and_mul``; a bf16 dense weight the same."""
+    w = fp4_weight(19456, 2560, "e4m3", seed=41, device="cuda")
+    x = torch.randn(1, 2560, device="cuda").bfloat16()
+    assert torch.equal(gemv_swiglu(x, w, **cfg), silu_and_mul(gemv(x, w, **cfg)))
+    dense_w = torch.randn(2 * 1000, 2560, device="cuda").bfloat16() / 50
+    assert torch.equal(gemv_swiglu(x, dense_w), silu_and_mul(gemv(x, dense_w)))
 
 
 @cuda

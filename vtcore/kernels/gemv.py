@@ -25,7 +25,10 @@ Prologues fuse the op that feeds a decode GEMV into its x loads (the weight stre
 ``gemv_silu_and_mul`` (down_proj over a [gate | up] input) and ``gemv_rms_norm`` (the residual add
 and RMSNorm before qkv_proj / gate_up_proj; each program recomputes the row statistics, since a
 row is a few KB, and the programs of split 0 share out writing the new residual). Both round
-exactly as their standalone kernels do.
+exactly as their standalone kernels do. One epilogue: ``gemv_swiglu`` (one row, a [gate | up]
+weight) gives each program gate rows and their up rows and writes ``silu(gate) * up``, rounded as
+the projection then ``silu_and_mul`` would; FP4 weights, which take no prologue, save the SwiGLU's
+launch with it.
 
 FP4 (W4A16) weights, an ``FP4Weight``, take the one-row path with no prologue: packed int32 words
 of 8 codes and their group scales are decoded in registers and summed group-factored (see
@@ -69,7 +72,7 @@ from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.quant.fp4 import FP4Weight
 
-__all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "supports", "gemv_ref"]
+__all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "gemv_swiglu", "supports", "gemv_ref"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Weight = torch.Tensor | FP4Weight  # a dense [N, K] weight in x's dtype, or packed FP4
@@ -90,10 +93,10 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
-def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
-             prologue: str | None = None) -> bool:
-    """Whether :func:`gemv` (``prologue`` None), :func:`gemv_silu_and_mul` ("silu_and_mul": ``x`` is
-    [M, 2K]) or :func:`gemv_rms_norm` ("rms_norm") handles these operands (else use torch)."""
+def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, fused: str | None = None) -> bool:
+    """Whether :func:`gemv` (``fused`` None), :func:`gemv_silu_and_mul` ("silu_and_mul": ``x`` is
+    [M, 2K]), :func:`gemv_rms_norm` ("rms_norm") or :func:`gemv_swiglu` ("swiglu") handles these
+    operands (else use torch)."""
     if not (x.is_cuda or INTERPRET) or x.device != weight.device or x.dim() != 2 or x.dtype not in _DTYPES:
         return False
     if isinstance(weight, FP4Weight):
@@ -101,7 +104,7 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
         # No prologue: recomputed per x element in every program, it costs more than its own launch
         # (an NVFP4 Qwen3-4B decode step took 4.1 ms with them; the GEMV streams codes at ~6 instructions
         # a code, so x work per code counts).
-        ok = (x.shape[0] == 1 and prologue is None and weight.scale_kind in ("e4m3", "e8m0")
+        ok = (x.shape[0] == 1 and fused in (None, "swiglu") and weight.scale_kind in ("e4m3", "e8m0")
               and g >= 8 and not g & (g - 1)
               and weight.packed.storage_offset() % 4 == 0  # read as int32 words
               and weight.shape[1] % g == 0 and weight.packed.dtype == torch.uint8 and weight.scale.dtype == torch.uint8
@@ -116,8 +119,10 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
     elif weight.dim() != 2 or weight.dtype != x.dtype or not weight.is_contiguous():
         return False
     m, k = x.shape[0], weight.shape[1]
-    width = 2 * k if prologue == "silu_and_mul" else k
+    width = 2 * k if fused == "silu_and_mul" else k
     if m > _MAX_M or x.shape[1] != width or k == 0 or k % 8 or x.stride(1) != 1:
+        return False
+    if fused == "swiglu" and (m != 1 or weight.shape[0] % 2):
         return False
     return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()
                             and bias.device == x.device)
@@ -202,7 +207,7 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FP4: tl.constexpr, FP4_MMA: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
 
@@ -213,16 +218,27 @@ def _gemv_kernel(
     ``SPLIT > 1``: each program stores its float32 partial in ``ws`` [SPLIT, M, N], then counts
     itself in the n tile's arrival counter; the last to arrive sums the SPLIT partials in order,
     adds the bias, rounds once, writes ``out`` and resets the counter.
+    ``SWIGLU`` (one row, a [gate | up] weight of N = 2I rows): an n tile is BLOCK_N / 2 gate rows and
+    the same up rows (I further on); its epilogue rounds the sums as the projection's output would be
+    and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.activation.silu_mul`).
     """
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
-    # Clamp rows past N onto row N - 1: every weight load stays in bounds without a mask (the
-    # columns they produce are never stored).
-    rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
+    # Clamp rows past N onto row N - 1 (SWIGLU: past each half's end onto its last row): every
+    # weight load stays in bounds without a mask (the columns they produce are never stored).
+    if SWIGLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        half = tl.arange(0, BLOCK_N) // HALF  # 0: gate rows, 1: up rows
+        col = pid_n * HALF + tl.arange(0, BLOCK_N) % HALF  # the output column of each row
+        offs_n = col + half * (N // 2)
+        n_mask = col < N // 2
+        rows = offs_n if EVEN_N else tl.minimum(col, N // 2 - 1) + half * (N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
@@ -324,7 +340,12 @@ def _gemv_kernel(
             y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         y += tl.load(b_ptr + bias_off, mask=bias_off < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + dst, _cast(y, DT, INTERPRET), mask=out_mask)
+    if SWIGLU:
+        gate, up = tl.split(tl.permute(tl.reshape(_cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + cols, silu_mul(gate, up, DT, INTERPRET), mask=cols < N // 2)
+    else:
+        tl.store(out_ptr + dst, _cast(y, DT, INTERPRET), mask=out_mask)
 
 
 @functools.cache
@@ -381,13 +402,14 @@ def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, bl
 
 def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue: int,
             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, zero_centered: bool,
-            config: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, new residual or None); shapes already checked. ``config`` forces launch parameters."""
+            config: dict[str, int], swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, new residual or None); shapes already checked. ``config`` forces launch parameters;
+    ``swiglu``: the SwiGLU epilogue (one row, N even; out [1, N / 2])."""
     unknown = set(config) - set(_LAUNCH_KEYS)
     if unknown:
         raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of {_LAUNCH_KEYS}")
     m, (n, k) = x.shape[0], weight.shape
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if swiglu else n), dtype=x.dtype, device=x.device)
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
         return out, new_residual
@@ -406,7 +428,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         raise ValueError(f"gemv: fp4_mma forced but x {x.dtype} on {x.device}, {fp4 and fp4.scale_kind} scales, "
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
                          "(see use_fp4_mma and fp4_mma_tile)")
-    n_tiles = triton.cdiv(n, bn)
+    n_tiles = triton.cdiv(n, bn)  # SWIGLU: cdiv(n / 2, bn / 2), the same
     maxnreg = config.get("maxnreg", _registers(n_tiles * split, _num_sms(x.device), warps) if mma else 0) or None
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
@@ -419,7 +441,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, FP4=fp4 is not None, FP4_MMA=mma,
         GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
-        HAS_GLOBAL=fp4 is not None and fp4.row_global is not None,
+        HAS_GLOBAL=fp4 is not None and fp4.row_global is not None, SWIGLU=swiglu,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
         INTERPRET=INTERPRET, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
         enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
@@ -496,6 +518,19 @@ def gemv_silu_and_mul(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
     k = weight.shape[-1]
     _check("gemv_silu_and_mul", gate_up, weight, 2 * k, f"gate_up [M<={_MAX_M}, {2 * k}] for weight [N, {k}]")
     return _launch(gate_up, weight, bias, 1, None, None, 0.0, False, config)[0]
+
+
+def gemv_swiglu(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, **config: int) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[gate | up] = F.linear(x, weight, bias)``, ``x`` [1, K] and ``weight``
+    [2I, K] (dense or :class:`~vtcore.quant.fp4.FP4Weight`): [1, I], equal to
+    ``silu_and_mul(gemv(x, weight, bias))`` (the projection rounded to x's dtype, then SwiGLU rounded
+    as :func:`vtcore.kernels.activation.silu_and_mul`) in one launch: the SwiGLU is the GEMV's
+    epilogue (for FP4 weights, which take no prologue, this saves the SwiGLU launch)."""
+    _check("gemv_swiglu", x, weight, weight.shape[-1], "x [1, K] and a [gate | up] weight [2I, K]")
+    if x.shape[0] != 1 or weight.shape[0] % 2:
+        raise ValueError(f"gemv_swiglu: x {tuple(x.shape)}, weight {tuple(weight.shape)}: expected one row of x and an "
+                         "even number of weight rows ([gate | up])")
+    return _launch(x, weight, bias, 0, None, None, 0.0, False, config, swiglu=True)[0]
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -30,14 +30,17 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     @property
-    def in_proj(self) -> Linear:
-        return self.gate_up_proj
+    def in_proj(self) -> Linear | None:
+        """gate_up_proj, whose decode GEMV then takes the norm before it as its prologue (and
+        down_proj's the SwiGLU); None for a quantized gate_up_proj, whose GEMV takes no prologue
+        (FP4) or which has none: the MLP then runs whole, the SwiGLU as gate_up's GEMV epilogue."""
+        return self.gate_up_proj if self.gate_up_proj.quant is None else None
 
     def forward_projected(self, positions: torch.Tensor | None, gate_up: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_gated(gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_projected(None, self.gate_up_proj(x))
+        return self.down_proj(self.gate_up_proj.forward_swiglu(x))
 
 
 class QKVAttention(nn.Module):

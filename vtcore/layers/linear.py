@@ -68,18 +68,18 @@ class Linear(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
 
-    def _gemv_weight(self, x: torch.Tensor, prologue: str | None = None) -> object | None:
+    def _gemv_weight(self, x: torch.Tensor, fused: str | None = None) -> object | None:
         """The weight operand of the Triton GEMV for this call (decode-sized rows on CUDA: the dense
         weight, or what the quant method offers, e.g. packed FP4), or None: torch / the quant method's
-        own kernel. With a prologue only at one row: at M > 1 the transform sits between the loads and
-        the dot and stalls the pipelined loop (a 0.6B decode step at batch 2: 2.3 ms with prologues,
-        1.3 ms with the separate launches, H200)."""
-        rows = GEMV_MAX_ROWS if prologue is None else PROLOGUE_MAX_ROWS
+        own kernel. With an op ``fused`` in (see ``gemv.supports``) only at one row: at M > 1 a
+        prologue sits between the loads and the dot and stalls the pipelined loop (a 0.6B decode step
+        at batch 2: 2.3 ms with prologues, 1.3 ms with the separate launches, H200)."""
+        rows = GEMV_MAX_ROWS if fused is None else PROLOGUE_MAX_ROWS
         if not use_gemv(x) or x.dim() != 2 or x.shape[0] > rows:
             return None
         weight = self.weight if self.quant is None else self.quant.gemv_weight(self)
         from vtcore.kernels import gemv
-        return weight if weight is not None and gemv.supports(x, weight, self.bias, prologue) else None
+        return weight if weight is not None and gemv.supports(x, weight, self.bias, fused) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._gemv_weight(x)
@@ -98,6 +98,15 @@ class Linear(nn.Module):
             from vtcore.kernels import gemv
             return gemv.gemv_silu_and_mul(gate_up, weight, self.bias)
         return self(silu_and_mul(gate_up))
+
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for this [gate | up] projection of ``x``: one launch on the one-row
+        GEMV path (the SwiGLU as the GEMV's epilogue), else the projection then ``silu_and_mul``."""
+        weight = self._gemv_weight(x, "swiglu")
+        if weight is not None:
+            from vtcore.kernels import gemv
+            return gemv.gemv_swiglu(x, weight, self.bias)
+        return silu_and_mul(self(x))
 
     def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                          ) -> tuple[torch.Tensor, torch.Tensor]:
