@@ -226,6 +226,31 @@ def test_async_llm_deltas_abort_and_duplicates(async_llm) -> None:
     asyncio.run(main())
 
 
+def test_a_caller_that_leaves_before_its_request_is_added_harms_no_one(async_llm, monkeypatch) -> None:
+    """A generate() cancelled while its request still waits in the inbox (an HTTP client that gave up
+    while the engine was busy): the request is never added, and the engine serves on. This once
+    killed the engine loop (setting the result of the cancelled future raised)."""
+    import threading
+
+    gate = threading.Event()
+    drain = async_llm._drain_inbox
+    monkeypatch.setattr(async_llm, "_drain_inbox", lambda: (gate.wait(), drain()))
+
+    async def main():
+        victim = asyncio.create_task(_collect(async_llm, "victim", [1, 2], greedy(50)))
+        for _ in range(20):
+            await asyncio.sleep(0)  # generate() is awaiting its add, which the engine thread holds back
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        gate.set()
+        ok = await _collect(async_llm, "after", [1], greedy(3))
+        assert len(ok[-1].outputs[0].token_ids) == 3 and async_llm.dead is None
+        assert "victim" not in async_llm.engine.requests
+
+    asyncio.run(main())
+
+
 def test_engine_death_reaches_every_pending_request(async_llm) -> None:
     def boom():
         raise RuntimeError("kaboom")

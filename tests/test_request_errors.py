@@ -86,7 +86,8 @@ def test_prompt_ids_that_are_not_ints(llm: LLM, prompt) -> None:
 
 
 def test_prompt_of_the_wrong_type(llm: LLM) -> None:
-    with pytest.raises(ValueError, match=r"prompt=\{'text': 'hi'\}: expected a string or a dict with 'prompt_token_ids'"):
+    with pytest.raises(ValueError, match=r"prompt=\{'text': 'hi'\}: expected a string or a dict with 'prompt' \(a "
+                                         r"string\) or 'prompt_token_ids'"):
         llm.generate({"text": "hi"}, GREEDY)
 
 
@@ -135,6 +136,10 @@ def test_text_prompt_without_tokenizer(llm: LLM, tiny_checkpoint, text: str) -> 
     (dict(logit_bias="x"), "logit_bias", "'x'"),
     (dict(logit_bias={1: "big"}), "logit_bias", "{1: 'big'}"),
     (dict(seed=1.5), "seed", "1.5"),
+    (dict(seed=2 ** 64), "seed", str(2 ** 64)),
+    (dict(seed=-2 ** 63 - 1), "seed", str(-2 ** 63 - 1)),
+    (dict(logit_bias={3: float("nan")}), "logit_bias", "{3: nan}"),
+    (dict(logit_bias={3: float("inf")}), "logit_bias", "{3: inf}"),
     (dict(output_kind="delta"), "output_kind", "'delta'"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str, shown: str) -> None:
@@ -168,6 +173,30 @@ def test_token_ids_in_params_outside_the_vocab_rejected_at_add_request(llm: LLM,
         llm.engine.add_request("r", ids(1, 2), params)
     assert str(exc.value) == f"SamplingParams.{field}={bad!r}: expected token ids in [0, {VOCAB})"
     assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_the_vocab_rejected_at_add_request(llm: LLM, field: str) -> None:
+    """Accepted, this failed inside the step (topk past the vocabulary) and left the engine unusable."""
+    with pytest.raises(ValueError) as exc:
+        llm.engine.add_request("r", ids(1, 2), SamplingParams(**{field: VOCAB + 1}))
+    assert str(exc.value) == f"SamplingParams.{field}={VOCAB + 1}: expected at most the vocabulary size, {VOCAB}"
+    assert_idle(llm.engine)
+    assert len(llm.generate(ids(1, 2), SamplingParams(max_tokens=2, **{field: VOCAB}))[0].outputs[0].token_ids) == 2
+
+
+def test_extreme_but_valid_sampling_values_still_sample(llm: LLM) -> None:
+    """Values that overflow int64 or underflow float32 (they once crashed the step or masked every
+    token): a huge top_k is no top-k, a temperature under 1e-5 is greedy, a top_p below float32's
+    least keeps the most likely token, a -inf bias bans a token."""
+    greedy = llm.generate(ids(1, 2), GREEDY)[0].outputs[0].token_ids
+    for kw in (dict(top_k=2 ** 63, temperature=0.0), dict(temperature=1e-40), dict(temperature=1.0, top_p=1e-300)):
+        out = llm.generate(ids(1, 2), SamplingParams(max_tokens=4, ignore_eos=True, **kw))[0].outputs[0]
+        assert out.token_ids == greedy, kw
+    sampled = llm.generate(ids(1, 2), SamplingParams(top_k=2 ** 63, max_tokens=4, ignore_eos=True, seed=1))
+    assert len(sampled[0].outputs[0].token_ids) == 4
+    banned = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, logit_bias={greedy[0]: float("-inf")})
+    assert llm.generate(ids(1, 2), banned)[0].outputs[0].token_ids[0] != greedy[0]
 
 
 def test_sampling_params_of_the_wrong_type(llm: LLM) -> None:
@@ -277,3 +306,31 @@ def test_unknown_llm_knob(tiny_checkpoint) -> None:
     assert str(exc.value).startswith("LLM(): ")
     assert "max_batch_size" in str(exc.value)
     assert str(exc.value).endswith("knobs are those of vtcore.config.EngineConfig")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_failed_step_fails_its_call_and_the_engine_serves_on(tiny_checkpoint, monkeypatch, where: str,
+                                                               async_scheduling: bool) -> None:
+    """A step that raises (a bug, an out-of-memory) while preparing the batch on the host or in its
+    device work: ``generate`` raises it, aborts its own requests, and the engine is left idle and
+    serving (once, the failed step kept its staging buffer and every later step refused to run)."""
+    llm = LLM(tiny_checkpoint[0], device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=8, block_size=16,
+              async_scheduling=async_scheduling)
+    want = llm.generate([ids(1, 2), ids(3)], GREEDY)
+    target, name = ((llm.engine.runner.sampler, "prepare") if where == "host"
+                    else (llm.engine.runner.model, "compute_logits"))
+    real, calls = getattr(target, name), []
+
+    def fail_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, fail_on_the_third)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([ids(1, 2), ids(3)], GREEDY)
+    assert_idle(llm.engine)
+    got = llm.generate([ids(1, 2), ids(3)], GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -614,3 +614,31 @@ def test_serve_parser_defaults_are_safe() -> None:
     for bad in (["--port", "70000"], ["--max-request-bytes", "0"]):  # refused before the model loads
         with pytest.raises(ValueError, match=bad[0]):
             cmd_serve(parser.parse_args(["serve", *bad]), io.StringIO())
+
+
+def test_tokenizing_a_prompt_does_not_stall_the_server(server: ServerThread, engine: AsyncLLM, monkeypatch) -> None:
+    """Requests are tokenized off the event loop: while one prompt's tokenization is held (a 7 MB
+    prompt took 7 s), the server still answers others (it once stalled every stream meanwhile)."""
+    entered, release = threading.Event(), threading.Event()
+    tokenize = engine.engine.tokenize
+
+    def held(prompt: Any) -> Any:
+        if prompt == "HOLD":
+            entered.set()
+            release.wait(20)
+        return tokenize(prompt)
+
+    monkeypatch.setattr(engine.engine, "tokenize", held)
+    slow: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: slow.update(r=httpx.post(
+        server.url + "/v1/completions", json={"model": MODEL, "prompt": "HOLD", "max_tokens": 2}, timeout=30)))
+    worker.start()
+    try:
+        assert entered.wait(10)
+        fast = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                          timeout=5)
+        assert fast.status_code == 200 and not slow
+    finally:
+        release.set()
+        worker.join(30)
+    assert slow["r"].status_code == 200

@@ -96,3 +96,18 @@ def test_text_prompt_and_stop_string_through_engine(llm_with_tokenizer) -> None:
                                                               stop=[stop]))[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[:text.index(stop)]
+
+
+def test_offline_generate_returns_whole_outputs_for_every_kind_and_prompt_form(llm_with_tokenizer) -> None:
+    """``LLM.generate`` returns the final, whole output whatever ``output_kind`` asks of a stream (vLLM's
+    LLM does the same; a DELTA request once returned only its last piece), and takes vLLM's
+    ``{"prompt": text}`` form as the plain string."""
+    llm = llm_with_tokenizer
+    want = llm.generate("Grüße", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=kind)
+        for prompt in ("Grüße", {"prompt": "Grüße"}):
+            out = llm.generate(prompt, params)[0]
+            assert (out.outputs[0].text, out.outputs[0].token_ids) == (want.text, want.token_ids), (kind, prompt)
+            assert out.prompt == "Grüße" and out.finished
+        assert params.output_kind is kind  # the caller's params are not changed

@@ -17,6 +17,11 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # nothing until the request finishes
 
 
+#: temperatures below this sample greedily (vLLM's threshold): dividing logits by less overflows float32
+GREEDY_TEMPERATURE = 1e-5
+_SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
+
+
 def _bad(name: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"SamplingParams.{name}={value!r}: expected {expected}")
 
@@ -69,8 +74,8 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", self.seed, "an integer or None")
+        if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
+            raise _bad("seed", self.seed, "an integer in [-2**63, 2**64) or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -88,6 +93,9 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError):
                 raise _bad("logit_bias", self.logit_bias, "a dict of token id -> bias") from None
+            bad = {k: v for k, v in self.logit_bias.items() if v != v or v == float("inf")}
+            if bad:
+                raise _bad("logit_bias", bad, "biases that are numbers < inf (-inf bans a token)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _bad("output_kind", self.output_kind, "a RequestOutputKind")
 
@@ -101,14 +109,18 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Reject token ids that the model's vocabulary does not hold."""
+        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise _bad(name, bad, f"token ids in [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
 
 
 def _is_int(value: Any) -> bool:

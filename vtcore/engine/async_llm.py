@@ -77,7 +77,9 @@ class AsyncLLM:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished and added.done() and added.exception() is None:
+            # Left early: abort unless the request was never added (cancelled in the inbox, or
+            # rejected). The abort queues behind the add, so it also covers an add still running.
+            if not finished and not added.cancelled() and not (added.done() and added.exception() is not None):
                 self._inbox.put(("abort", request_id))
                 self._wake.set()
 
@@ -109,6 +111,8 @@ class AsyncLLM:
                 return
             if msg[0] == "add":
                 _, rid, prompt, params, added = msg
+                if not added.set_running_or_notify_cancel():  # its caller left before it was added
+                    continue
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as exc:  # a bad request fails alone
@@ -146,5 +150,5 @@ class AsyncLLM:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if msg[0] == "add":
+                if msg[0] == "add" and msg[4].set_running_or_notify_cancel():
                     msg[4].set_exception(err)

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import attrs
 from tqdm import tqdm
 
 from vtcore.config import DEFAULT_MODEL, EngineConfig
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.outputs import RequestOutput
-from vtcore.sampling_params import SamplingParams
+from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,6 +45,10 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries, expected one per prompt "
                                  f"({len(prompts)}) or a single SamplingParams")
+        # Offline, only the final output is returned (vLLM's LLM does the same): a DELTA request would
+        # return its last piece only, and CUMULATIVE ones would build an output every step.
+        params = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams) else p
+                  for p in params]
         engine = self.engine
         ids = []
         try:
@@ -58,11 +63,18 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update()
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                            bar.update()
+            except BaseException:  # a failed step: drop this call's requests, keep the engine usable
+                for rid in ids:
+                    engine.abort_request(rid)
+                while engine.has_unfinished_requests():
+                    engine.step()
+                raise
         return [final[rid] for rid in ids]
 
     def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],

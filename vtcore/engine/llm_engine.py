@@ -122,7 +122,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt; ids are checked against the vocabulary."""
+        """(text, token ids) of a prompt (a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``);
+        ids are checked against the vocabulary."""
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"text prompt given, but the checkpoint {self.config.model!r} has no tokenizer; "
@@ -137,7 +140,8 @@ class LLMEngine:
             if bad:
                 raise RequestRejected(f"prompt_token_ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
             return prompt.get("prompt"), list(ids)
-        raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt_token_ids'")
+        raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt' (a string) or "
+                         "'prompt_token_ids'")
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         """A conversation through the tokenizer's chat template, ready for generation."""
@@ -193,12 +197,20 @@ class LLMEngine:
         if batch:
             step = self.runner._steps
             self._log("schedule", step)
-            self.inflight.append((batch, self.runner.submit(batch)))
+            try:
+                self.inflight.append((batch, self.runner.submit(batch)))
+            except BaseException:
+                self._give_up(batch)
+                raise
             self._log("prepare", step)
         if self.inflight and (len(self.inflight) >= self.depth or not batch):
             done, handle = self.inflight.popleft()
             self._log("wait", handle.step)
-            result = handle.result()
+            try:
+                result = handle.result()
+            except BaseException:
+                self._give_up(done)
+                raise
             for row, s in enumerate(x for x in done if x.samples):
                 self._apply(s.request, result, row)
             for s in done:
@@ -216,6 +228,20 @@ class LLMEngine:
             if r.is_finished:
                 self.requests.pop(r.request_id, None)
         return outputs
+
+    def _give_up(self, batch: Batch) -> None:
+        """A step failed: abort its requests and those of every step still in flight (which read its
+        tokens), so the engine is left consistent and serves the next request (the caller sees the
+        error; the aborted requests report ``finish_reason="abort"`` on the next step)."""
+        batches = [batch]
+        while self.inflight:
+            later, handle = self.inflight.popleft()
+            handle.discard()
+            batches.append(later)
+        for b in batches:
+            for s in b:
+                if not s.request.is_finished:
+                    self.scheduler.finish(s.request, "abort")
 
     def _apply(self, req: Request, result: StepOutput, row: int) -> None:
         """Apply one sampled token on the host: append, logprobs, text, stops."""

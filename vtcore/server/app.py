@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -324,6 +325,13 @@ class OpenAIServer:
         self.tokenizer = self.core.tokenizer
         self.live: dict[str, _Sub] = {}  # engine requests in flight, by request id
         self.draining = False  # shutting down: new requests get 503
+        # Requests are validated and tokenized on these threads, off the event loop: a large prompt
+        # takes seconds and would stall every stream. Several, so one large prompt holds up no other
+        # request (fast tokenizers encode concurrently; the engine thread decodes meanwhile already).
+        self.preparer = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="vtcore-prepare")
+
+    async def prepare(self, fn: Any, body: Any) -> tuple[list[_Sub], dict[str, str]]:
+        return await asyncio.get_running_loop().run_in_executor(self.preparer, fn, body)
 
     async def abort_all(self) -> int:
         """Abort every engine request in flight: streams end with finish_reason "abort" and [DONE],
@@ -540,7 +548,7 @@ class OpenAIServer:
         return subs, renames
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        subs, renames = self.prepare_completion(body)
+        subs, renames = await self.prepare(self.prepare_completion, body)
         rid, created = subs[0].rid.rsplit("-", 1)[0], int(time.time())
         if body.stream:
             return EventStream(self.completion_events(body, subs, rid, created))
@@ -656,7 +664,7 @@ class OpenAIServer:
         return {"content": content}
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
-        subs, renames = self.prepare_chat(body)
+        subs, renames = await self.prepare(self.prepare_chat, body)
         rid, created = subs[0].rid.rsplit("-", 1)[0], int(time.time())
         if body.stream:
             return EventStream(self.chat_events(body, subs, rid, created))

@@ -65,9 +65,18 @@ class StepHandle:
 
     def result(self) -> StepOutput:
         if self._result is None:
-            self._result = self._wait()
-            self.runner._retire(self)
+            try:
+                self._result = self._wait()
+            finally:  # a step that failed holds its staging buffer no longer
+                self.runner._retire(self)
         return self._result
+
+    def discard(self) -> None:
+        """Give the step up (the engine dropped its requests after a failure): its buffer is free."""
+        if self._result is None:
+            if self.runner.cuda:
+                torch.cuda.synchronize(self.runner.device)  # its upload may still read the buffer
+            self.runner._retire(self)
 
 
 class ModelRunner:
@@ -186,7 +195,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a step
     def submit(self, batch: Batch) -> StepHandle:
-        """Prepare ``batch`` on the host and enqueue its device work; returns without waiting for it."""
+        """Prepare ``batch`` on the host and enqueue its device work; returns without waiting for it.
+        If that raises, the step holds no staging buffer."""
+        step = self._steps
+        try:
+            return self._submit(batch)
+        except BaseException:
+            self._staging_owner = [None if owner == step else owner for owner in self._staging_owner]
+            raise
+
+    def _submit(self, batch: Batch) -> StepHandle:
         if self.graph_sizes and len(batch) <= self.graph_sizes[-1] and not self.withhold_override \
                 and all(s.num_tokens == 1 and s.samples for s in batch):
             return self._submit_decode(batch)

@@ -85,7 +85,8 @@ class Sampler:
         return SamplingBatch(
             metas=metas, greedy=not random,
             temperature=self._up([p.temperature for p in rnd], torch.float32) if rnd else None,
-            top_k=self._up([p.top_k or self.vocab_size for p in rnd]) if any(p.top_k for p in rnd) else None,
+            top_k=self._up([min(p.top_k or self.vocab_size, self.vocab_size) for p in rnd]) if any(p.top_k for p in rnd)
+            else None,
             top_p=self._up([p.top_p for p in rnd], torch.float32) if any(p.top_p < 1 for p in rnd) else None,
             min_p=self._up([p.min_p for p in rnd], torch.float32) if any(p.min_p > 0 for p in rnd) else None,
             random_rows=self._up(random) if random else None, edits=edits,
@@ -133,14 +134,14 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature[:, None]
         if batch.top_k is not None:
-            k = batch.top_k.clamp(max=self.vocab_size)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (batch.top_k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if batch.top_p is not None:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             probs_sorted = sorted_logits.softmax(dim=-1)
             before = probs_sorted.cumsum(dim=-1) - probs_sorted  # mass strictly before each token
-            drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= batch.top_p[:, None])
+            keep_first = torch.arange(before.shape[1], device=before.device) > 0  # a top_p below float32's least keeps it
+            drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, (before >= batch.top_p[:, None]) & keep_first)
             logits = logits.masked_fill(drop, float("-inf"))
         probs = logits.softmax(dim=-1)
         if batch.min_p is not None:
