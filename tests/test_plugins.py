@@ -160,6 +160,37 @@ def test_plugin_clashing_with_qwen3_dense(name: str) -> None:
     assert narrowed.errors == {} and narrowed.family_for("Qwen3ForCausalLM").plugin == "qwen3_dense"
 
 
+def test_a_plugin_cannot_take_over_another_plugins_loader() -> None:
+    """Loader and quant-format names clash like architectures: a second plugin registering
+    'safetensors' once silently replaced the built-in loader for every checkpoint."""
+    plugins = Plugins(entry_points=real_eps() + [fixture_ep("takeover")])
+    assert plugins.errors == {"takeover": (
+        f"PluginError: load format 'safetensors' is registered by both {BUILTIN_NAME!r} and 'takeover'; a plugin may "
+        "not replace another's (uninstall one or narrow VTCORE_PLUGINS)")}
+    assert plugins.loaders["safetensors"][0] == BUILTIN_NAME and "takeover_format" not in plugins.loaders
+    assert_qwen3_fine(plugins)
+
+
+def test_two_plugins_under_one_entry_point_name() -> None:
+    """The first keeps the name and loads; the second is reported under its own row (it once
+    replaced the first's row, which then showed the second's pluggy error, and its family vanished)."""
+    plugins = Plugins(entry_points=real_eps() + [fixture_ep("dup", "good_family"), fixture_ep("dup", "clash_a")])
+    assert plugins.errors == {"dup [fixture_plugins.clash_a]": (
+        "PluginError: entry point name 'dup' is used by both 'fixture_plugins.good_family' and "
+        "'fixture_plugins.clash_a'; only the first is loaded (uninstall one)")}
+    assert_good_family_fine(plugins, "dup")
+    assert "ClashForCausalLM" not in plugins.architectures
+    assert_qwen3_fine(plugins)
+
+
+def test_a_plugin_registering_an_architecture_twice_itself_is_reported() -> None:
+    plugins = Plugins(entry_points=real_eps() + [fixture_ep("self_dup")])
+    assert plugins.errors == {"self_dup": "PluginError: architecture 'SelfDupForCausalLM' is registered twice by "
+                                          "'self_dup' itself"}
+    assert not {"self_dup_a", "self_dup_b"} & set(plugins.families)
+    assert_qwen3_fine(plugins)
+
+
 def test_plugin_failing_on_a_clash_registers_nothing_else() -> None:
     plugins = Plugins(entry_points=real_eps() + [fixture_ep("zz_clash_plus", "clash_plus")])
     assert list(plugins.errors) == ["zz_clash_plus"]

@@ -47,3 +47,15 @@ def test_scaffold_refuses_to_overwrite(tmp_path, capsys) -> None:
     assert main(["new-plugin", "fam", "--arch", "LlamaForCausalLM", "--dir", str(tmp_path)], out=io.StringIO()) == 0
     assert main(["new-plugin", "fam", "--arch", "LlamaForCausalLM", "--dir", str(tmp_path)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch, model_type", [
+    ("LlamaForCausalLM", "llama"),  # exaone, internlm3 ... map to it too, and come first in transformers' table
+    ("GPT2LMHeadModel", "gpt2"), ("Qwen3_5ForCausalLM", "qwen3_5_text"), ("NoSuchForCausalLM", "TODO-model-type"),
+])
+def test_scaffold_example_takes_the_model_type_of_the_class(arch, model_type) -> None:
+    """The example's model_type decides the oracle's checkpoint names: with 'exaone' for Llama, a
+    correct Llama plugin failed the gate on Exaone tensor names (the guide's own walkthrough)."""
+    from vtcore.cli.scaffold import tiny_config
+
+    assert tiny_config(arch)["model_type"] == model_type

@@ -95,10 +95,15 @@ python -m pytest tests
 
 
 def tiny_config(arch: str) -> dict:
-    """A tiny config for ``arch``; the model_type comes from transformers when it knows the class."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """A tiny config for ``arch``; the model_type is that of the class's own config class when
+    transformers knows the class (not the first auto-mapping entry naming it: several model types
+    map to LlamaForCausalLM, and 'exaone' comes first)."""
+    import transformers
 
-    model_type = next((t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == arch), "TODO-model-type")
+    try:
+        model_type = getattr(transformers, arch).config_class.model_type
+    except (AttributeError, ImportError):
+        model_type = "TODO-model-type"
     return {"architectures": [arch], "model_type": model_type, "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,

@@ -92,6 +92,17 @@ class Plugins:
     # ------------------------------------------------------------------ loading
     def _register(self, name: str, load: Callable[[], Any], value: str | None = None,
                   dist: str | None = None, version: str | None = None) -> None:
+        if name in self.infos:  # two distributions, one entry-point name: the first keeps it
+            first = self.infos[name]
+            name = f"{name} [{dist or value}]"
+            error = PluginError(f"entry point name {first.name!r} is used by both {first.dist or first.module!r} and "
+                                f"{dist or value!r}; only the first is loaded (uninstall one)")
+            self.infos[name] = PluginInfo(name=name, module=value or name, dist=dist, version=version,
+                                          error=_format_error(error))
+            log.warning("vtcore: plugin %r failed to load: %s", name, self.infos[name].error)
+            if _strict():
+                raise error
+            return
         info = PluginInfo(name=name, module=value or name, dist=dist, version=version)
         self.infos[name] = info
         registered = False
@@ -132,10 +143,22 @@ class Plugins:
                         isinstance(k, str) and isinstance(v, str) and ":" in v for k, v in result.items()):
                     raise PluginError(f"{hook} returned {result!r}, expected a dict of name -> 'module:attr'")
                 table.update(result)
+        for kind, keys in (("model family name", [f.name for f in families]),
+                           ("architecture", [a for f in families for a in f.architectures])):
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise PluginError(f"{kind} {twice[0]!r} is registered twice by {name!r} itself")
         for family in families:
             if family.name in self.families:
                 raise PluginError(f"model family name {family.name!r} is registered by both "
                                   f"{self.families[family.name].plugin!r} and {name!r}")
+        for hook, registered in (("vtcore_quant_methods", self.quant_methods), ("vtcore_loaders", self.loaders)):
+            taken = sorted(set(tables[hook]) & set(registered))
+            if taken:
+                kind = "quant format" if hook == "vtcore_quant_methods" else "load format"
+                raise PluginError(f"{kind} {taken[0]!r} is registered by both {registered[taken[0]][0]!r} and "
+                                  f"{name!r}; a plugin may not replace another's (uninstall one or narrow "
+                                  "VTCORE_PLUGINS)")
         clashes = [a for f in families for a in f.architectures if a in self.architectures or a in self.conflicts]
         if clashes:
             # Nothing of this plugin is committed; the contested architectures resolve to neither.
