@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vtcore import LLM, SamplingParams
-from vtcore.errors import CheckpointError, UnknownArchitectureError
+from vtcore.errors import CheckpointError, ConfigError, MissingConfigField, UnknownArchitectureError
 from vtcore.loading.safetensors_loader import INDEX, SINGLE
 
 PROMPTS = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [100, 7, 250, 31, 4, 8]}]
@@ -228,6 +228,41 @@ def test_config_without_architectures(ckpt: str) -> None:
     edit_config(ckpt, architectures=None)
     with pytest.raises(ValueError, match=r"config\.json: 'architectures' is None, expected a list"):
         build(ckpt)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_key_value_heads=0), "num_key_value_heads=0, expected a positive integer"),
+    (dict(num_attention_heads=0), "num_attention_heads=0, expected a positive integer"),
+    (dict(vocab_size=-5), "vocab_size=-5, expected a positive integer"),
+    (dict(vocab_size="512"), "vocab_size='512', expected a positive integer"),
+    (dict(hidden_size=64.0), "hidden_size=64.0, expected a positive integer"),
+    (dict(intermediate_size=0), "intermediate_size=0, expected a positive integer"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3, expected a divisor of num_attention_heads=4"),
+    (dict(head_dim=None, num_attention_heads=5, num_key_value_heads=5),
+     "hidden_size=64 is not a multiple of num_attention_heads=5 and no head_dim is given"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), "rope_theta=-1.0, expected a positive finite "
+     "number"),
+    (dict(rms_norm_eps=0), "rms_norm_eps=0, expected a positive finite number"),
+])
+def test_bad_config_values_are_named(ckpt: str, changes: dict, message: str) -> None:
+    """Each once failed deep in a layer or in torch (ZeroDivisionError, a negative tensor size), or
+    loaded and generated NaN-driven token 0s (a negative rope_theta)."""
+    edit_config(ckpt, **changes)
+    with pytest.raises(ConfigError) as exc:
+        build(ckpt)
+    assert str(exc.value) == f"config.json: {message}"
+
+
+def test_config_missing_a_field_the_model_reads(ckpt: str) -> None:
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    del cfg["num_hidden_layers"]
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(MissingConfigField) as exc:
+        build(ckpt)
+    assert str(exc.value) == "config.json has no field 'num_hidden_layers', which the model needs"
+    assert isinstance(exc.value, AttributeError)  # getattr(config, name, default) keeps working
 
 
 # ---------------------------------------------------------------------------------- tied / unknown

@@ -7,7 +7,15 @@ from typing import Any
 
 import attrs
 
+from vtcore.errors import ConfigError, MissingConfigField
+
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "default_model")
+
+
+#: fields a decoder reads as sizes, checked where present (a family may name its sizes otherwise)
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "max_position_embeddings", "moe_intermediate_size", "num_experts",
+                  "num_experts_per_tok")
 
 
 class HFConfig:
@@ -38,7 +46,32 @@ class HFConfig:
         try:
             return self.__dict__["_data"][name]
         except KeyError:
-            raise AttributeError(f"config has no field {name!r}") from None
+            raise MissingConfigField(f"config.json has no field {name!r}, which the model needs") from None
+
+    def validate(self) -> None:
+        """Check the sizes and constants decoders read, where present, so a bad value is named here
+        rather than failing deep inside a layer or torch (zero heads divided by zero, a negative
+        vocabulary made a negative-size tensor, a negative rope_theta generated NaNs)."""
+        data = self._data
+        for name in _POSITIVE_INTS:
+            value = data.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"config.json: {name}={value!r}, expected a positive integer")
+        heads, kv, hidden = data.get("num_attention_heads"), data.get("num_key_value_heads"), data.get("hidden_size")
+        if heads and kv and heads % kv:
+            raise ConfigError(f"config.json: num_key_value_heads={kv}, expected a divisor of num_attention_heads={heads}")
+        if heads and hidden and data.get("head_dim") is None and hidden % heads:
+            raise ConfigError(f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                              "and no head_dim is given")
+        rope = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+        for name, value in (("rms_norm_eps", data.get("rms_norm_eps")),
+                            ("rope_theta", rope.get("rope_theta", data.get("rope_theta")))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ConfigError(f"config.json: {name}={value!r}, expected a positive finite number")
+        top_k, experts = self._data.get("num_experts_per_tok"), self._data.get("num_experts")
+        if top_k is not None and experts is not None and top_k > experts:
+            raise ConfigError(f"config.json: num_experts_per_tok={top_k}, expected at most num_experts={experts}")
 
     def get(self, name: str, default: Any = None) -> Any:
         return self._data.get(name, default)

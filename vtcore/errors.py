@@ -18,6 +18,14 @@ class CheckpointError(VtcoreError, ValueError):
     """A checkpoint file or tensor is missing, unexpected, misshapen, corrupt or of an unsupported dtype."""
 
 
+class ConfigError(VtcoreError, ValueError):
+    """A checkpoint's config.json holds a field of the wrong type or value, or lacks one the model needs."""
+
+
+class MissingConfigField(ConfigError, AttributeError):
+    """config.json lacks a field the model reads (an AttributeError too, so ``getattr(..., default)`` works)."""
+
+
 class RequestRejected(VtcoreError, ValueError):
     """A request can never be served (too long for the context or for the KV pool, bad token ids)."""
 

@@ -87,6 +87,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.hf_config = HFConfig.from_path(config.model)
+        self.hf_config.validate()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         hf = self.hf_config

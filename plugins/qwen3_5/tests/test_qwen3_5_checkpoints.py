@@ -300,3 +300,23 @@ def test_dummy_load_config_only(name: str, tmp_path: Any) -> None:
     assert ta != tb, "greedy output of random weights must depend on the input"
     again = _llm(str(tmp_path), load_format="dummy", num_kv_blocks=32)
     assert generate(again, [a, b]) == [ta, tb], "the same seed must give the same weights"
+
+
+def test_layer_types_derived_as_transformers_does(tmp_path: Any) -> None:
+    """A config without ``layer_types`` (transformers derives it from ``full_attention_interval``)
+    builds the same layers as transformers' own config does; it once failed on the missing field."""
+    from transformers import AutoConfig
+
+    from vtcore_qwen3_5.model import Qwen3_5ForCausalLM
+
+    for interval in (None, 2):
+        cfg = {k: v for k, v in EXAMPLES["dense"].hf_config.items() if k != "layer_types"}
+        if interval:
+            cfg["full_attention_interval"] = interval
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        hf = AutoConfig.from_pretrained(str(tmp_path))
+        llm = _llm(str(tmp_path), load_format="dummy", num_kv_blocks=32)
+        model = llm.engine.runner.model
+        assert isinstance(model, Qwen3_5ForCausalLM)
+        got = ["linear_attention" if layer.is_linear else "full_attention" for layer in model.model.layers]
+        assert got == list(hf.layer_types) and "full_attention" in got

@@ -321,19 +321,29 @@ class DecoderLayer(PreNormDecoderLayer):
         return self.linear_attn(x) if self.is_linear else self.self_attn(positions, x)
 
 
+def layer_types_of(config: HFConfig) -> list[str]:
+    """``layer_types``, or as transformers derives it when absent: every ``full_attention_interval``-th
+    layer (default 4) full attention, the others linear."""
+    if config.get("layer_types") is not None:
+        return list(config.layer_types)
+    interval = int(config.get("full_attention_interval", 4))
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(config.num_hidden_layers)]
+
+
 class Qwen3_5ForCausalLM(CausalLM):
     packed_modules_mapping = {**FUSED_QKV_GATE_UP, **GDN_FUSED}
 
     def __init__(self, config: HFConfig, max_position: int) -> None:
-        if len(config.layer_types) != config.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers="
+        layer_types = layer_types_of(config)
+        if len(layer_types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries, expected num_hidden_layers="
                              f"{config.num_hidden_layers}")
         rope = config.rope_parameters
         rotary_dim = int(config.head_dim * float(rope.get("partial_rotary_factor", 1.0)))
         rotary = RotaryEmbedding(rotary_dim, max_position, config.rope_theta, rope)
         super().__init__(config, DecoderStack(
             EmbedInto(config.vocab_size, config.hidden_size),
-            [DecoderLayer(config, t, rotary) for t in config.layer_types],
+            [DecoderLayer(config, t, rotary) for t in layer_types],
             RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)))
         self._logged: set[str] = set()
 
