@@ -354,6 +354,31 @@ def _generate(path: str, max_tokens: int = 4):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+def test_plugin_code_failing_at_model_build_is_named(tiny_checkpoint, tmp_path) -> None:
+    """Plugin code that runs when a model is built (the family's model class, a vtcore_embed_into
+    hook) fails with an error naming the family and the plugin, not a bare traceback."""
+    import shutil
+
+    from vtcore import LLM
+
+    reset_plugins(Plugins(entry_points=real_eps() + [fixture_ep("missing_cls")]))
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_checkpoint[0], path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**cfg, "architectures": ["MissingClsForCausalLM"]}, f)
+    with pytest.raises(PluginError) as exc:
+        LLM(path, device="cpu", load_format="dummy")
+    assert str(exc.value).startswith("model family 'missing_cls' (plugin 'missing_cls'): model_cls "
+                                     "'fixture_plugins.no_such_module:Model' cannot be imported: ModuleNotFoundError")
+    reset_plugins(Plugins(entry_points=real_eps() + [fixture_ep("raising_embed")]))
+    with pytest.raises(PluginError) as exc:
+        LLM(tiny_checkpoint[0], device="cpu")
+    assert str(exc.value) == ("vtcore_embed_into (implemented by ['raising_embed']) raised building family "
+                              "'qwen3_dense': RuntimeError: embed hook blew up")
+
+
 def test_embed_into_hook_is_applied_once_per_model_build(tiny_checkpoint) -> None:
     from fixture_plugins import counting_embed
 

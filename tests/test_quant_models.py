@@ -77,6 +77,34 @@ def test_bad_quantized_checkpoints_name_tensor_and_expectation(quantized, tmp_pa
         LLM(bad, device="cpu", num_kv_blocks=16)
 
 
+@pytest.mark.parametrize("edit, error", [
+    (lambda qc: qc.update(sparsity_config={"format": "sparse-bitmask", "sparsity_structure": "2:4"}),
+     r"NotSupportedError: quantization_config.sparsity_config=\{.*\}: sparse weights are not supported"),
+    (lambda qc: qc.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}),
+     r"NotSupportedError: quantization_config.transform_config=\{.*\}: weight transforms are not supported"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="channel"),
+     r"CheckpointError: quantization_config.config_groups.group_0.weights: \{.*'strategy': 'channel'\}, expected "
+     r"\{.*'strategy': '(tensor_group|group)'\}"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(symmetric=False),
+     r"CheckpointError: .*'symmetric': False\}, expected \{.*'symmetric': True\}"),
+])
+def test_quantization_settings_that_change_the_math_are_refused(quantized, tmp_path, edit, error) -> None:
+    """Each loaded and generated without complaint once, from weights read the wrong way."""
+    import json
+    import shutil
+
+    scheme, path, _ = quantized
+    bad = str(tmp_path / "bad")
+    shutil.copytree(path, bad)
+    cfg_path = os.path.join(bad, "config.json")
+    cfg = json.load(open(cfg_path))
+    edit(cfg["quantization_config"])
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(Exception) as exc:
+        LLM(bad, device="cpu", num_kv_blocks=16)
+    assert __import__("re").match(error, f"{type(exc.value).__name__}: {exc.value}"), str(exc.value)
+
+
 def test_dummy_load_of_a_quantized_config(quantized, tmp_path) -> None:
     import shutil
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from vtcore.errors import PluginError
+
 _REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -63,5 +65,9 @@ class ModelFamily:
     plugin: str = ""
 
     def load_class(self) -> type:
-        """Import and return the model class."""
-        return resolve_ref(self.model_cls)
+        """Import and return the model class (an error names the family and its plugin)."""
+        try:
+            return resolve_ref(self.model_cls)
+        except (ImportError, AttributeError) as exc:
+            raise PluginError(f"model family {self.name!r} (plugin {self.plugin!r}): model_cls {self.model_cls!r} "
+                              f"cannot be imported: {type(exc).__name__}: {exc}") from exc

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from vtcore.config import HFConfig
+from vtcore.errors import PluginError
 from vtcore.family import ModelFamily
 from vtcore.layers.embedding import EmbedInto
 from vtcore.plugins.manager import get_plugins
@@ -31,7 +32,12 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
     for name, module in list(model.named_modules()):
         if isinstance(module, EmbedInto):
             module.family = family.name
-            replacement = plugins.pm.hook.vtcore_embed_into(family=family, embed=module)
+            try:
+                replacement = plugins.pm.hook.vtcore_embed_into(family=family, embed=module)
+            except Exception as exc:  # plugin code: say whose hook failed
+                hooked = [i.plugin_name for i in plugins.pm.hook.vtcore_embed_into.get_hookimpls()]
+                raise PluginError(f"vtcore_embed_into (implemented by {hooked}) raised building family "
+                                  f"{family.name!r}: {type(exc).__name__}: {exc}") from exc
             if replacement is not None:
                 _replace_module(model, name, module, replacement)
     with torch.no_grad():

@@ -63,6 +63,8 @@ INPUT_ACTIVATIONS: dict[str, dict[str, Any]] = {
     "e8m0": {"num_bits": 4, "type": "float", "group_size": 32, "dynamic": True, "strategy": "group",
              "symmetric": True, "scale_dtype": "torch.uint8"},
 }
+#: The weights' ``strategy`` per scale kind (NVFP4: a global scale over the groups; MXFP4: groups only).
+WEIGHT_STRATEGY = {"e4m3": "tensor_group", "e8m0": "group"}
 #: Fields a checkpoint may leave out (or null): older compressed-tensors wrote no scale_dtype.
 _OPTIONAL_INPUT_FIELDS = ("strategy", "symmetric", "scale_dtype")
 
@@ -81,6 +83,10 @@ class FP4Method(QuantMethod):
         if quant_config.get("kv_cache_scheme") is not None:
             raise NotSupportedError(f"quantization_config.kv_cache_scheme={quant_config['kv_cache_scheme']!r}: "
                                     "a quantized KV cache is not supported; expected null")
+        for field, what in (("sparsity_config", "sparse weights"), ("transform_config", "weight transforms")):
+            if quant_config.get(field):  # they change the math: ignoring them would load wrong weights
+                raise NotSupportedError(f"quantization_config.{field}={quant_config[field]!r}: {what} are not "
+                                        "supported; expected null or empty")
         self.ignore: list[str] = list(quant_config.get("ignore") or [])
         self.targets: list[str] = []
         self.quantize_inputs = False  # W4A4: every group has input_activations
@@ -89,6 +95,10 @@ class FP4Method(QuantMethod):
             weights = group.get("weights") or {}
             want = {"num_bits": 4, "type": "float", "group_size": self.group_size}
             got = {k: weights.get(k) for k in want}
+            # strategy and symmetric as the format writes them (older checkpoints may leave them out)
+            for field, expected in (("strategy", WEIGHT_STRATEGY[self.scale_kind]), ("symmetric", True)):
+                if weights.get(field) not in (None, expected):
+                    want[field], got[field] = expected, weights[field]
             if got != want:
                 raise CheckpointError(f"quantization_config.config_groups.{gname}.weights: {got}, expected {want} "
                                       f"for format {self.format!r}")
