@@ -189,6 +189,29 @@ def test_index_without_weight_map(ckpt: str) -> None:
     assert str(exc.value).startswith(f"{os.path.join(ckpt, INDEX)}: expected JSON with a 'weight_map' object")
 
 
+@pytest.mark.parametrize("weight_map", [["a", "b"], {}])
+def test_index_with_a_malformed_weight_map(ckpt: str, weight_map) -> None:
+    write_shards(ckpt)
+    with open(os.path.join(ckpt, INDEX), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    with pytest.raises(CheckpointError) as exc:
+        build(ckpt)
+    assert str(exc.value) == (f"{os.path.join(ckpt, INDEX)}: weight_map is {str(weight_map)!r}, expected a "
+                              "non-empty object of tensor name -> shard file")
+
+
+def test_tensor_in_two_shards(ckpt: str) -> None:
+    """Which copy won depended on file order (and changed the outputs), silently."""
+    first, second = write_shards(ckpt)
+    tensors = load_file(os.path.join(ckpt, second))
+    name = sorted(load_file(os.path.join(ckpt, first)))[0]
+    tensors[name] = load_file(os.path.join(ckpt, first))[name] * 2
+    save_file(tensors, os.path.join(ckpt, second))
+    with pytest.raises(CheckpointError) as exc:
+        build(ckpt)
+    assert str(exc.value) == f"{ckpt}: tensor {name!r} is in both {first} and {second}; expected one copy"
+
+
 def test_tensor_missing_from_every_shard(ckpt: str) -> None:
     first, _ = write_shards(ckpt)
     shard = os.path.join(ckpt, first)

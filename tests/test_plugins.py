@@ -183,6 +183,26 @@ def test_two_plugins_under_one_entry_point_name() -> None:
     assert_qwen3_fine(plugins)
 
 
+def test_a_plugin_exiting_at_import_and_malformed_entry_points_are_reported() -> None:
+    """sys.exit() at a plugin's import once ended every vtcore command; a malformed entry-point value
+    read "'NoneType' object has no attribute 'group'"."""
+    plugins = Plugins(entry_points=real_eps() + [fixture_ep("exits"),
+                                                 md.EntryPoint(name="malformed", value="not a module", group="vtcore")])
+    assert plugins.errors == {
+        "exits": "SystemExit: this plugin exits at import",
+        "malformed": "PluginError: entry point value 'not a module': expected an importable module path such as "
+                     "'my_plugin.plugin'"}
+    assert_qwen3_fine(plugins)
+
+
+def test_allow_list_naming_a_plugin_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VTCORE_PLUGINS", "qwen3_dense,no_such_plugin")
+    plugins = Plugins(entry_points=real_eps())
+    assert plugins.errors == {"no_such_plugin": "PluginError: VTCORE_PLUGINS names 'no_such_plugin', which no "
+                                                "installed package provides (installed: ['qwen3_dense'])"}
+    assert_qwen3_fine(plugins)
+
+
 def test_a_plugin_registering_an_architecture_twice_itself_is_reported() -> None:
     plugins = Plugins(entry_points=real_eps() + [fixture_ep("self_dup")])
     assert plugins.errors == {"self_dup": "PluginError: architecture 'SelfDupForCausalLM' is registered twice by "
@@ -280,7 +300,8 @@ def test_allow_list_loads_only_the_named(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_allow_list_applies_to_the_process_wide_manager(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VTCORE_PLUGINS", "no_such_plugin")
     reset_plugins(None)
-    assert set(get_plugins().infos) == {BUILTIN_NAME}
+    assert set(get_plugins().infos) == {BUILTIN_NAME, "no_such_plugin"}  # the unknown name reported
+    assert list(get_plugins().errors) == ["no_such_plugin"] and not get_plugins().families
     monkeypatch.delenv("VTCORE_PLUGINS")
     reset_plugins(None)
     assert_qwen3_fine(get_plugins())

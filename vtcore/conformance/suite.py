@@ -1,4 +1,9 @@
-"""``ConformanceSuite``: the base class a plugin's tests subclass to run the gate on its family."""
+"""``ConformanceSuite``: the base class a plugin's tests subclass to run the gate on its family.
+
+The gate's results are class-scoped fixtures of vtcore's pytest plugin
+(:mod:`vtcore.conformance.pytest_plugin`), read off ``request.cls``: a fixture defined as a method
+of these classes would be a class-scoped instance-method fixture, which pytest 9 deprecates.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -6,6 +11,13 @@ from typing import Any
 import pytest
 
 from vtcore.conformance import CHECKS, QUANT_CHECKS
+
+
+def _report(result: Any) -> None:
+    if result.status == "skip":
+        pytest.skip(result.detail)
+    if result.status == "fail":
+        pytest.fail(result.detail, pytrace=False)
 
 
 class ConformanceSuite:
@@ -17,27 +29,9 @@ class ConformanceSuite:
 
     family: str = ""
 
-    @pytest.fixture(scope="class")
-    def conformance_results(self, request: pytest.FixtureRequest,
-                            tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-        from vtcore.conformance.checks import FamilyGate
-        from vtcore.plugins.manager import get_plugins, use_plugins
-
-        if not self.family:
-            pytest.fail(f"{type(self).__name__}.family is not set: name the model family to check")
-        plugins = get_plugins()
-        device = request.config.getoption("vtcore_device", default="cpu")
-        gate = FamilyGate(plugins, plugins.family(self.family), device, str(tmp_path_factory.mktemp("conformance")))
-        with use_plugins(plugins):
-            return gate.run()
-
     @pytest.mark.parametrize("check", CHECKS)
     def test_conformance(self, conformance_results: dict[str, Any], check: str) -> None:
-        result = conformance_results[check]
-        if result.status == "skip":
-            pytest.skip(result.detail)
-        if result.status == "fail":
-            pytest.fail(result.detail, pytrace=False)
+        _report(conformance_results[check])
 
 
 class QuantConformanceSuite:
@@ -46,25 +40,6 @@ class QuantConformanceSuite:
 
     format: str = ""
 
-    @pytest.fixture(scope="class")
-    def quant_results(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-        from vtcore.conformance.quant_checks import QuantGate
-        from vtcore.plugins.manager import get_plugins, use_plugins
-
-        if not self.format:
-            pytest.fail(f"{type(self).__name__}.format is not set: name the quant format to check")
-        plugins = get_plugins()
-        plugins.quant_method(self.format)
-        device = request.config.getoption("vtcore_device", default="cpu")
-        gate = QuantGate(plugins, self.format, [plugins.families[n] for n in sorted(plugins.families)], device,
-                         str(tmp_path_factory.mktemp("quant-conformance")))
-        with use_plugins(plugins):
-            return gate.run()
-
     @pytest.mark.parametrize("check", QUANT_CHECKS)
     def test_quant_conformance(self, quant_results: dict[str, Any], check: str) -> None:
-        result = quant_results[check]
-        if result.status == "skip":
-            pytest.skip(result.detail)
-        if result.status == "fail":
-            pytest.fail(result.detail, pytrace=False)
+        _report(quant_results[check])

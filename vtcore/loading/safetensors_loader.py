@@ -28,6 +28,9 @@ def checkpoint_files(model_path: str) -> list[str]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({exc})") from None
+        if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map is {str(weight_map)[:80]!r}, expected a non-empty object of "
+                                  "tensor name -> shard file")
         files = [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
     elif os.path.isfile(os.path.join(model_path, SINGLE)):
         files = [os.path.join(model_path, SINGLE)]
@@ -46,11 +49,17 @@ def load_safetensors(model: nn.Module, model_path: str, hf_config: HFConfig, see
 
     mapper = WeightMapper(model)
     files = checkpoint_files(model_path)
+    seen: dict[str, str] = {}  # tensor name -> the file it came from
     with tqdm(desc="loading weights", unit="tensor", disable=None) as bar:
         for path in files:
             try:
                 with safe_open(path, framework="pt", device="cpu") as f:
                     for name in f.keys():
+                        if name in seen:  # which copy wins would depend on file order
+                            raise CheckpointError(f"{model_path}: tensor {name!r} is in both "
+                                                  f"{os.path.basename(seen[name])} and {os.path.basename(path)}; "
+                                                  "expected one copy")
+                        seen[name] = path
                         dtype = f.get_slice(name).get_dtype()
                         mapper.load(path, name, dtype, lambda: f.get_tensor(name))
                         bar.update()

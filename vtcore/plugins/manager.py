@@ -11,6 +11,7 @@ import importlib
 import importlib.metadata as md
 import logging
 import os
+import re
 import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
@@ -51,6 +52,9 @@ class PluginInfo:
     error: str | None = None
 
 
+_EP_VALUE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")  # 'package.module' or 'module:attr'
+
+
 def _strict() -> bool:
     return os.environ.get("VTCORE_STRICT_PLUGINS", "") not in ("", "0")
 
@@ -82,12 +86,17 @@ class Plugins:
         if entry_points is None:
             entry_points = md.entry_points(group=ENTRY_POINT_GROUP)
         allow = _allow_list()
-        for ep in sorted(entry_points, key=lambda e: e.name):
+        entry_points = sorted(entry_points, key=lambda e: e.name)
+        for ep in entry_points:
             if allow is not None and ep.name not in allow:
                 continue
             dist = getattr(ep, "dist", None)
             self._register(ep.name, ep.load, ep.value, dist.metadata["Name"] if dist else None,
                            dist.version if dist else None)
+        for name in sorted((allow or set()) - {ep.name for ep in entry_points} - {BUILTIN_NAME}):
+            self.infos[name] = PluginInfo(name=name, module=name, error=_format_error(PluginError(
+                f"VTCORE_PLUGINS names {name!r}, which no installed package provides (installed: "
+                f"{sorted({ep.name for ep in entry_points})})")))
 
     # ------------------------------------------------------------------ loading
     def _register(self, name: str, load: Callable[[], Any], value: str | None = None,
@@ -107,6 +116,9 @@ class Plugins:
         self.infos[name] = info
         registered = False
         try:
+            if value is not None and not _EP_VALUE.match(value):
+                raise PluginError(f"entry point value {value!r}: expected an importable module path such as "
+                                  "'my_plugin.plugin'")
             module = load()
             if not isinstance(module, types.ModuleType):
                 raise PluginError(f"entry point {value!r} is {type(module).__name__}, expected a module")
@@ -116,7 +128,7 @@ class Plugins:
             info.hooks = sorted(
                 h.name for h in self.pm.get_hookcallers(module) or [])
             self._collect(name, module)
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the others down
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken plugin must not take the others down
             if registered:
                 self.pm.unregister(name=name)
             info.error = _format_error(exc)
