@@ -347,6 +347,13 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("top_k", dict(extra_body={"top_k": -5})),
     ("min_tokens", dict(extra_body={"min_tokens": 50})),
     ("use_beam_search", dict(extra_body={"use_beam_search": True})),
+    # vLLM extensions not implemented here: refused, not answered with unconstrained text
+    ("guided_choice", dict(extra_body={"guided_choice": ["yes", "no"]})),
+    ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": ["yes"]}})),
+    ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [261]})),
+    ("bad_words", dict(extra_body={"bad_words": [" fair"]})),
+    ("prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
+    ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 10})),
 ])
 def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: dict[str, Any]) -> None:
     args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
@@ -370,6 +377,9 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
     ("messages", dict(messages=[])),
     ("messages", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
     ("frequency_penalty", dict(frequency_penalty=-3)),
+    ("add_generation_prompt", dict(extra_body={"add_generation_prompt": False})),
+    ("continue_final_message", dict(extra_body={"continue_final_message": True})),
+    ("echo", dict(extra_body={"echo": True})),
 ])
 def test_bad_chat_field_is_400_naming_it(client: Any, field: str, kwargs: dict[str, Any]) -> None:
     args: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
@@ -642,3 +652,17 @@ def test_tokenizing_a_prompt_does_not_stall_the_server(server: ServerThread, eng
         release.set()
         worker.join(30)
     assert slow["r"].status_code == 200
+
+
+def test_vllm_extensions_asking_for_nothing_and_chat_template_kwargs(client: Any, engine: AsyncLLM,
+                                                                      monkeypatch) -> None:
+    """An unsupported extension at its do-nothing value is fine (clients send the defaults), as are
+    unknown fields; ``chat_template_kwargs`` reach the chat template (Qwen3's ``enable_thinking``)."""
+    seen: list[dict] = []
+    chat_prompt = engine.engine.chat_prompt
+    monkeypatch.setattr(engine.engine, "chat_prompt", lambda m, **kw: (seen.append(kw), chat_prompt(m, **kw))[1])
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"add_generation_prompt": True, "spaces_between_special_tokens": True, "echo": False,
+                    "guided_json": None, "some_future_field": 1, "chat_template_kwargs": {"enable_thinking": False}})
+    assert out.choices[0].finish_reason == "length" and seen == [{"enable_thinking": False}]

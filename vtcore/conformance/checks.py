@@ -103,7 +103,7 @@ class FamilyGate:
         if check != "example" and failed("example"):
             raise Skipped("no usable conformance example")
         if check not in ("example", "structure") and failed("structure"):
-            raise Skipped("the model does not build")
+            raise Skipped("the structure check failed (see its message)")
         if check.startswith("async") and failed("declares-device-tokens"):
             raise Skipped("async scheduling is refused for a family that does not declare device-token consumption")
 

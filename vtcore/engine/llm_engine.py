@@ -144,12 +144,13 @@ class LLMEngine:
         raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt' (a string) or "
                          "'prompt_token_ids'")
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> dict[str, Any]:
-        """A conversation through the tokenizer's chat template, ready for generation."""
+    def chat_prompt(self, messages: list[dict[str, str]], **template_kwargs: Any) -> dict[str, Any]:
+        """A conversation through the tokenizer's chat template, ready for generation;
+        ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``)."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"chat: the checkpoint {self.config.model!r} has no tokenizer with a chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:

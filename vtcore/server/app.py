@@ -33,7 +33,7 @@ from vtcore.errors import EngineDeadError, NotSupportedError
 from vtcore.outputs import PositionLogprobs, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.server.metrics import CONTENT_TYPE, ServerMetrics
-from vtcore.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatCompletionRequest, CompletionRequest, _Sampling
 
 log = logging.getLogger("vtcore.server")
 
@@ -357,6 +357,12 @@ class OpenAIServer:
         if body.use_beam_search:
             raise APIError(400, "use_beam_search=true: beam search is not supported", "use_beam_search",
                            "unsupported")
+        chat_echo = {"echo": False} if isinstance(body, ChatCompletionRequest) else {}
+        for field, harmless in {**UNSUPPORTED_EXTENSIONS, **chat_echo}.items():
+            value = (body.model_extra or {}).get(field, harmless)
+            if value is not None and value != harmless:
+                raise APIError(400, f"{field}={value!r}: this vLLM extension is not supported here; leave it out",
+                               field, "unsupported")
 
     def sampling_kwargs(self, body: _Sampling) -> dict[str, Any]:
         kw: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA}
@@ -636,7 +642,7 @@ class OpenAIServer:
                 msg["name"] = m.name
             messages.append(msg)
         try:
-            prompt = self.core.chat_prompt(messages)
+            prompt = self.core.chat_prompt(messages, **(body.chat_template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the template rejected the conversation
             raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}",
                            "messages") from None

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible server (OpenAI's field names, plus vLLM's sampling extras).
 
 Only the shapes are checked here; values are checked by ``SamplingParams`` and the server, so every
-bad value is answered with a 400 that names its field. Unknown fields are ignored (as vLLM does).
+bad value is answered with a 400 that names its field. Unknown fields are ignored (as vLLM does),
+but for vLLM's own extensions that this server does not implement and that would change the output
+(``UNSUPPORTED_EXTENSIONS``): answering those with unconstrained text would be silently wrong.
 """
 from __future__ import annotations
 
@@ -16,10 +18,21 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _Sampling(BaseModel):
-    """Fields that completions and chat share."""
+#: vLLM request fields this server does not implement, each with the value that asks for nothing
+#: (sent with any other value, the request is refused with a 400 naming the field)
+UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structured_outputs": None, "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
+    "truncate_prompt_tokens": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+    "length_penalty": 1.0, "spaces_between_special_tokens": True, "add_generation_prompt": True,
+    "continue_final_message": False, "chat_template": None,
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+class _Sampling(BaseModel):
+    """Fields that completions and chat share (other fields are kept in ``model_extra``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -90,3 +103,4 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
