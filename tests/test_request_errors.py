@@ -334,3 +334,26 @@ def test_a_failed_step_fails_its_call_and_the_engine_serves_on(tiny_checkpoint, 
     assert_idle(llm.engine)
     got = llm.generate([ids(1, 2), ids(3)], GREEDY)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_generation_config_sampling_values_are_the_defaults(tiny_checkpoint, tmp_path) -> None:
+    """As vLLM (``generation_config="auto"``): the checkpoint's generation_config.json sampling values
+    (Qwen3 ships temperature 0.6, top_p 0.95, top_k 20) are what ``generate`` uses when given no
+    SamplingParams; ``generation_config="vllm"`` ignores them."""
+    import json
+    import shutil
+
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_checkpoint[0], path)
+    with open(f"{path}/generation_config.json", "w") as f:
+        json.dump({"temperature": 0.0, "top_k": 5, "max_new_tokens": 5, "do_sample": True}, f)
+    llm = LLM(path, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=8, block_size=16)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 5, 5)
+    out = llm.generate(ids(1, 2))[0].outputs[0]
+    assert out.token_ids == llm.generate(ids(1, 2), SamplingParams(temperature=0, max_tokens=5))[0].outputs[0].token_ids
+    plain = LLM(path, device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=8, block_size=16,
+                generation_config="vllm").get_default_sampling_params()
+    assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
+    with pytest.raises(ValueError, match=r"generation_config='hf': expected 'auto'"):
+        LLM(path, device="cpu", generation_config="hf")

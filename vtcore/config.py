@@ -116,6 +116,12 @@ def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
         raise ValueError(f"{attribute.name}={value!r}: expected a fraction in (0, 1]")
 
 
+def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ("auto", "vllm"):
+        raise ValueError(f"{attribute.name}={value!r}: expected 'auto' (the checkpoint's generation_config.json "
+                         "sampling defaults) or 'vllm' (SamplingParams' own)")
+
+
 @attrs.define(kw_only=True)
 class EngineConfig:
     """The engine's knobs (vLLM's names). ``None`` means "derive from the checkpoint or device"."""
@@ -134,3 +140,6 @@ class EngineConfig:
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: on for families that consume device tokens
+    #: "auto": the checkpoint's generation_config.json sampling values are the defaults of requests
+    #: that leave them unset (vLLM's default); "vllm": SamplingParams' own defaults
+    generation_config: str = attrs.field(default="auto", validator=_generation_config)

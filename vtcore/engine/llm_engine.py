@@ -110,13 +110,28 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
+    def _generation_config(self) -> dict[str, Any]:
+        path = os.path.join(self.config.model, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+    def default_sampling(self) -> dict[str, Any]:
+        """SamplingParams fields the checkpoint's generation_config.json sets (vLLM reads the same
+        keys; ``max_new_tokens`` is ``max_tokens``), or {} with ``generation_config="vllm"``."""
+        if self.config.generation_config == "vllm":
+            return {}
+        gen = self._generation_config()
+        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return {field: gen[key] for key, field in keys.items() if gen.get(key) is not None}
+
     def _eos_ids(self) -> list[int]:
         ids = self.hf_config.eos_token_ids
-        gen = os.path.join(self.config.model, "generation_config.json")
-        if os.path.isfile(gen):
-            with open(gen) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+        eos = self._generation_config().get("eos_token_id")
+        if eos is not None:
+            ids += eos if isinstance(eos, list) else [eos]
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted(set(ids))

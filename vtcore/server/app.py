@@ -365,7 +365,9 @@ class OpenAIServer:
                                field, "unsupported")
 
     def sampling_kwargs(self, body: _Sampling) -> dict[str, Any]:
-        kw: dict[str, Any] = {"output_kind": RequestOutputKind.DELTA}
+        # the checkpoint's generation_config.json sampling values stand in for fields the client left out
+        defaults = {k: v for k, v in self.core.default_sampling().items() if k != "max_tokens"}
+        kw: dict[str, Any] = {**defaults, "output_kind": RequestOutputKind.DELTA}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop", "stop_token_ids"):
             value = getattr(body, name)

@@ -34,6 +34,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: the checkpoint's generation_config.json sampling values are the defaults of "
+                        "fields a request leaves out (vLLM's default); vllm: SamplingParams' own")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -121,7 +124,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     if not _is_loopback(args.host) and api_key is None:
         out.write(f"vtcore serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the server\n")
-    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                      generation_config=args.generation_config)
     try:
         app = build_app(engine, name, api_key, args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
