@@ -33,6 +33,8 @@ def plugins() -> Plugins:
     ("flat", "example-strength", "family 'flat': weak example: 32 greedy oracle tokens hold only"),
     ("swapped_gate_up", "oracle-greedy", "family 'swapped_gate_up': greedy tokens differ from "
                                          "transformers:Qwen3ForCausalLM beyond near-ties"),
+    ("wrong_model_type", "example", "family 'wrong_model_type': the example's model_type is 'qwen3_moe', but its "
+                                    "oracle transformers:Qwen3ForCausalLM takes 'qwen3'; set model_type to 'qwen3'"),
     ("lossy_load", "weights", "family 'lossy_load': checkpoint tensor 'model.layers.0.self_attn.o_proj.weight' does "
                               "not land bit for bit in parameter 'model.layers.0.self_attn.o_proj.weight'"),
 ])
@@ -69,6 +71,17 @@ def test_cli_exit_code_and_json(plugins: Plugins, tmp_path) -> None:
                 out=out) == 1
     assert json.loads((tmp_path / "r.json").read_text())["families"]["undeclared"]["checks"][
         "declares-device-tokens"]["status"] == "fail"
+
+
+def test_unknown_family_or_quant_format_fails_before_any_check_runs(plugins: Plugins, monkeypatch) -> None:
+    """Once, a misspelled --quant ran the whole family gate (10-15 s) before saying so."""
+    from vtcore.conformance import checks
+    from vtcore.errors import VtcoreError
+
+    monkeypatch.setattr(checks.FamilyGate, "run", lambda self: pytest.fail("a check ran"))
+    for families, quant in ((["qwen3_dense"], ["bogus-format"]), (["no_such_family"], [])):
+        with pytest.raises((VtcoreError, ValueError), match="bogus-format|no_such_family"):
+            run_gate(families, plugins=plugins, quant=quant)
 
 
 def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
@@ -120,3 +133,11 @@ def test_quant_section_passes_and_fails_a_nibble_swapping_method() -> None:
     out = io.StringIO()
     write_table(gates, out, "cpu")
     assert "FAIL decode: quant method 'nvfp4-pack-quantized'" in out.getvalue()
+    # A family failing its own gate is left out of the quant checks (it once failed them in the
+    # quant method's name): the unfinished scaffold of the guide's walkthrough.
+    broken = run_gate(["qwen3_dense", "one_layer"], plugins=Plugins(entry_points=real + [md.EntryPoint(
+        name="fixture_async", value="tests.fixture_async.families", group="vtcore")]), quant=["nvfp4-pack-quantized"])
+    assert broken[1].results["example-strength"].status == "fail"
+    tokens = broken[-1].results["tokens"]
+    assert tokens.status == "pass" and tokens.detail == ("qwen3_dense agree with their decoded dense models (left out, "
+                                                         "failing their own gate: one_layer)"), tokens.detail

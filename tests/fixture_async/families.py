@@ -90,6 +90,11 @@ def lossy_example() -> ConformanceExample:
     return _example("LossyLoadForCausalLM")
 
 
+def wrong_model_type_example() -> ConformanceExample:
+    # qwen3_moe configs build other tensor names: the gate would blame the family for them
+    return _example("WrongModelTypeForCausalLM", model_type="qwen3_moe")
+
+
 @hookimpl
 def vtcore_model_families() -> list[ModelFamily]:
     qwen3 = "vtcore_qwen3_dense.model:Qwen3ForCausalLM"
@@ -110,4 +115,6 @@ def vtcore_model_families() -> list[ModelFamily]:
                     conformance_example=f"{HERE}:swapped_example"),
         ModelFamily(name="lossy_load", architectures=("LossyLoadForCausalLM",), model_cls=f"{HERE}:LossyLoad",
                     consumes_device_tokens=True, conformance_example=f"{HERE}:lossy_example"),
+        ModelFamily(name="wrong_model_type", architectures=("WrongModelTypeForCausalLM",), model_cls=qwen3,
+                    consumes_device_tokens=True, conformance_example=f"{HERE}:wrong_model_type_example"),
     ]

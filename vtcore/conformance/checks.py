@@ -42,6 +42,23 @@ class Skipped(Exception):
     """A check could not run; the message says why."""
 
 
+def _check_oracle(example: ConformanceExample) -> None:
+    """The example's oracle class imports and its config model_type is the example's: the gate saves
+    the oracle's checkpoint from that config, so another model_type (several map to one transformers
+    class) gives another model's tensor names, and the family would be blamed for them."""
+    from vtcore.family import resolve_ref
+
+    try:
+        cls = resolve_ref(example.oracle)
+    except (ImportError, AttributeError) as exc:
+        raise Failed(f"the oracle {example.oracle!r} cannot be imported: {type(exc).__name__}: {exc}") from None
+    model_type = example.hf_config.get("model_type")
+    expected = getattr(getattr(cls, "config_class", None), "model_type", None)
+    if expected and model_type != expected:
+        raise Failed(f"the example's model_type is {model_type!r}, but its oracle {example.oracle} takes "
+                     f"{expected!r}; set model_type to {expected!r}")
+
+
 class FamilyGate:
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
@@ -118,6 +135,7 @@ class FamilyGate:
         arch = (example.hf_config.get("architectures") or [None])[0]
         if arch not in self.family.architectures:
             raise Failed(f"the example's architecture {arch!r} is not one of the family's {self.family.architectures}")
+        _check_oracle(example)
         self.example = example
         return f"oracle {example.oracle}"
 
