@@ -93,6 +93,14 @@ def test_entry_point_that_is_not_a_module_is_reported() -> None:
     assert_qwen3_fine(plugins)
 
 
+def test_a_bad_hook_signature_is_reported_in_one_line() -> None:
+    """pluggy's signature error spans three lines; ``vtcore plugins`` promises one per plugin."""
+    plugins = Plugins(entry_points=real_eps() + [fixture_ep("bad_signature")])
+    error = plugins.errors["bad_signature"]
+    assert error.startswith("PluginValidationError: ") and "not_an_argument" in error and "\n" not in error
+    assert_qwen3_fine(plugins)
+
+
 @pytest.mark.parametrize("name", ["a_misspelled", "zz_misspelled"])  # loaded before / after the others
 def test_misspelled_hook_is_reported(name: str) -> None:
     plugins = Plugins(entry_points=real_eps() + [fixture_ep(name, "misspelled_hook"), fixture_ep("good_family")])
@@ -113,12 +121,14 @@ def test_misspelled_hook_is_reported(name: str) -> None:
                          "'architectures': ['BadRegForCausalLM']}, expected a list of ModelFamily"),
     ("bad_loaders", "PluginError: vtcore_loaders returned {'fixture_bad_loader': 42}, "
                     "expected a dict of name -> 'module:attr'"),
-    ("bad_family_ref", "ValueError: model_cls='fixture_plugins.bad_family_ref.NoColonHere': "
-                       "expected a lazy reference 'package.module:Name'"),
+    ("bad_family_ref", "PluginError: vtcore_model_families raised ValueError: "
+                       "model_cls='fixture_plugins.bad_family_ref.NoColonHere': expected a lazy reference "
+                       "'package.module:Name'"),
 ])
 def test_bad_registration_is_reported(module: str, expected: str) -> None:
     plugins = Plugins(entry_points=[fixture_ep(module)] + real_eps() + [fixture_ep("good_family")])
     assert plugins.errors == {module: expected}
+    assert plugins.infos[module].hooks == []  # nothing of it is registered
     assert plugins.pm.get_plugin(module) is None
     assert "fixture_bad_loader" not in plugins.loaders
     assert not {"BadRegForCausalLM", "BadRefForCausalLM"} & set(plugins.architectures)

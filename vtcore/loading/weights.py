@@ -66,23 +66,27 @@ class WeightMapper:
         self.loaded[pname].add(shard)
 
     def missing(self) -> Iterator[str]:
-        """Checkpoint names of every parameter (shard) that no tensor filled."""
-        reverse = {(fused, shard): part for part, (fused, shard) in self.packed.items()}
+        """Checkpoint names of every parameter (shard) that no tensor filled: the model's
+        ``checkpoint_name_for(param, shard)`` where it gives one (a model that renames tensors with
+        ``checkpoint_name`` inverts it there), else the parameter's name with fusing undone."""
         own_name = getattr(self.model, "checkpoint_name_for", lambda p, s: None)
         for pname, param in self.params.items():
             if None in self.loaded[pname]:
                 continue  # a whole tensor loaded at once covers every shard
             for shard in getattr(param, "shards", (None,)):
                 if shard not in self.loaded[pname]:
-                    if own_name(pname, shard):
-                        yield own_name(pname, shard)
-                    elif shard is None:
-                        yield pname
-                    else:
-                        parts = pname.split(".")
-                        i = next((i for i, p in enumerate(parts) if (p, shard) in reverse), None)
-                        yield f"{pname} shard {shard}" if i is None else \
-                            ".".join(parts[:i] + [reverse[(parts[i], shard)]] + parts[i + 1:])
+                    yield own_name(pname, shard) or unfused_name(pname, shard, self.packed)
+
+
+def unfused_name(pname: str, shard: str | None, packed: dict[str, tuple[str, str]]) -> str:
+    """The name shard ``shard`` of fused parameter ``pname`` has in a checkpoint, by the model's
+    ``packed_modules_mapping`` (``layers.0.qkv_proj.weight`` shard ``k`` -> ``layers.0.k_proj.weight``)."""
+    if shard is None:
+        return pname
+    reverse = {(fused, s): part for part, (fused, s) in packed.items()}
+    parts = pname.split(".")
+    i = next((i for i, p in enumerate(parts) if (p, shard) in reverse), None)
+    return f"{pname} shard {shard}" if i is None else ".".join(parts[:i] + [reverse[(parts[i], shard)]] + parts[i + 1:])
 
 
 def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -67,7 +67,17 @@ def _allow_list() -> set[str] | None:
 
 
 def _format_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """One line (pluggy's signature errors span several), at most 500 characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def _call(impl: pluggy.HookImpl) -> Any:
+    """A registration hook's result; what it raises is named after the hook."""
+    try:
+        return impl.function()
+    except Exception as exc:
+        raise PluginError(f"{impl.function.__name__} raised {type(exc).__name__}: {exc}") from exc
 
 
 class Plugins:
@@ -131,6 +141,7 @@ class Plugins:
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken plugin must not take the others down
             if registered:
                 self.pm.unregister(name=name)
+            info.hooks = []  # nothing of it is registered
             info.error = _format_error(exc)
             log.warning("vtcore: plugin %r failed to load: %s", name, info.error)
             if _strict():
@@ -143,14 +154,14 @@ class Plugins:
         """Call the plugin's registration hooks and commit what they return, all or nothing."""
         families: list[ModelFamily] = []
         for impl in self._impls("vtcore_model_families", module):
-            result = impl.function()
+            result = _call(impl)
             if not isinstance(result, (list, tuple)) or not all(isinstance(f, ModelFamily) for f in result):
                 raise PluginError(f"vtcore_model_families returned {result!r}, expected a list of ModelFamily")
             families += [attrs.evolve(f, plugin=name) for f in result]
         tables: dict[str, dict[str, str]] = {"vtcore_quant_methods": {}, "vtcore_loaders": {}}
         for hook, table in tables.items():
             for impl in self._impls(hook, module):
-                result = impl.function()
+                result = _call(impl)
                 if not isinstance(result, dict) or not all(
                         isinstance(k, str) and isinstance(v, str) and ":" in v for k, v in result.items()):
                     raise PluginError(f"{hook} returned {result!r}, expected a dict of name -> 'module:attr'")

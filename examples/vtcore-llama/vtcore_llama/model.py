@@ -1,6 +1,8 @@
 """Llama (``LlamaForCausalLM``) from vtcore's shared layers: GQA, RoPE (llama3 scaling), SwiGLU."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -11,6 +13,9 @@ from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
+from vtcore.loading.weights import unfused_name
+
+_MLP_PROJ = re.compile(r"^(layers\.\d+)\.((gate|up|down)_proj)")
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -47,6 +52,11 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_name(self, name: str) -> str:
         """HF names (``model.layers.0.mlp.down_proj.weight``) to ours (``layers.0.down_proj.weight``)."""
         return name.removeprefix("model.").replace(".mlp.", ".")
+
+    def checkpoint_name_for(self, param: str, shard: str | None) -> str:
+        """The inverse, so the loader names a missing tensor as the checkpoint does."""
+        name = unfused_name(param, shard, self.packed_modules_mapping)
+        return name if name.startswith("lm_head.") else "model." + _MLP_PROJ.sub(r"\1.mlp.\2", name)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
