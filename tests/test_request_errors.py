@@ -357,3 +357,13 @@ def test_generation_config_sampling_values_are_the_defaults(tiny_checkpoint, tmp
     assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
     with pytest.raises(ValueError, match=r"generation_config='hf': expected 'auto'"):
         LLM(path, device="cpu", generation_config="hf")
+
+
+def test_sampling_params_clone_is_an_independent_copy() -> None:
+    p = SamplingParams(temperature=0.5, stop=["x"], stop_token_ids=[3], logit_bias={4: 1.0}, seed=7)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("y")
+    q.stop_token_ids.append(5)
+    q.logit_bias[6] = 2.0
+    assert (p.stop, p.stop_token_ids, p.logit_bias) == (["x"], [3], {4: 1.0})

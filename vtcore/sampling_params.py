@@ -107,6 +107,10 @@ class SamplingParams:
             raise _bad(name, value, expected)
         setattr(self, name, float(value))
 
+    def clone(self) -> "SamplingParams":
+        """A copy (vLLM's API); its lists and dicts are its own."""
+        return attrs.evolve(self)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE

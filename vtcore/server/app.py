@@ -79,18 +79,23 @@ def to_api_error(exc: BaseException, renames: dict[str, str] | None = None) -> A
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), code="engine_dead")
+    renames = renames or {}
+
+    def field(msg: str) -> tuple[str, str | None]:
+        """(message, request field): SamplingParams' name for a value becomes the field the client sent."""
+        m = _PARAM.search(msg)
+        if not m:
+            return msg, None
+        param = m.group(1)
+        sent = renames.get(param, param)
+        return msg.replace(f"SamplingParams.{param}=", f"{sent}=") if sent != param else msg, sent
+
     if isinstance(exc, NotSupportedError):
-        msg = str(exc)
-        param = "n" if "n=" in msg and "best_of" in msg else None
-        m = _PARAM.search(msg)
-        if m:
-            param = m.group(1)
-        return APIError(400, msg, (renames or {}).get(param, param), "unsupported")
+        msg, param = field(str(exc))
+        return APIError(400, msg, param or ("n" if "n=" in msg and "best_of" in msg else None), "unsupported")
     if isinstance(exc, (ValueError, TypeError)):
-        msg = str(exc)
-        m = _PARAM.search(msg)
-        param = m.group(1) if m else None
-        return APIError(400, msg, (renames or {}).get(param, param) if param else None)
+        msg, param = field(str(exc))
+        return APIError(400, msg, param)
     log.exception("vtcore server: unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
