@@ -279,6 +279,24 @@ def test_out_of_range_ids_contribute_nothing(path):
 
 
 @interp
+def test_out_of_range_ids_contribute_nothing_fp4_decode():
+    """FP4 decode reads the clamped expert 0 unmasked for an invalid slot and discards it: a NaN scale
+    in expert 0 (byte 0x7f) must not reach the output of a slot that never picked it."""
+    t = 3
+    fp4 = _fp4("e4m3", seed=72)
+    fp4.gate_up_scale.view(torch.uint8)[0, :, 0] = 0x7F  # e4m3 NaN
+    fp4.down_scale.view(torch.uint8)[0, :, 0] = 0x7F
+    x = _x(t, torch.float32, seed=73)
+    ids = torch.tensor([[2, -1], [E, 6], [1, 2]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    y = fused_experts(x, ids, weights, None, None, fp4=fp4, path="decode", **_DECODE)
+    kept = torch.tensor([[2, 6], [6, 6], [1, 2]])
+    kept_weights = torch.tensor([[0.7, 0.0], [0.0, 0.4], [0.5, 0.5]])
+    assert not torch.isnan(y).any()
+    _close(y, fused_experts_ref(x, kept, kept_weights, None, None, fp4=fp4))
+
+
+@interp
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 def test_slots_summed_in_order(path):
     """Every expert maps x = e_0 to exactly 1 (gate 64 with silu(64) == 64 in float32, up 1/64,

@@ -69,7 +69,7 @@ from torch.nn import functional as F
 
 from vtcore.kernels.activation import exp, silu_mul
 from vtcore.kernels.fp4_gemm import _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
-from vtcore.kernels.gemv import _fp4_step, _num_sms
+from vtcore.kernels.gemv import _fp4_step, _load, _num_sms
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.kernels.rmsnorm import INTERPRET, _cast
 from vtcore.quant.fp4 import dequantize_fp4, group_scales
@@ -193,22 +193,24 @@ def _gemv(x_ptr, stride_xk, valid, w_ptr, rows, stride_wn, stride_wk, s_ptr, str
     """float32 ``[BLOCK_N]``: one x row (``x_ptr``) times weight ``rows`` (in bounds) of one expert.
 
     Elementwise products into a float32 tile summed over K once, at the end. ``valid`` (a scalar)
-    false masks every load off: the result is 0 and no byte is read.
+    false makes the result 0: dense, every load is masked off (no byte read); FP4 with K a multiple
+    of BLOCK_K loads unmasked (masks kept the packed loads from being 16-byte vectors: ~18 scalar
+    loads a step in the sm_90 SASS), the caller's clamped expert 0, and discards it.
     """
     k_end = tl.where(valid, K, 0)  # (a scalar & vector mask trips the interpreter)
     if FP4:  # group-factored, ``w_ptr`` at int32 words of 8 codes (gemv's FP4 path); the global divides once
+        EVEN: tl.constexpr = K % BLOCK_K == 0
         offs_w = tl.arange(0, BLOCK_K // 8)
         offs_g = tl.arange(0, BLOCK_K // GROUP)
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            wm = offs_w + k0 // 8 < k_end // 8
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk, mask=wm[None, :],
-                        other=0)
+            w = _load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk,
+                      (offs_w + k0 // 8 < K // 8)[None, :], EVEN)
             g = k0 // GROUP + offs_g
-            sb = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg,
-                         mask=(g < k_end // GROUP)[None, :], other=0).to(tl.int32)
-            acc += _fp4_step(w, sb, x_ptr, k0, k_end, stride_xk, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, False)
-        y = tl.sum(acc, axis=1)
+            sb = _load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg, (g < K // GROUP)[None, :],
+                       EVEN).to(tl.int32)
+            acc += _fp4_step(w, sb, x_ptr, k0, K, stride_xk, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, EVEN)
+        y = tl.where(valid, tl.sum(acc, axis=1), 0.0)
         if HAS_GLOBAL:
             y = tl.div_rn(y, tl.load(gs_ptr))
     else:
