@@ -105,6 +105,25 @@ def test_quantization_settings_that_change_the_math_are_refused(quantized, tmp_p
     assert __import__("re").match(error, f"{type(exc.value).__name__}: {exc.value}"), str(exc.value)
 
 
+def test_no_op_sparsity_and_transform_configs_load(quantized, tmp_path) -> None:
+    """compressed-tensors writes a 'dense' sparsity_config with no targets for models that are not
+    sparse: such checkpoints load as before."""
+    import json
+    import shutil
+
+    scheme, path, _ = quantized
+    ok = str(tmp_path / "ok")
+    shutil.copytree(path, ok)
+    cfg_path = os.path.join(ok, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"].update(
+        sparsity_config={"format": "dense", "global_sparsity": 0.0, "sparsity_structure": "unstructured",
+                         "targets": [], "ignore": []},
+        transform_config={"config_groups": {}})
+    json.dump(cfg, open(cfg_path, "w"))
+    assert LLM(ok, device="cpu", num_kv_blocks=16).generate({"prompt_token_ids": [1, 2]})[0].outputs[0].token_ids
+
+
 def test_dummy_load_of_a_quantized_config(quantized, tmp_path) -> None:
     import shutil
 

@@ -380,6 +380,7 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
     ("add_generation_prompt", dict(extra_body={"add_generation_prompt": False})),
     ("continue_final_message", dict(extra_body={"continue_final_message": True})),
     ("echo", dict(extra_body={"echo": True})),
+    ("chat_template_kwargs", dict(extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})),
 ])
 def test_bad_chat_field_is_400_naming_it(client: Any, field: str, kwargs: dict[str, Any]) -> None:
     args: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)

@@ -95,7 +95,12 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.vocab_size = int(hf.vocab_size)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.eos_token_ids = self._eos_ids()
+        gen = self._generation_config()  # read once: the server asks for its defaults every request
+        self.eos_token_ids = self._eos_ids(gen)
+        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        self._sampling_defaults = {} if config.generation_config == "vllm" else {
+            field: gen[key] for key, field in keys.items() if gen.get(key) is not None}
         model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
@@ -120,16 +125,11 @@ class LLMEngine:
     def default_sampling(self) -> dict[str, Any]:
         """SamplingParams fields the checkpoint's generation_config.json sets (vLLM reads the same
         keys; ``max_new_tokens`` is ``max_tokens``), or {} with ``generation_config="vllm"``."""
-        if self.config.generation_config == "vllm":
-            return {}
-        gen = self._generation_config()
-        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-        return {field: gen[key] for key, field in keys.items() if gen.get(key) is not None}
+        return dict(self._sampling_defaults)
 
-    def _eos_ids(self) -> list[int]:
+    def _eos_ids(self, gen: dict[str, Any]) -> list[int]:
         ids = self.hf_config.eos_token_ids
-        eos = self._generation_config().get("eos_token_id")
+        eos = gen.get("eos_token_id")
         if eos is not None:
             ids += eos if isinstance(eos, list) else [eos]
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -443,7 +443,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
         HAS_GLOBAL=fp4 is not None and fp4.row_global is not None, SWIGLU=swiglu,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
-        INTERPRET=INTERPRET, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
+        INTERPRET=INTERPRET, num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
     return out, new_residual
 

@@ -16,7 +16,6 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
     """Construct the family's model on ``device`` in ``dtype`` and fill its weights."""
     plugins = get_plugins()
     family = plugins.family_for(hf_config.architecture)
-    hf_config.validate()
     loader = plugins.loader(load_format)
     cls = family.load_class()
     previous = torch.get_default_dtype()

@@ -83,10 +83,15 @@ class FP4Method(QuantMethod):
         if quant_config.get("kv_cache_scheme") is not None:
             raise NotSupportedError(f"quantization_config.kv_cache_scheme={quant_config['kv_cache_scheme']!r}: "
                                     "a quantized KV cache is not supported; expected null")
-        for field, what in (("sparsity_config", "sparse weights"), ("transform_config", "weight transforms")):
-            if quant_config.get(field):  # they change the math: ignoring them would load wrong weights
-                raise NotSupportedError(f"quantization_config.{field}={quant_config[field]!r}: {what} are not "
-                                        "supported; expected null or empty")
+        # Sparsity and transforms change the math (ignored, the weights would load wrong); the no-op
+        # forms compressed-tensors writes for other models ("dense" with no targets, no groups) pass.
+        sparsity, transform = quant_config.get("sparsity_config") or {}, quant_config.get("transform_config") or {}
+        if sparsity.get("format", "dense") != "dense" and sparsity.get("targets", ["?"]):
+            raise NotSupportedError(f"quantization_config.sparsity_config={sparsity!r}: sparse weights are not "
+                                    "supported; expected null or format 'dense'")
+        if transform.get("config_groups", transform):
+            raise NotSupportedError(f"quantization_config.transform_config={transform!r}: weight transforms are "
+                                    "not supported; expected null or no config_groups")
         self.ignore: list[str] = list(quant_config.get("ignore") or [])
         self.targets: list[str] = []
         self.quantize_inputs = False  # W4A4: every group has input_activations

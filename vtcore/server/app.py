@@ -71,6 +71,10 @@ class APIError(Exception):
 
 
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
+#: apply_chat_template's own arguments: a request may not set them through chat_template_kwargs (a
+#: custom template would get round the refusal of the top-level field)
+_RESERVED_TEMPLATE_KWARGS = {"chat_template", "conversation", "tokenize", "add_generation_prompt",
+                             "continue_final_message", "tools", "documents", "return_dict", "tokenizer_kwargs"}
 
 
 def to_api_error(exc: BaseException, renames: dict[str, str] | None = None) -> APIError:
@@ -648,6 +652,10 @@ class OpenAIServer:
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
+        reserved = sorted(set(body.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is not a template variable the server lets a "
+                                "request set", "chat_template_kwargs", "unsupported")
         try:
             prompt = self.core.chat_prompt(messages, **(body.chat_template_kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the template rejected the conversation

@@ -72,11 +72,15 @@ class StepHandle:
         return self._result
 
     def discard(self) -> None:
-        """Give the step up (the engine dropped its requests after a failure): its buffer is free."""
+        """Give the step up (the engine dropped its requests after a failure): once its work is done
+        (the worker thread or the device may still read the staging buffer), the buffer is free."""
         if self._result is None:
-            if self.runner.cuda:
-                torch.cuda.synchronize(self.runner.device)  # its upload may still read the buffer
-            self.runner._retire(self)
+            try:
+                self._wait()
+            except Exception:  # noqa: BLE001 - it read the tokens of the step that failed; its outcome is moot
+                pass
+            finally:
+                self.runner._retire(self)
 
 
 class ModelRunner:
