@@ -148,7 +148,7 @@ def test_generate_missing_model_folder(tmp_path, capsys: pytest.CaptureFixture) 
 def test_generate_bad_sampling_flag(tiny_checkpoint, capsys: pytest.CaptureFixture) -> None:
     rc, _ = run_cli("generate", "--model", tiny_checkpoint[0], "--device", "cpu", "--top-p", "0", "Hello")
     assert rc == 2
-    assert capsys.readouterr().err.startswith("vtcore generate: error: SamplingParams.top_p=0.0: expected ")
+    assert capsys.readouterr().err.startswith("vtcore generate: error: --top-p=0.0: expected ")  # the flag typed
 
 
 @needs_default_model
@@ -157,6 +157,48 @@ def test_generate_on_the_default_model_in_process() -> None:
     assert rc == 0
     assert out.startswith(PROMPT) and out.endswith("\n")
     assert out[len(PROMPT):].strip()  # some generated text after the prompt
+
+
+@needs_default_model
+def test_generate_takes_the_checkpoints_generation_config_under_the_flags(tmp_path) -> None:
+    """Flags left out take the checkpoint's generation_config.json values, then the CLI's own
+    (greedy, 64 tokens); a flag given wins."""
+    import json
+    import shutil
+
+    from vtcore import LLM, SamplingParams
+    from vtcore.config import DEFAULT_MODEL
+
+    path = str(tmp_path / "model")
+    shutil.copytree(DEFAULT_MODEL, path)
+    with open(os.path.join(path, "generation_config.json")) as f:
+        gen = json.load(f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({**gen, "max_new_tokens": 3}, f)
+    llm = LLM(path, device="cpu")
+
+    def text(n: int) -> str:
+        return PROMPT + llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0].text + "\n"
+
+    assert run_cli("generate", "--model", path, "--device", "cpu", PROMPT) == (0, text(3))
+    assert run_cli("generate", "--model", path, "--device", "cpu", "--max-tokens", "6", PROMPT) == (0, text(6))
+
+
+def test_cli_refusals_before_any_work(tmp_path, capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    """A scaffold named like an installed plugin (installing it would replace it), a --json folder that
+    does not exist (it once failed after the whole gate ran), --quant with --no-quant."""
+    from vtcore.conformance import gate
+
+    monkeypatch.setattr(gate, "main", lambda *a: pytest.fail("the gate ran"))
+    assert run_cli("new-plugin", "qwen3_dense", "--arch", "Qwen3ForCausalLM", "--dir", str(tmp_path))[0] == 2
+    assert "NAME='qwen3_dense': a plugin or family of that name is installed" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+    missing = str(tmp_path / "no" / "r.json")
+    assert run_cli("conformance", "--no-quant", "--json", missing)[0] == 2
+    assert capsys.readouterr().err == f"vtcore conformance: error: --json {missing!r}: its folder does not exist\n"
+    with pytest.raises(SystemExit):
+        run_cli("conformance", "--no-quant", "--quant", "nvfp4-pack-quantized")
+    assert "not allowed with argument --no-quant" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ subprocess smoke tests

@@ -141,3 +141,19 @@ def test_quant_section_passes_and_fails_a_nibble_swapping_method() -> None:
     tokens = broken[-1].results["tokens"]
     assert tokens.status == "pass" and tokens.detail == ("qwen3_dense agree with their decoded dense models (left out, "
                                                          "failing their own gate: one_layer)"), tokens.detail
+
+
+def test_summary_counts_quant_methods_whose_every_check_skipped_apart(plugins: Plugins) -> None:
+    """Without compressed-tensors every quant check skips; "PASSED: ..., 2 quant methods" claimed them proven."""
+    from vtcore.conformance.checks import CheckResult
+    from vtcore.conformance.quant_checks import QuantGate
+
+    (family,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[])
+    skipped = []
+    for fmt in ("a-format", "b-format"):
+        gate = QuantGate(plugins, fmt, [], "cpu", "")
+        gate.results = {c: CheckResult(c, "skip", "no oracle") for c in ("decode", "tokens")}
+        skipped.append(gate)
+    out = io.StringIO()
+    write_table([family, *skipped], out, "cpu")
+    assert out.getvalue().rstrip().endswith("PASSED: 1 family, 2 quant methods (2 of them all skipped)")

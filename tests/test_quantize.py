@@ -306,3 +306,31 @@ def test_errors(tmp_path, sources) -> None:
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="already quantized"):
         quantize_checkpoint(done, str(tmp_path / "c"), "MXFP4")
+
+
+def test_errors_name_the_file_or_pattern(tmp_path, sources, monkeypatch) -> None:
+    """Each once ended in a traceback (or an unnamed JSON error) from `vtcore quantize`."""
+    import builtins
+
+    with pytest.raises(ValueError, match=r"ignore pattern 're:\[': not a valid regular expression"):
+        quantize_checkpoint(sources["qwen3"][0], str(tmp_path / "a"), "NVFP4A16", ignore=["re:["])
+    bad = str(tmp_path / "bad")
+    shutil.copytree(sources["qwen3"][0], bad)
+    with open(os.path.join(bad, "model.safetensors"), "w") as f:
+        f.write("garbage")
+    with pytest.raises(ValueError, match=r"bad/model.safetensors: truncated or corrupt safetensors file"):
+        quantize_checkpoint(bad, str(tmp_path / "b"), "NVFP4A16")
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        f.write("{oops")
+    with pytest.raises(ValueError, match=r"bad/config.json: not valid JSON"):
+        quantize_checkpoint(bad, str(tmp_path / "c"), "NVFP4A16")
+    real_import = builtins.__import__
+
+    def no_compressed_tensors(name, *args, **kwargs):
+        if name.startswith("compressed_tensors"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_compressed_tensors)
+    with pytest.raises(NotImplementedError, match="pip install compressed-tensors==0.20.1"):
+        quantize_checkpoint(sources["qwen3"][0], str(tmp_path / "d"), "NVFP4A16")

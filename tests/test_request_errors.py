@@ -293,6 +293,8 @@ def test_sampling_params_list_of_the_wrong_length(llm: LLM) -> None:
                          "['bfloat16', 'float', 'float16', 'float32', 'half']"),
     (dict(device="tpu"), "device='tpu': expected 'cpu', 'cuda' or 'cuda:N'"),
     (dict(device="meta"), "device='meta': expected 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(async_scheduling="off"), "async_scheduling='off': expected True or False (or None: the family decides)"),
+    (dict(enforce_eager="false"), "enforce_eager='false': expected True or False"),
 ])
 def test_bad_llm_knobs_name_themselves(tiny_checkpoint, kwargs: dict, text: str) -> None:
     with pytest.raises(ValueError) as exc:

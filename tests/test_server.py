@@ -354,6 +354,7 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("bad_words", dict(extra_body={"bad_words": [" fair"]})),
     ("prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
     ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 10})),
+    ("response_format", dict(extra_body={"response_format": {"type": "json_object"}})),
 ])
 def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: dict[str, Any]) -> None:
     args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8)

@@ -59,7 +59,8 @@ class HFConfig:
                 raise ConfigError(f"config.json: {name}={value!r}, expected a positive integer")
         heads, kv, hidden = data.get("num_attention_heads"), data.get("num_key_value_heads"), data.get("hidden_size")
         if heads and kv and heads % kv:
-            raise ConfigError(f"config.json: num_key_value_heads={kv}, expected a divisor of num_attention_heads={heads}")
+            raise ConfigError(f"config.json: num_key_value_heads={kv}, expected a divisor of "
+                              f"num_attention_heads={heads}")
         if heads and hidden and data.get("head_dim") is None and hidden % heads:
             raise ConfigError(f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
                               "and no head_dim is given")
@@ -116,6 +117,12 @@ def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
         raise ValueError(f"{attribute.name}={value!r}: expected a fraction in (0, 1]")
 
 
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):  # "off" would read as true
+        raise ValueError(f"{attribute.name}={value!r}: expected True or False"
+                         + (" (or None: the family decides)" if attribute.name == "async_scheduling" else ""))
+
+
 def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in ("auto", "vllm"):
         raise ValueError(f"{attribute.name}={value!r}: expected 'auto' (the checkpoint's generation_config.json "
@@ -138,8 +145,9 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on for families that consume device tokens
+    enforce_eager: bool = attrs.field(default=False, validator=_bool)
+    async_scheduling: bool | None = attrs.field(default=None, validator=_bool)  # None: on for families that consume
+    # device tokens
     #: "auto": the checkpoint's generation_config.json sampling values are the defaults of requests
     #: that leave them unset (vLLM's default); "vllm": SamplingParams' own defaults
     generation_config: str = attrs.field(default="auto", validator=_generation_config)

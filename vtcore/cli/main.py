@@ -36,12 +36,24 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+#: ``vtcore generate``'s sampling flags and their defaults (greedy, 64 tokens), under the checkpoint's
+#: generation_config.json values, under the flags the user gives
+_GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+
+
 def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    given = {k: getattr(args, k) for k in _GENERATE_DEFAULTS if getattr(args, k) is not None}
+    kw = {**_GENERATE_DEFAULTS, **llm.engine.default_sampling(), **given}
+    try:
+        params = SamplingParams(**kw)
+    except ValueError as exc:  # a value the user typed is named by its flag
+        msg = str(exc)
+        for name in given:
+            msg = msg.replace(f"SamplingParams.{name}=", f"--{name.replace('_', '-')}=")
+        raise ValueError(msg) from None
     engine = llm.engine
     for i, text in enumerate(args.prompt):
         prompt: str | dict = text
@@ -64,13 +76,30 @@ def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
 
 def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore.conformance.gate import main as gate_main
+    from vtcore.engine.llm_engine import resolve_device
 
+    resolve_device(args.device)  # no CUDA here: one error now, not a failed check per family
+    _check_writable(args.json)
     quant = [] if args.no_quant else (args.quant or None)
     return gate_main(args.family or None, args.device, args.json, out, quant)
 
 
+def _check_writable(path: str | None) -> None:
+    """A --json PATH whose folder is missing fails before the run, not after it."""
+    import os
+
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise FileNotFoundError(f"--json {path!r}: its folder does not exist")
+
+
 def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore.cli.scaffold import new_plugin
+    from vtcore.plugins.manager import get_plugins
+
+    plugins = get_plugins()
+    if args.name in plugins.infos or args.name in plugins.families:
+        raise ValueError(f"NAME={args.name!r}: a plugin or family of that name is installed; installing the "
+                         "scaffold would replace it. Choose another name")
 
     root = new_plugin(args.name, args.arch, args.dir)
     out.write(f"wrote {root}\nnext: write the model in {root}/vtcore_{args.name}/model.py, then\n"
@@ -91,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", action="append", help="check only this family (repeatable)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--quant", action="append", metavar="FORMAT",
-                   help="check only this quant format (repeatable; default: every registered one)")
-    p.add_argument("--no-quant", action="store_true", help="skip the quant section")
+    quant = p.add_mutually_exclusive_group()
+    quant.add_argument("--quant", action="append", metavar="FORMAT",
+                       help="check only this quant format (repeatable; default: every registered one)")
+    quant.add_argument("--no-quant", action="store_true", help="skip the quant section")
     p.set_defaults(func=cmd_conformance)
     p = sub.add_parser("new-plugin", help="scaffold a pip-installable model-family plugin package")
     p.add_argument("name", help="the family name, a lowercase identifier (package vtcore-NAME)")
@@ -113,10 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    given = "default: the checkpoint's generation_config.json, else"
+    p.add_argument("--max-tokens", type=int, default=None, help=f"{given} 64")
+    p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy ({given} 0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"{given} 1")
+    p.add_argument("--top-k", type=int, default=None, help=f"{given} 0, no top-k")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.set_defaults(func=cmd_generate)
@@ -127,6 +158,14 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, out or sys.stdout)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        sys.stderr.write("\n")
+        return 130
+    except BrokenPipeError:  # the reader left (| head): stop quietly, as other tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (VtcoreError, ValueError, TypeError, OSError, NotImplementedError) as exc:
         sys.stderr.write(f"vtcore {args.command}: error: {exc}\n")
         return 2

@@ -84,8 +84,11 @@ def write_table(gates: list[Gate], out: TextIO, device: str) -> None:
             out.write(f"skip {g.name} ({', '.join(checks)}): {reason}\n")
     n_fam = sum(isinstance(g, FamilyGate) for g in gates)
     n_quant = len(gates) - n_fam
+    # a gate whose every check skipped proved nothing: counted apart
+    n_skipped = sum(all(r.status == "skip" for r in g.results.values()) for g in gates if not isinstance(g, FamilyGate))
     out.write(("PASSED" if passed(gates) else "FAILED") + f": {n_fam} famil{'y' if n_fam == 1 else 'ies'}, "
-              f"{n_quant} quant method{'' if n_quant == 1 else 's'}\n")
+              f"{n_quant} quant method{'' if n_quant == 1 else 's'}"
+              + (f" ({n_skipped} of them all skipped)" if n_skipped else "") + "\n")
 
 
 def to_json(gates: list[Gate], device: str) -> dict:

@@ -38,7 +38,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from vtcore.errors import CheckpointError
+from vtcore.errors import CheckpointError, NotSupportedError
 
 if TYPE_CHECKING:
     import torch
@@ -100,12 +100,23 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, *, ignore: Iterable[str
     from torch import nn
 
     scheme = normalize_scheme(scheme)
+    for pattern in ignore or ():
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise ValueError(f"ignore pattern {pattern!r}: not a valid regular expression ({exc})") from None
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     src_config = _read_src_config(src)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise FileExistsError(f"quantize destination {dst!r} exists and is not an empty folder")
     src_files = _safetensors_index(src)
 
+    try:
+        import compressed_tensors  # noqa: F401 - the packed-format library quantize writes with
+    except ImportError:
+        raise NotSupportedError("vtcore quantize writes checkpoints with the compressed-tensors library, which is "
+                                "not installed: pip install compressed-tensors==0.20.1") from None
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.compressors.base import compress_module
     from compressed_tensors.compressors.model_compressors import ModelCompressor
@@ -236,8 +247,11 @@ def _read_src_config(src: str) -> dict[str, Any]:
     path = os.path.join(src, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"quantize source {src!r} has no config.json (expected an HF checkpoint folder)")
-    with open(path) as f:
-        config = json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     existing = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if existing:
         raise CheckpointError(f"{src}: already quantized (quantization_config "
@@ -253,11 +267,17 @@ def _safetensors_index(src: str) -> dict[str, str]:
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{src}: no *.safetensors weights (quantize reads safetensors checkpoints)")
+    from safetensors import SafetensorError
+
     index: dict[str, str] = {}
     for fname in files:
-        with safe_open(os.path.join(src, fname), framework="pt") as f:
-            for key in f.keys():
-                index[key] = fname
+        try:
+            with safe_open(os.path.join(src, fname), framework="pt") as f:
+                for key in f.keys():
+                    index[key] = fname
+        except SafetensorError as exc:
+            raise CheckpointError(f"{os.path.join(src, fname)}: truncated or corrupt safetensors file "
+                                  f"({exc})") from None
     return index
 
 

@@ -366,6 +366,9 @@ class OpenAIServer:
         if body.use_beam_search:
             raise APIError(400, "use_beam_search=true: beam search is not supported", "use_beam_search",
                            "unsupported")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, f"response_format type {body.response_format.type!r}: only 'text' is supported",
+                           "response_format", "unsupported")
         chat_echo = {"echo": False} if isinstance(body, ChatCompletionRequest) else {}
         for field, harmless in {**UNSUPPORTED_EXTENSIONS, **chat_echo}.items():
             value = (body.model_extra or {}).get(field, harmless)
@@ -628,9 +631,6 @@ class OpenAIServer:
         for field in ("tool_choice", "function_call"):
             if getattr(body, field) not in (None, "none"):
                 raise APIError(400, f"{field}: tool and function calling are not supported", field, "unsupported")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format type {body.response_format.type!r}: only 'text' is supported",
-                           "response_format", "unsupported")
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")

@@ -29,6 +29,12 @@ UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
 }
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
 class _Sampling(BaseModel):
     """Fields that completions and chat share (other fields are kept in ``model_extra``)."""
 
@@ -58,6 +64,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    response_format: ResponseFormat | None = None  # only type "text" is served (vLLM takes it on both routes)
 
 
 #: A completions prompt: text, token ids, or a batch of either (each its own choice).
@@ -87,12 +94,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -102,5 +103,4 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
