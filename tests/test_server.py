@@ -610,6 +610,26 @@ def test_serve_subprocess_sigterm_exits_cleanly() -> None:
             proc.wait()
 
 
+def test_serve_binds_before_loading_and_names_a_port_in_use(capsys: pytest.CaptureFixture) -> None:
+    """A port in use is one error line, before the model loads (it once printed the URL, loaded the
+    model, then failed in uvicorn); with --port 0 the URL names the port bound (it printed :0)."""
+    from vtcore.server.serve import _bind, main as serve_main
+
+    taken = _bind(HOST, 0)
+    try:
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert serve_main(["--host", HOST, "--port", str(port), "--device", "cpu"]) == 2
+        assert capsys.readouterr().err == (f"vtcore serve: error: --host {HOST} --port {port}: cannot listen there "
+                                           "(Address already in use)\n")
+        assert time.monotonic() - started < 5  # no model was loaded
+    finally:
+        taken.close()
+    any_port = _bind(HOST, 0)
+    assert any_port.getsockname()[1] > 0
+    any_port.close()
+
+
 def test_serve_parser_defaults_are_safe() -> None:
     import argparse
     import io

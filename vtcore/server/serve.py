@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any, Generator, Sequence, TextIO
@@ -107,6 +108,19 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (port 0: any free one); a port in use is one error line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     import uvicorn
 
@@ -124,23 +138,30 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     if not _is_loopback(args.host) and api_key is None:
         out.write(f"vtcore serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the server\n")
-    engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                      generation_config=args.generation_config)
+    sock = _bind(args.host, args.port)  # first: a port in use fails before the model loads
+    try:
+        engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                          generation_config=args.generation_config)
+    except BaseException:
+        sock.close()
+        raise
     try:
         app = build_app(engine, name, api_key, args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
                                 access_log=args.log_level == "debug")
         server = _server_class()(config, app.state.server, args.shutdown_timeout)
-        out.write(f"vtcore serve: model {name!r} on http://{args.host}:{args.port}/v1\n")
+        host = f"[{args.host}]" if ":" in args.host else args.host  # the URL names the port really bound
+        out.write(f"vtcore serve: model {name!r} on http://{host}:{sock.getsockname()[1]}/v1\n")
         out.flush()
         try:
-            asyncio.run(server.serve())
-        except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
+            asyncio.run(server.serve(sockets=[sock]))
+        except SystemExit as exc:  # uvicorn exits 1 when it cannot start
             return int(exc.code or 0) if isinstance(exc.code, int) else 1
         if not server.started:
             return 1
     finally:
+        sock.close()
         engine.shutdown()
     out.write("vtcore serve: stopped\n")
     out.flush()
