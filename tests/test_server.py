@@ -630,6 +630,47 @@ def test_serve_binds_before_loading_and_names_a_port_in_use(capsys: pytest.Captu
     any_port.close()
 
 
+def test_serve_exits_1_when_its_engine_dies(monkeypatch) -> None:
+    """A dead engine loop ends ``vtcore serve`` (exit 1, for a supervisor to restart it, as vLLM's
+    server exits) instead of answering 500 engine_dead for ever."""
+    import argparse
+    import io
+
+    from vtcore.engine import async_llm
+    from vtcore.server.serve import add_serve_parser, cmd_serve
+
+    engines: list[AsyncLLM] = []
+
+    class Recorded(AsyncLLM):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(async_llm, "AsyncLLM", Recorded)
+    parser = argparse.ArgumentParser(prog="vtcore")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", "--host", HOST, "--port", "0", "--device", "cpu", "--log-level", "warning",
+                              "--served-model-name", MODEL,
+                              "--shutdown-timeout", "0"])
+    out, result = io.StringIO(), {}
+    thread = threading.Thread(target=lambda: result.update(rc=cmd_serve(args, out)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while "/v1" not in out.getvalue():
+        assert thread.is_alive() and time.monotonic() < deadline, out.getvalue()
+        time.sleep(0.05)
+    url = out.getvalue().split(" on ")[1].split("/v1")[0]
+
+    def boom() -> None:
+        raise RuntimeError("kaboom")
+
+    engines[0].engine.step = boom
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 500 and "kaboom" in r.text
+    thread.join(30)
+    assert not thread.is_alive() and result["rc"] == 1
+
+
 def test_serve_parser_defaults_are_safe() -> None:
     import argparse
     import io

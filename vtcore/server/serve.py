@@ -61,12 +61,24 @@ def _server_class() -> type:
         seconds every engine request still in flight is aborted, so each response ends properly
         (streams with finish_reason "abort" and [DONE]) rather than being cut. uvicorn's own timeout
         (grace + BACKSTOP_S) then cancels anything still stuck. The signal is not re-raised at exit.
+        If the engine loop dies the server shuts down the same way and ``vtcore serve`` exits 1, so a
+        supervisor restarts it (as vLLM's server exits), rather than answering 500s for ever.
         """
 
         def __init__(self, config: Any, openai_server: Any, grace: float) -> None:
             super().__init__(config)
             self.openai_server = openai_server
             self.grace = grace
+            self.engine_died = False
+
+        async def on_tick(self, counter: int) -> bool:
+            dead = self.openai_server.engine.dead
+            if dead is not None and not self.engine_died:
+                self.engine_died = True
+                logging.getLogger("vtcore.server").error(
+                    "vtcore serve: the engine died (%s: %s); shutting down", type(dead).__name__, dead)
+                return True
+            return await super().on_tick(counter)
 
         async def _abort_after_grace(self) -> None:
             await asyncio.sleep(self.grace)
@@ -158,7 +170,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
             asyncio.run(server.serve(sockets=[sock]))
         except SystemExit as exc:  # uvicorn exits 1 when it cannot start
             return int(exc.code or 0) if isinstance(exc.code, int) else 1
-        if not server.started:
+        if not server.started or server.engine_died:
             return 1
     finally:
         sock.close()
