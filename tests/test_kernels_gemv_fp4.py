@@ -165,6 +165,9 @@ def test_tensor_core_register_cap_keeps_the_grid_in_one_wave():
             assert regs == 128 or per_sm * warps * 32 * (regs + 8) > 65536  # the most that fits
     with pytest.raises(TypeError, match="maxnreg"):
         gemv(torch.randn(1, 256), fp4_weight(32, 256, "e4m3", seed=2), max_regs=64)
+    for bad in (-1, 300, 1.5, "96"):
+        with pytest.raises(ValueError, match=rf"maxnreg={bad!r}: expected registers a thread may use, 1..255, or 0"):
+            gemv(torch.randn(1, 256), fp4_weight(32, 256, "e4m3", seed=2), maxnreg=bad)
 
 
 # ------------------------------------------------------------------------------------------ CUDA

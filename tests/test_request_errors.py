@@ -359,6 +359,12 @@ def test_generation_config_sampling_values_are_the_defaults(tiny_checkpoint, tmp
     assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 16)
     with pytest.raises(ValueError, match=r"generation_config='hf': expected 'auto'"):
         LLM(path, device="cpu", generation_config="hf")
+    with open(f"{path}/generation_config.json", "w") as f:
+        json.dump({"temperature": -1}, f)
+    with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams.temperature=-1: expected .* "
+                                         r"\(or pass generation_config='vllm'"):
+        LLM(path, device="cpu")
+    assert LLM(path, device="cpu", generation_config="vllm").get_default_sampling_params().temperature == 1.0
 
 
 def test_sampling_params_clone_is_an_independent_copy() -> None:

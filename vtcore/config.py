@@ -70,7 +70,7 @@ class HFConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < float("inf")):
                 raise ConfigError(f"config.json: {name}={value!r}, expected a positive finite number")
-        top_k, experts = self._data.get("num_experts_per_tok"), self._data.get("num_experts")
+        top_k, experts = data.get("num_experts_per_tok"), data.get("num_experts")
         if top_k is not None and experts is not None and top_k > experts:
             raise ConfigError(f"config.json: num_experts_per_tok={top_k}, expected at most num_experts={experts}")
 

@@ -51,6 +51,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import random
 import time
 from typing import Any, Sequence, TextIO
@@ -97,6 +98,13 @@ def _positive_int(name: str):
     return parse
 
 
+def json_path(text: str) -> str:
+    """An argparse type for ``--json PATH``: a folder that does not exist fails now, not after the run."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
+        raise argparse.ArgumentTypeError(f"--json {text!r}: its folder does not exist")
+    return text
+
+
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``sub`` (the parser's subparsers)."""
     p = sub.add_parser("bench", help="closed-loop serving benchmark through AsyncLLM (TTFT, TPOT, ITL, throughput)")
@@ -131,7 +139,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         f"(--num-prompts, default {DEFAULT_OFFLINE_PROMPTS}, random lengths, all at once)")
     p.add_argument("--offline-min-len", type=_positive_int("--offline-min-len"), default=DEFAULT_OFFLINE_MIN_LEN)
     p.add_argument("--offline-max-len", type=_positive_int("--offline-max-len"), default=DEFAULT_OFFLINE_MAX_LEN)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write every number as JSON")
+    p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write every number as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_bench)
     return p

@@ -79,17 +79,8 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore.engine.llm_engine import resolve_device
 
     resolve_device(args.device)  # no CUDA here: one error now, not a failed check per family
-    _check_writable(args.json)
     quant = [] if args.no_quant else (args.quant or None)
     return gate_main(args.family or None, args.device, args.json, out, quant)
-
-
-def _check_writable(path: str | None) -> None:
-    """A --json PATH whose folder is missing fails before the run, not after it."""
-    import os
-
-    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise FileNotFoundError(f"--json {path!r}: its folder does not exist")
 
 
 def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
@@ -108,6 +99,10 @@ def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vtcore.bench.serving import add_bench_parser, json_path
+    from vtcore.quant.quantize import add_quantize_parser
+    from vtcore.server.serve import add_serve_parser
+
     parser = argparse.ArgumentParser(prog="vtcore", description="An LLM inference engine extended by plugins.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plugins", help="list loaded plugins, their hooks and load errors")
@@ -119,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "on the async path")
     p.add_argument("--family", action="append", help="check only this family (repeatable)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write the results as JSON")
     quant = p.add_mutually_exclusive_group()
     quant.add_argument("--quant", action="append", metavar="FORMAT",
                        help="check only this quant format (repeatable; default: every registered one)")
@@ -130,10 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", required=True, help="the HF architecture it serves, e.g. LlamaForCausalLM")
     p.add_argument("--dir", default=".", help="where to create the package (default: here)")
     p.set_defaults(func=cmd_new_plugin)
-    from vtcore.bench.serving import add_bench_parser
-    from vtcore.quant.quantize import add_quantize_parser
-    from vtcore.server.serve import add_serve_parser
-
     add_quantize_parser(sub)
     add_serve_parser(sub)
     add_bench_parser(sub)

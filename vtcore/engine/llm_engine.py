@@ -16,7 +16,7 @@ from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.tokenizer import load_tokenizer
-from vtcore.errors import RequestRejected, VtcoreError
+from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.model_loader import build_model
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
@@ -77,6 +77,11 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
     return 2 if mirror == "1" else 1
 
 
+#: generation_config.json keys that are SamplingParams defaults (vLLM reads the same), and their fields
+_GENERATION_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
 class LLMEngine:
     """Owns the scheduler, the runner and the requests; ``step`` advances every running request.
 
@@ -97,10 +102,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         gen = self._generation_config()  # read once: the server asks for its defaults every request
         self.eos_token_ids = self._eos_ids(gen)
-        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
         self._sampling_defaults = {} if config.generation_config == "vllm" else {
-            field: gen[key] for key, field in keys.items() if gen.get(key) is not None}
+            field: gen[key] for key, field in _GENERATION_SAMPLING.items() if gen.get(key) is not None}
+        try:
+            SamplingParams(**self._sampling_defaults)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{os.path.join(config.model, 'generation_config.json')}: {exc} (or pass "
+                              "generation_config='vllm' to ignore its sampling values)") from None
         model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)

@@ -429,7 +429,10 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
                          "(see use_fp4_mma and fp4_mma_tile)")
     n_tiles = triton.cdiv(n, bn)  # SWIGLU: cdiv(n / 2, bn / 2), the same
-    maxnreg = config.get("maxnreg", _registers(n_tiles * split, _num_sms(x.device), warps) if mma else 0) or None
+    maxnreg = config.get("maxnreg", (_registers(n_tiles * split, _num_sms(x.device), warps) if mma else 0) or 0)
+    if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 0 <= maxnreg <= 255:
+        raise ValueError(f"gemv: maxnreg={maxnreg!r}: expected registers a thread may use, 1..255, or 0 (ptxas's "
+                         "choice)")
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
     _gemv_kernel[(n_tiles, split)](
