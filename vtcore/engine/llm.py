@@ -52,8 +52,9 @@ class LLM:
                                  f"({len(prompts)}) or a single SamplingParams")
         # Offline, only the final output is returned (vLLM's LLM does the same): a DELTA request would
         # return its last piece only, and CUMULATIVE ones would build an output every step.
-        params = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams) else p
-                  for p in params]
+        final_only = {id(p): attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                      for p in params if isinstance(p, SamplingParams)}  # once per distinct object
+        params = [final_only.get(id(p), p) for p in params]
         engine = self.engine
         ids = []
         try:
