@@ -68,6 +68,7 @@ from torch.nn import functional as F
 from vtcore.kernels.activation import silu_mul
 from vtcore.kernels.fp4_gemm import X_SCALE, _word_scales
 from vtcore.kernels.fp4_mma import fp4_mma_rows, layout_ok
+from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.quant.fp4 import FP4Weight
@@ -207,7 +208,7 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FP4: tl.constexpr, FP4_MMA: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
 
@@ -222,6 +223,7 @@ def _gemv_kernel(
     the same up rows (I further on); its epilogue rounds the sums as the projection's output would be
     and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.activation.silu_mul`).
     """
+    wait_prior(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -447,6 +449,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         HAS_GLOBAL=fp4 is not None and fp4.row_global is not None, SWIGLU=swiglu,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
         INTERPRET=INTERPRET, num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **pdl_launch(x.device),
         enable_fp_fusion=True)  # pinned: Triton 3.10 flips the default
     return out, new_residual
 

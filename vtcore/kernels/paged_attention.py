@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.workspace import arrival_counters
 
 __all__ = [
@@ -171,7 +172,7 @@ def _decode_kernel(
     stride_ms, stride_mh, stride_mk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
-    CHUNK: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (split, kv head, seq): the GROUP query heads of a kv head over the key tiles
     ``split, split + num_splits, ...`` (BLOCK_N positions each).
@@ -184,6 +185,7 @@ def _decode_kernel(
     and resets the counter (see :mod:`vtcore.kernels.workspace`). Splits without a tile return at
     once. Otherwise (one split) the program writes the normalised output; an empty context gives zeros.
     """
+    wait_prior(PDL)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -285,7 +287,7 @@ def paged_decode_attention(
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
                   BLOCK_N=block_n, BLOCK_D=block_d, GROUP_P2=group_p2,
                   CHUNK=max(1, _COMBINE_VALUES // (group_p2 * block_d)), DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
-                  num_stages=num_stages)
+                  num_stages=num_stages, **pdl_launch(q.device))
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2))
     grid = (num_splits, kv_heads, seqs)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.layers.norm import rms_norm as rms_norm_ref
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]
@@ -67,7 +68,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -105,7 +108,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.
         x, x if residual is None else residual, weight, out, out if new_residual is None else new_residual,
         x.stride(0), 0 if residual is None else residual.stride(0), eps,
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, INTERPRET=INTERPRET,
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False, **pdl_launch(x.device),
     )
     return out
 

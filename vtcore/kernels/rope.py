@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.layers.rotary import qk_norm_rope_torch
 
@@ -79,9 +80,11 @@ def _qk_norm_rope_kernel(
     NQ: tl.constexpr, NKV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
     HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, WRITE_KV: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``(t, part)`` of token ``t``: part 0 its q heads, part 1 its k heads (and, ``WRITE_KV``,
     their cache slot), part 2 (``WRITE_KV`` only) copies its v heads into the cache."""
+    wait_prior(PDL)
     HALF: tl.constexpr = ROT // 2
     DT: tl.constexpr = q_ptr.dtype.element_ty
     t = tl.program_id(0)
@@ -173,7 +176,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
         NQ=nq, NKV=nkv, BLOCK_Q=block_q, BLOCK_KV=block_kv, HEAD_DIM=head_dim, ROT=rotary_dim,
         BLOCK_HALF=block_half, BLOCK_REST=block_rest, HAS_NORM=has_norm, ZERO_CENTERED=zero_centered,
         WRITE_KV=write_kv, INTERPRET=INTERPRET,
-        num_warps=min(8, max(1, block_q * block_half // 256)), enable_fp_fusion=False,
+        num_warps=min(8, max(1, block_q * block_half // 256)), enable_fp_fusion=False, **pdl_launch(q.device),
     )
     return q, k
 
