@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Programmatic dependent launch (vtcore.kernels.pdl) on one GPU, in one run: the CUDA tests with it
 # on, then NVFP4 and bf16 Qwen3-4B TPOT at batch 1 from `vtcore bench` with it off (VTCORE_PDL=0, the
-# peer) and on, then the decode attention sweep (scripts/bench_attention.py) off and on.
+# peer) and on, then decode attention (scripts/bench_attention.py) off and on.
 #   bash scripts/gpu_pdl_check.sh OUTDIR   (after installing vtcore, plugins/qwen3_dense and plugins/quant_nvfp4)
 set -uo pipefail
 out=${1:?usage: gpu_pdl_check.sh OUTDIR}
@@ -18,5 +18,5 @@ for pdl in 0 1; do
         | grep -v -i -e warn -e "^ *$" | grep -e "^ *1 " -e roofline
   done
 done
-VTCORE_PDL=0 python3 scripts/bench_attention.py --sweep --out "$out" 2>&1 | grep -v -i warn
+VTCORE_PDL=0 python3 scripts/bench_attention.py --out "$out" 2>&1 | grep -v -i warn
 VTCORE_PDL=1 python3 scripts/bench_attention.py 2>&1 | grep -v -i warn

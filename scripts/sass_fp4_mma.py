@@ -37,7 +37,7 @@ def compile_launch(n: int, k: int, sms: int, maxnreg: int | None) -> bytes:
     const = dict(N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=1, BLOCK_N=bn,
                  BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=False, PROLOGUE=0, HAS_RESIDUAL=False,
                  ZERO_CENTERED=False, FP4=True, FP4_MMA=True, GROUP=16, SCALE_E8M0=False, HAS_GLOBAL=True,
-                 SWIGLU=False, DOT_PRECISION="tf32", INTERPRET=False)
+                 SWIGLU=False, DOT_PRECISION="tf32", INTERPRET=False, PDL=True)
     sig = {**_POINTERS, "M": "i32", "stride_xm": "i32", "stride_rm": "i32", "eps": "fp32", **{c: "constexpr" for c in const}}
     names = list(sig)
     src = ASTSource(_gemv_kernel, sig, constexprs={(names.index(c),): v for c, v in const.items()},

@@ -234,7 +234,12 @@ def test_decode_all_empty_and_split_heuristic():
         out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40,
                                      num_splits=splits, block_n=16)
         assert torch.equal(out, torch.zeros_like(out))
-    assert decode_num_splits(1, 8, 32768) == 128  # batch 1: 1024 programs, tiles strided over them
+    no_blocks = torch.zeros((2, 0), dtype=torch.int32)  # the kernel reads a row's entry 0 whatever the length
+    out = paged_decode_attention(q, pc.k_nan, pc.v_nan, no_blocks, pc.context_lens, 1.0, 8, 40, num_splits=3,
+                                 block_n=16)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert decode_num_splits(1, 8, 32768) == 32  # batch 1: capped (programs past the context cost their start)
+    assert decode_num_splits(4, 8, 32768) == 32 and decode_num_splits(8, 8, 32768) == 16  # 1024 programs
     assert decode_num_splits(1, 8, 100) == 2  # never more splits than tiles
     assert decode_num_splits(32, 8, 40960) == 4
     assert decode_num_splits(256, 8, 32768) == 1  # a big batch needs no splits: the single kernel

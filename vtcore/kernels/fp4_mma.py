@@ -35,6 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vtcore.kernels.pdl import wait_prior
+
 __all__ = ["layout_ok", "fp4_mma_rows"]
 
 _MASK_MAG = "0x01C001C0"
@@ -159,18 +161,30 @@ def _mma_loads(w_words, sc_words, x_lane, kw):
     layout change happens in the loop): the words, the rows' 16 scale bytes of the step (every lane
     of a row loads them; L1 serves the repeats) and x's pairs for each lane's words ``j`` = 0..3
     (``x_lane`` is broadcast over the rows: loads of one address)."""
+    return _mma_weights(w_words, sc_words, kw) + _mma_x(x_lane, kw)
+
+
+@triton.jit
+def _mma_weights(w_words, sc_words, kw):
+    """The words and scales of :func:`_mma_loads`."""
+    return tl.load(w_words + kw), tl.load(sc_words + kw // 8)
+
+
+@triton.jit
+def _mma_x(x_lane, kw):
+    """x's pairs of :func:`_mma_loads`."""
     x = x_lane + 4 * kw
-    return (tl.load(w_words + kw), tl.load(sc_words + kw // 8), tl.load(x), tl.load(x + 4), tl.load(x + 8),
-            tl.load(x + 12))
+    return tl.load(x), tl.load(x + 4), tl.load(x + 8), tl.load(x + 12)
 
 
 @triton.jit
 def fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """float32 [BLOCK_N]: ``sum_k c[row, k] * s[row, k // 16] * x[k]`` over ``[k_start, k_end)`` (multiples
     of 256) for the int32 word view ``w_ptr`` ([N, K / 8]), the int32 view of the e4m3 scale bytes
     ``s_ptr`` ([N, K / 64]) and x's int32 pair view ``x_ptr`` ([K / 2], bf16). Loads double-buffered
-    in registers, as the plain GEMV's."""
+    in registers, as the plain GEMV's. The first step's weights are requested before waiting on the
+    kernel before (:func:`vtcore.kernels.pdl.wait_prior`, ``PDL``): weights are no kernel's output."""
     BLOCK_KW: tl.constexpr = BLOCK_K // 8
     rows64 = rows.to(tl.int64)
     wi = tl.arange(0, BLOCK_KW)
@@ -182,7 +196,9 @@ def fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K: tl.constexpr, BLO
     steps = (k_end - k_start) // BLOCK_K
     # Two register buffers used in turn (unrolled by two): each step's loads are issued a step before
     # use. Written as one buffer carried through the loop, ptxas sank the loads to the loop's end.
-    w, sb, x0, x1, x2, x3 = _mma_loads(w_words, sc_words, x_lane, kw0)
+    w, sb = _mma_weights(w_words, sc_words, kw0)
+    wait_prior(PDL)
+    x0, x1, x2, x3 = _mma_x(x_lane, kw0)
     for i in range(0, steps // 2):
         bw, bsb, bx0, bx1, bx2, bx3 = _mma_loads(w_words, sc_words, x_lane, kw0 + (2 * i + 1) * BLOCK_KW)
         acc = mma_step(acc, w, sb, x0, x1, x2, x3)

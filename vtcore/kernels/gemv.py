@@ -223,7 +223,6 @@ def _gemv_kernel(
     the same up rows (I further on); its epilogue rounds the sums as the projection's output would be
     and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.activation.silu_mul`).
     """
-    wait_prior(PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -256,6 +255,12 @@ def _gemv_kernel(
         x_base = offs_m[None, :] * stride_xm + offs_k[:, None]
         r_base = offs_m[None, :] * stride_rm + offs_k[:, None]
         cols0 = offs_k[:, None] + offs_m[None, :] * 0
+    # PDL: the one-row paths request their first K step's weights (no kernel's output) before waiting
+    # on the kernel before, so that load's latency overlaps its end; the rest waits first.
+    if BLOCK_M == 1 and not FP4:
+        w = _load(w_ptrs + k_start, (m_ok if EVEN_K else offs_k + k_start < K)[None, :], EVEN_K)
+    if not FP4:
+        wait_prior(PDL)
     rstd = 0.0
     if PROLOGUE == 2 and BLOCK_M == 1:  # the whole row in one load: one memory round trip, not K / BLOCK_K
         row = tl.arange(0, K_P2)
@@ -274,7 +279,7 @@ def _gemv_kernel(
         rstd = tl.rsqrt(ss * (1.0 / K) + eps)[None, :]
     if FP4:  # one row, no prologue (the host never picks either); loads double-buffered as below
         if FP4_MMA:  # x_ptr is x's int32 pair view
-            y = fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K, BLOCK_N, BLOCK_K)
+            y = fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K, BLOCK_N, BLOCK_K, PDL)
         else:
             rows64 = rows.to(tl.int64)
             w_words = w_ptr + rows64[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
@@ -284,6 +289,7 @@ def _gemv_kernel(
             kg = pid_k * (K_SPLIT // GROUP)
             steps = tl.cdiv(k_end - k_start, BLOCK_K)
             w, sb = _fp4_loads(w_words, sc_ptrs, kw, kg, K, BLOCK_K, GROUP, EVEN_K)
+            wait_prior(PDL)
             for i in range(1, steps):
                 w_next, sb_next = _fp4_loads(w_words, sc_ptrs, kw + i * (BLOCK_K // 8), kg + i * (BLOCK_K // GROUP), K,
                                              BLOCK_K, GROUP, EVEN_K)
@@ -304,7 +310,6 @@ def _gemv_kernel(
         # Every program has at least one tile (the host never makes an empty split).
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         xm = m_ok if EVEN_K else offs_k + k_start < K
-        w = _load(w_ptrs + k_start, xm[None, :], EVEN_K)
         xv = _x_tile(x_ptr, r_ptr, nw_ptr, x_base + k_start, r_base + k_start, cols0 + k_start, xm, rstd, K,
                      EVEN_K, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):

@@ -35,6 +35,7 @@ _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # decode key tile (positions)
 _PREFILL_BLOCK_M = 64  # prefill query rows a program
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
+_MAX_SPLITS = 32  # ... but no more splits than this (programs past the context still cost their start)
 _COMBINE_VALUES = 8192  # partial values (heads x splits x head_dim) the last-arriving program loads at once
 
 
@@ -92,7 +93,7 @@ def _attend_tile(
     q, acc, m_i, l_i, k_ptr, v_ptr, bt_row_ptr, kv_head_off, start, key_end, q_pos, scale_log2,
     stride_cs, stride_cd, offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EARLY_V: tl.constexpr = False,
+    EARLY_V: tl.constexpr = False, block=None,
 ):
     """One online-softmax step of rows ``q`` [R, D] over key positions ``start + offs_n``.
 
@@ -100,15 +101,18 @@ def _attend_tile(
     above the row's position ``q_pos`` [R] (read only then). Callers guarantee every row sees at least one key in
     its first tile, so the running max is finite and no ``-inf - -inf`` arises. ``EARLY_V`` issues the
     V load beside K's (decode: one tile a program, latency-bound; prefill keeps V's registers free
-    until the scores are done).
+    until the scores are done). ``block``: the positions' cache blocks when the caller loaded them
+    (int64 [BLOCK_N]; any value where masked), else loaded here.
     """
     pos = start + offs_n
     if BOUNDED:
         n_mask = pos < key_end
-        block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        if block is None:
+            block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
-        block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        if block is None:
+            block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_mask[None, :]
     kv = kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
     k = tl.load(k_ptr + kv, mask=kv_mask, other=0.0)
@@ -163,7 +167,7 @@ def _combine_splits(part_ptr, ml_ptr, n, stride_ph, stride_pk, stride_mh, stride
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, sem_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, max_blocks,
     stride_qs, stride_qh, stride_qd,
     stride_cs, stride_ch, stride_cd,
     stride_bt,
@@ -184,11 +188,16 @@ def _decode_kernel(
     arrival counter; the last to arrive combines the partials in split order, writes the output
     and resets the counter (see :mod:`vtcore.kernels.workspace`). Splits without a tile return at
     once. Otherwise (one split) the program writes the normalised output; an empty context gives zeros.
+    Each tile's block-table entries are loaded a tile ahead (clamped to the row's ``max_blocks``, so
+    the load needs no context length: the first one goes out beside the length's).
     """
     wait_prior(PDL)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    block = tl.load(bt_row + tl.minimum((split * BLOCK_N + offs_n) // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
     ctx = tl.load(lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
     active = tl.maximum(tl.minimum(num_tiles, num_splits), 1)
@@ -196,7 +205,6 @@ def _decode_kernel(
         if split >= active:
             return
     offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -206,13 +214,14 @@ def _decode_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for t in range(split, num_tiles, num_splits):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, t * BLOCK_N, ctx, offs_g, scale_log2,
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
-            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, EARLY_V=True,
+            BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, EARLY_V=True, block=block,
         )
+        nxt = (t + num_splits) * BLOCK_N + offs_n
+        block = tl.load(bt_row + tl.minimum(nxt // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
     if SPLIT_OUT:
         rows = b * stride_ps + heads * stride_ph + split * stride_pk
         tl.store(part_ptr + rows[:, None] + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
@@ -240,10 +249,13 @@ def _decode_kernel(
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int = _BLOCK_N) -> int:
     """Decode splits per (seq, kv head): enough for ``_TARGET_PROGRAMS`` programs, at most one per tile.
 
-    Batch 1 with 8 kv heads gets 128 splits (a 1k context then runs 16 tiles on 128 programs, one
-    tile each); batch 32 gets 4; batch 128 and up one, the single-kernel path.
+    At most ``_MAX_SPLITS``: batch 1 with 8 kv heads gets 32 (in a graph sized for 40960 positions,
+    128 splits left 111 of each kv head's programs with no tile at a 1k context, and their start-up
+    cost: 9.1 vs 7.7 us a call on the H200, ``scripts/bench_attention.py --sweep``, 2026-12-01); batch
+    8 gets 16, batch 32 gets 4; batch 128 and up one, the single-kernel path.
     """
-    return max(1, min(triton.cdiv(max_context_len, block_n), _TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+    per_seq = _TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)
+    return max(1, min(triton.cdiv(max_context_len, block_n), per_seq, _MAX_SPLITS))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -281,6 +293,8 @@ def paged_decode_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     num_splits = num_splits or decode_num_splits(seqs, kv_heads, max_context_len, block_n)
+    if block_tables.shape[1] == 0:  # no context anywhere; the kernel reads a row's entry 0 unconditionally
+        block_tables = torch.zeros((seqs, 1), dtype=block_tables.dtype, device=block_tables.device)
     group = heads // kv_heads
     group_p2 = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
@@ -293,13 +307,14 @@ def paged_decode_attention(
     grid = (num_splits, kv_heads, seqs)
     if num_splits == 1:
         _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, out, out, out,
-                             scale * _LOG2E, 1, *strides, 0, 0, 0, 0, 0, 0, SPLIT_OUT=False, **common)
+                             scale * _LOG2E, 1, block_tables.shape[1], *strides, 0, 0, 0, 0, 0, 0, SPLIT_OUT=False, **common)
         return out
     part = torch.empty((seqs, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((seqs, heads, num_splits, 2), dtype=torch.float32, device=q.device)
     pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
     _decode_kernel[grid](q, k_cache, v_cache, block_tables, context_lens, out, part, ml,
-                         arrival_counters(q.device, seqs * kv_heads), scale * _LOG2E, num_splits, *strides,
+                         arrival_counters(q.device, seqs * kv_heads), scale * _LOG2E, num_splits, block_tables.shape[1],
+                         *strides,
                          *pml_strides, SPLIT_OUT=True, **common)
     return out
 

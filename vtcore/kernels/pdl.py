@@ -5,10 +5,11 @@ A batch-1 decode step is ~300 short launches back to back (an NVFP4 Qwen3-4B ste
 memory round trip) is a visible share of it. Launched with PDL (Triton's ``launch_pdl``), a kernel's
 programs may be scheduled while the kernel before it on the stream is still finishing.
 
-Correctness does not depend on it: every kernel launched so calls :func:`wait_prior` first, whose
-``griddepcontrol.wait`` returns only once the kernel before has completed and its writes are
-visible, so nothing is read or written early (the shared arrival counters of
-:mod:`vtcore.kernels.workspace` included). Right after the wait, ``griddepcontrol.launch_dependents``
+Correctness does not depend on it: every kernel launched so calls :func:`wait_prior` before it
+touches memory another kernel writes (its first statement, except that the one-row GEMV first
+requests its first weight tile: weights are no kernel's output); ``griddepcontrol.wait`` returns
+only once the kernel before has completed and its writes are visible, so nothing is read or
+written early (the shared arrival counters of :mod:`vtcore.kernels.workspace` included). Right after the wait, ``griddepcontrol.launch_dependents``
 lets the next kernel be scheduled in turn: at most one kernel waits ahead, not a cascade. A kernel
 launched without PDL (a torch op, or PDL off) starts only after the one before has finished, as
 usual; both instructions are no-ops then. CUDA graph capture keeps the programmatic edges.
