@@ -7,7 +7,8 @@ set -uo pipefail
 out=${1:?usage: gpu_pdl_check.sh OUTDIR}
 mkdir -p "$out"
 python3 -m pytest -q -x tests/test_kernels_gemv.py tests/test_kernels_gemv_fp4.py tests/test_kernels_attention.py \
-    tests/test_kernels_elementwise.py tests/test_fused_decode_path.py tests/test_gpu_decode.py tests/test_decode_graph_path.py \
+    tests/test_kernels_elementwise.py tests/test_kernels_qk_rope_epilogue.py tests/test_fused_decode_path.py \
+    tests/test_gpu_decode.py tests/test_decode_graph_path.py \
     2>&1 | tail -5 | tee "$out/cuda_tests.txt"
 shapes=$(mktemp -d)
 python3 scripts/model_shapes.py "$shapes" >/dev/null

@@ -27,7 +27,9 @@ from vtcore.kernels.gemv import _config, _gemv_kernel, _registers
 
 SHAPES = {"4b gate_up": (19456, 2560), "4b down": (2560, 9728), "4b qkv": (6144, 2560), "4b o": (2560, 4096)}
 _POINTERS = {"x_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*i32", "r_out_ptr": "*bf16", "w_ptr": "*i32",
-             "s_ptr": "*i32", "g_ptr": "*fp32", "b_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32"}
+             "s_ptr": "*i32", "g_ptr": "*fp32", "b_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32",
+             "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+             "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64"}
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -37,8 +39,10 @@ def compile_launch(n: int, k: int, sms: int, maxnreg: int | None) -> bytes:
     const = dict(N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=1, BLOCK_N=bn,
                  BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=False, PROLOGUE=0, HAS_RESIDUAL=False,
                  ZERO_CENTERED=False, FP4=True, FP4_MMA=True, GROUP=16, SCALE_E8M0=False, HAS_GLOBAL=True,
-                 SWIGLU=False, DOT_PRECISION="tf32", INTERPRET=False, PDL=True)
-    sig = {**_POINTERS, "M": "i32", "stride_xm": "i32", "stride_rm": "i32", "eps": "fp32", **{c: "constexpr" for c in const}}
+                 SWIGLU=False, ROPE=False, NQ=0, NKV=0, QK_NORM=False, QK_ZERO_CENTERED=False,
+                 DOT_PRECISION="tf32", INTERPRET=False, PDL=True)
+    sig = {**_POINTERS, "M": "i32", "stride_xm": "i32", "stride_rm": "i32", "eps": "fp32", "stride_cos": "i32",
+           "stride_ct": "i32", "stride_ch": "i32", "qk_eps": "fp32", **{c: "constexpr" for c in const}}
     names = list(sig)
     src = ASTSource(_gemv_kernel, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                     attrs={(i,): [["tt.divisibility", 16]] for i in range(len(_POINTERS))})

@@ -53,12 +53,13 @@ def checkpoint(request, tiny_checkpoint, tmp_path_factory) -> str:
 
 def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
     """Dense weights with the norm and SwiGLU prologues, and packed FP4 ones decoded inside the GEMV
-    with the SwiGLU epilogue (the torch path decodes them transiently in float32)."""
+    with the SwiGLU epilogue (the torch path decodes them transiently in float32); the qkv GEMV
+    finishing q/k/v itself (norm, RoPE, cache write) in both."""
     from vtcore.kernels import gemv
     from vtcore.quant.fp4 import FP4Weight
 
     ref, layers = _generate(checkpoint)
-    calls = {"gemv_rms_norm": 0, "gemv_silu_and_mul": 0, "gemv_swiglu": 0, "gemv": 0}
+    calls = {"gemv_rms_norm": 0, "gemv_silu_and_mul": 0, "gemv_swiglu": 0, "gemv_qk_rope": 0, "gemv": 0}
     fp4_calls = []
     for name in calls:
         def spy(*args, _f=getattr(gemv, name), _n=name, **kwargs):
@@ -71,13 +72,17 @@ def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
     got, _ = _generate(checkpoint)
     if "FP4" in checkpoint:
         # qkv, o, gate_up and down of every one-row forward (9 decode steps and the 1-token prompt's
-        # prefill) take the FP4 GEMV, without prologues; gate_up with the SwiGLU epilogue
+        # prefill) take the FP4 GEMV, without prologues; gate_up with the SwiGLU epilogue, qkv (but
+        # the first layer's, which has no residual) with the q/k norm, RoPE and KV-write epilogue
         assert len(fp4_calls) == 4 * layers * 10 and calls["gemv_swiglu"] == layers * 10
+        assert calls["gemv_qk_rope"] == (layers - 1) * 10
         assert calls["gemv_rms_norm"] == calls["gemv_silu_and_mul"] == 0
     else:
         # each of the 3 requests' 3 decode steps, in every layer: both norms fused (but the first
-        # layer's input norm, which has no residual to add) and SwiGLU fused
-        assert calls["gemv_rms_norm"] >= 9 * (2 * layers - 1) and calls["gemv_silu_and_mul"] >= 9 * layers
+        # layer's input norm, which has no residual to add; the others with the qkv GEMV's q/k norm,
+        # RoPE and KV-write epilogue) and SwiGLU fused
+        assert calls["gemv_rms_norm"] >= 9 * layers and calls["gemv_silu_and_mul"] >= 9 * layers
+        assert calls["gemv_qk_rope"] >= 9 * (layers - 1)
         assert not fp4_calls and calls["gemv_swiglu"] == 0
     assert calls["gemv"] > 0  # o_proj and lm_head
     for rid, want in ref.items():

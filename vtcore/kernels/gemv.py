@@ -70,10 +70,11 @@ from vtcore.kernels.fp4_gemm import X_SCALE, _word_scales
 from vtcore.kernels.fp4_mma import fp4_mma_rows, layout_ok
 from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
+from vtcore.kernels.rope import QKRope, head_epilogue
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.quant.fp4 import FP4Weight
 
-__all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "gemv_swiglu", "supports", "gemv_ref"]
+__all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "gemv_swiglu", "gemv_qk_rope", "supports", "gemv_ref"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Weight = torch.Tensor | FP4Weight  # a dense [N, K] weight in x's dtype, or packed FP4
@@ -96,8 +97,9 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, fused: str | None = None) -> bool:
     """Whether :func:`gemv` (``fused`` None), :func:`gemv_silu_and_mul` ("silu_and_mul": ``x`` is
-    [M, 2K]), :func:`gemv_rms_norm` ("rms_norm") or :func:`gemv_swiglu` ("swiglu") handles these
-    operands (else use torch)."""
+    [M, 2K]), :func:`gemv_rms_norm` ("rms_norm"), :func:`gemv_swiglu` ("swiglu") or
+    :func:`gemv_qk_rope` ("qk_rope"; also check :meth:`QKRope.fits`) handles these operands (else use
+    torch)."""
     if not (x.is_cuda or INTERPRET) or x.device != weight.device or x.dim() != 2 or x.dtype not in _DTYPES:
         return False
     if isinstance(weight, FP4Weight):
@@ -105,7 +107,7 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, 
         # No prologue: recomputed per x element in every program, it costs more than its own launch
         # (an NVFP4 Qwen3-4B decode step took 4.1 ms with them; the GEMV streams codes at ~6 instructions
         # a code, so x work per code counts).
-        ok = (x.shape[0] == 1 and fused in (None, "swiglu") and weight.scale_kind in ("e4m3", "e8m0")
+        ok = (x.shape[0] == 1 and fused in (None, "swiglu", "qk_rope") and weight.scale_kind in ("e4m3", "e8m0")
               and g >= 8 and not g & (g - 1)
               and weight.packed.storage_offset() % 4 == 0  # read as int32 words
               and weight.shape[1] % g == 0 and weight.packed.dtype == torch.uint8 and weight.scale.dtype == torch.uint8
@@ -123,7 +125,7 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, 
     width = 2 * k if fused == "silu_and_mul" else k
     if m > _MAX_M or x.shape[1] != width or k == 0 or k % 8 or x.stride(1) != 1:
         return False
-    if fused == "swiglu" and (m != 1 or weight.shape[0] % 2):
+    if fused in ("swiglu", "qk_rope") and (m != 1 or weight.shape[0] % 2):
         return False
     return bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()
                             and bias.device == x.device)
@@ -202,13 +204,15 @@ def _fp4_step(w, sb, x_ptr, k0, k_lim, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr, M, stride_xm, stride_rm,
-    eps, N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr,
+    pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, M, stride_xm, stride_rm,
+    eps, stride_cos, stride_ct, stride_ch, qk_eps, N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FP4: tl.constexpr, FP4_MMA: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-    SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, QK_NORM: tl.constexpr,
+    QK_ZERO_CENTERED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (n tile, k split): ``BLOCK_N`` output columns over K range ``[pid_k * K_SPLIT, +K_SPLIT)``.
 
@@ -222,6 +226,8 @@ def _gemv_kernel(
     ``SWIGLU`` (one row, a [gate | up] weight of N = 2I rows): an n tile is BLOCK_N / 2 gate rows and
     the same up rows (I further on); its epilogue rounds the sums as the projection's output would be
     and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.activation.silu_mul`).
+    ``ROPE`` (one row of a [q | k | v] projection, BLOCK_N = head_dim): an n tile is a head, which
+    its epilogue norms, rotates and writes to the KV cache (:func:`vtcore.kernels.rope.head_epilogue`).
     """
     DT: tl.constexpr = out_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
@@ -347,7 +353,10 @@ def _gemv_kernel(
             y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         y += tl.load(b_ptr + bias_off, mask=bias_off < N, other=0.0).to(tl.float32)
-    if SWIGLU:
+    if ROPE:
+        head_epilogue(y, pid_n, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_ptr, kw_ptr, kc_ptr, vc_ptr,
+                      slot_ptr, stride_ct, stride_ch, qk_eps, NQ, NKV, BLOCK_N, QK_NORM, QK_ZERO_CENTERED, DT, INTERPRET)
+    elif SWIGLU:
         gate, up = tl.split(tl.permute(tl.reshape(_cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
         cols = pid_n * HALF + tl.arange(0, HALF)
         tl.store(out_ptr + cols, silu_mul(gate, up, DT, INTERPRET), mask=cols < N // 2)
@@ -409,9 +418,11 @@ def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, bl
 
 def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue: int,
             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, zero_centered: bool,
-            config: dict[str, int], swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            config: dict[str, int], swiglu: bool = False, rope: QKRope | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out, new residual or None); shapes already checked. ``config`` forces launch parameters;
-    ``swiglu``: the SwiGLU epilogue (one row, N even; out [1, N / 2])."""
+    ``swiglu``: the SwiGLU epilogue (one row, N even; out [1, N / 2]); ``rope``: the q/k norm, RoPE
+    and KV-cache write epilogue (one row; tiles of one head)."""
     unknown = set(config) - set(_LAUNCH_KEYS)
     if unknown:
         raise TypeError(f"gemv: unknown launch parameter(s) {sorted(unknown)}; expected some of {_LAUNCH_KEYS}")
@@ -424,6 +435,8 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
     w = weight if fp4 is None else fp4.packed.view(torch.int32)  # 8 codes a word
     bits = 4 if fp4 is not None else 8 * x.element_size()
     mma = fp4 is not None and config.get("fp4_mma", True) and use_fp4_mma(x, fp4)
+    if rope is not None and config.setdefault("block_n", rope.head_dim) != rope.head_dim:
+        raise ValueError(f"gemv_qk_rope: block_n={config['block_n']}: a tile is one head, {rope.head_dim} rows")
     block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, bits, _num_sms(x.device),
                                                              *(config.get(key) for key in _CONFIG_KEYS), mma)
     if fp4 is not None and prologue:
@@ -446,12 +459,19 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         x[0].view(torch.int32) if mma else x, x if residual is None else residual, w if norm_weight is None else norm_weight,
         out if new_residual is None else new_residual, w, w if fp4 is None else fp4.scale.view(torch.int32) if mma else fp4.scale,
         w if fp4 is None or fp4.row_global is None else fp4.row_global, w if bias is None else bias, out, ws, sem,
+        *((rope.positions, rope.cos_cache, rope.sin_cache, rope.q_weight if rope.q_weight is not None else out,
+           rope.k_weight if rope.k_weight is not None else out, rope.k_cache, rope.v_cache, rope.slot_mapping)
+          if rope is not None else (out,) * 8),
         m, x.stride(0), 0 if residual is None else residual.stride(0), eps,
+        *((rope.cos_cache.stride(0), rope.k_cache.stride(0), rope.k_cache.stride(1), rope.eps) if rope is not None
+          else (0, 0, 0, 0.0)),
         N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, FP4=fp4 is not None, FP4_MMA=mma,
         GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
-        HAS_GLOBAL=fp4 is not None and fp4.row_global is not None, SWIGLU=swiglu,
+        HAS_GLOBAL=fp4 is not None and fp4.row_global is not None, SWIGLU=swiglu, ROPE=rope is not None,
+        NQ=rope.q_heads if rope else 0, NKV=rope.kv_heads if rope else 0,
+        QK_NORM=rope is not None and rope.q_weight is not None, QK_ZERO_CENTERED=rope is not None and rope.zero_centered,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is moot for 16-bit inputs
         INTERPRET=INTERPRET, num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         **pdl_launch(x.device),
@@ -552,10 +572,35 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     the GEMV in one launch. ``norm_weight`` [K] in x's dtype; ``residual`` contiguous, like x."""
     k = weight.shape[-1]
     _check("gemv_rms_norm", x, weight, k, f"x [M<={_MAX_M}, {k}] for weight [N, {k}]")
+    _check_norm("gemv_rms_norm", x, residual, norm_weight, k)
+    return _launch(x, weight, bias, 2, residual, norm_weight, eps, zero_centered, config)
+
+
+def _check_norm(name: str, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, k: int) -> None:
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or (
             residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                       or residual.stride(1) != 1)):
-        raise ValueError(f"gemv_rms_norm: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}, residual "
+        raise ValueError(f"{name}: norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}, residual "
                          f"{None if residual is None else (tuple(residual.shape), residual.dtype)}: expected norm_weight "
                          f"[{k}] and a residual shaped like x {tuple(x.shape)}, all {x.dtype}")
-    return _launch(x, weight, bias, 2, residual, norm_weight, eps, zero_centered, config)
+
+
+def gemv_qk_rope(x: torch.Tensor, weight: Weight, rope: QKRope, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 zero_centered: bool = False, **config: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decode token's attention inputs in one launch: ``qkv = F.linear(x, weight, bias)`` ([1, N],
+    N = (q_heads + 2 kv_heads) x head_dim), then, as :func:`vtcore.kernels.rope.qk_norm_rope` with its
+    cache write would do it in place, q and k heads normed and rotated and the token's k and v written
+    to its cache slot; returns ``(qkv, None)``. With ``norm_weight`` (dense weights, see
+    :func:`supports`), x first goes through :func:`gemv_rms_norm`'s prologue: ``(qkv, h)`` with ``h =
+    residual + x``. Saves the ``qk_norm_rope`` launch a decode layer (for FP4 weights, one of two)."""
+    k = weight.shape[-1]
+    _check("gemv_qk_rope", x, weight, k, f"x [1, {k}] for weight [N, {k}]")
+    if not rope.fits(x, weight.shape[0]):
+        raise ValueError(f"gemv_qk_rope: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}: the rope operands "
+                         f"({rope.q_heads} q heads, {rope.kv_heads} kv heads, head_dim {rope.head_dim}) do not fit "
+                         "(see QKRope.fits)")
+    if norm_weight is None:
+        return _launch(x, weight, bias, 0, None, None, 0.0, False, config, rope=rope)
+    _check_norm("gemv_qk_rope", x, residual, norm_weight, k)
+    return _launch(x, weight, bias, 2, residual, norm_weight, eps, zero_centered, config, rope=rope)

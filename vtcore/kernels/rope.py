@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +26,101 @@ from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.layers.rotary import qk_norm_rope_torch
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "QKRope"]
+
+
+@attrs.frozen
+class QKRope:
+    """What :func:`qk_norm_rope` (with the cache write) needs for one decode token, handed to the qkv
+    GEMV whose epilogue does that work instead (:func:`vtcore.kernels.gemv.gemv_qk_rope`)."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    zero_centered: bool
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def fits(self, x: torch.Tensor, n: int) -> bool:
+        """Whether the epilogue handles a projection of ``x`` (one row) to ``n`` outputs: a head a
+        power of two >= 16 wide, RoPE over all of it (float32 caches), one token's position and slot,
+        q/k norm weights both or neither in x's dtype, and caches [slots, kv_heads, head_dim] of x's
+        dtype in one layout with contiguous heads."""
+        hd, kc = self.head_dim, self.k_cache
+        weights = (self.q_weight, self.k_weight)
+        return (x.shape[0] == 1 and n == (self.q_heads + 2 * self.kv_heads) * hd and hd >= 16 and not hd & (hd - 1)
+                and self.cos_cache.shape[1] == hd and self.cos_cache.dtype == self.sin_cache.dtype == torch.float32
+                and self.cos_cache.stride() == self.sin_cache.stride() and self.cos_cache.stride(1) == 1
+                and self.positions.numel() == 1 and self.slot_mapping.numel() == 1
+                and (weights[0] is None) == (weights[1] is None)
+                and all(w is None or (w.shape == (hd,) and w.dtype == x.dtype and w.is_contiguous()) for w in weights)
+                and kc.dim() == 3 and kc.shape[1:] == (self.kv_heads, hd) and kc.dtype == x.dtype
+                and self.v_cache.shape == kc.shape and self.v_cache.stride() == kc.stride() and kc.stride(2) == 1
+                and self.v_cache.dtype == kc.dtype)
+
+
+@triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``, every op rounded to ``DT``
+    (float32 halves in, ``DT`` halves out)."""
+    a1 = _cast(x1 * c1, DT, INTERPRET).to(tl.float32)
+    b1 = _cast(x2 * s1, DT, INTERPRET).to(tl.float32)
+    a2 = _cast(x2 * c2, DT, INTERPRET).to(tl.float32)
+    b2 = _cast(x1 * s2, DT, INTERPRET).to(tl.float32)
+    return _cast(a1 - b1, DT, INTERPRET), _cast(a2 + b2, DT, INTERPRET)
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, cs, j, jm, HALF: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The cos and sin halves at row offset ``cs`` of the float32 caches, rounded to ``DT`` (as
+    :class:`vtcore.layers.rotary.RotaryEmbedding` rounds them), as float32."""
+    c1 = _cast(tl.load(cos_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    c2 = _cast(tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    s1 = _cast(tl.load(sin_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    s2 = _cast(tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def head_epilogue(y, head, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
+                  stride_ct, stride_ch, eps, NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Head ``head`` of one token's [q | k | v] projection, from ``y``, its HEAD_DIM float32 sums (the
+    qkv GEMV's epilogue, :func:`vtcore.kernels.gemv.gemv_qk_rope`): rounded to ``DT`` as the projection
+    would be, then q and k heads normed and rotated as :func:`qk_norm_rope` does (full-width RoPE; only
+    the float32 sum of squares may be summed in another order) and written to ``out_ptr``'s head; k
+    and v heads also go to cache slot ``slot_ptr[0]`` (skipped when negative)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    j = tl.arange(0, HALF)
+    x1, x2 = tl.split(tl.permute(tl.reshape(_cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
+    dst = out_ptr + head * HEAD_DIM
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if head < NQ + NKV:
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr) * stride_cos, j, j < HALF, HALF, DT, INTERPRET)
+        if HAS_NORM:
+            q_head = head < NQ
+            w1 = tl.where(q_head, tl.load(qw_ptr + j), tl.load(kw_ptr + j)).to(tl.float32)
+            w2 = tl.where(q_head, tl.load(qw_ptr + HALF + j), tl.load(kw_ptr + HALF + j)).to(tl.float32)
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * (1.0 / HEAD_DIM) + eps)
+            x1 = _cast(_normalize(x1, rstd, w1, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
+            x2 = _cast(_normalize(x2, rstd, w2, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
+        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, INTERPRET)
+        cache = kc_ptr + slot * stride_ct + (head - NQ) * stride_ch
+    else:
+        o1, o2 = x1.to(DT), x2.to(DT)
+        cache = vc_ptr + slot * stride_ct + (head - NQ - NKV) * stride_ch
+    tl.store(dst + j, o1)
+    tl.store(dst + HALF + j, o2)
+    if head >= NQ and slot >= 0:
+        tl.store(cache + j, o1)
+        tl.store(cache + HALF + j, o2)
 
 
 @triton.jit
@@ -60,13 +155,7 @@ def _norm_rope_heads(x_ptr, stride_h, w_ptr, c1, c2, s1, s2, eps,
             wr = tl.load(w_ptr + r, mask=r < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
             xr = _cast(_normalize(xr.to(tl.float32), rstd, wr, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
             tl.store(rows + r[None, :], xr, mask=rm)
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); every op rounded to DT
-    a1 = _cast(x1 * c1, DT, INTERPRET).to(tl.float32)
-    b1 = _cast(x2 * s1, DT, INTERPRET).to(tl.float32)
-    a2 = _cast(x2 * c2, DT, INTERPRET).to(tl.float32)
-    b2 = _cast(x1 * s2, DT, INTERPRET).to(tl.float32)
-    o1 = _cast(a1 - b1, DT, INTERPRET)
-    o2 = _cast(a2 + b2, DT, INTERPRET)
+    o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, INTERPRET)
     tl.store(rows + j[None, :], o1, mask=jm)
     tl.store(rows + HALF + j[None, :], o2, mask=jm)
     return o1, o2, xr
@@ -105,11 +194,9 @@ def _qk_norm_rope_kernel(
         return
     j = tl.arange(0, BLOCK_HALF)
     jm = j < HALF
-    cs = tl.load(pos_ptr + t * stride_pos) * stride_cs
-    c1 = _cast(tl.load(cos_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
-    c2 = _cast(tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
-    s1 = _cast(tl.load(sin_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
-    s2 = _cast(tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr + t * stride_pos) * stride_cs, j, jm, HALF, DT,
+                              INTERPRET)
+    c1, c2, s1, s2 = c1[None, :], c2[None, :], s1[None, :], s2[None, :]
     if part == 0:
         _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, c1, c2, s1, s2, eps, NQ, BLOCK_Q, HEAD_DIM, ROT,
                          BLOCK_HALF, BLOCK_REST, HAS_NORM, ZERO_CENTERED, DT, INTERPRET)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vtcore.kernels import paged_attention as kernels
+from vtcore.kernels.rope import QKRope
 
 
 @attrs.define
@@ -88,12 +89,31 @@ class Attention(nn.Module):
         With ``rotary`` (a ``RotaryEmbedding``) and ``positions``, q and k are first normed by
         ``q_norm``/``k_norm`` (when given) and rotated; on CUDA that and the cache write are one kernel."""
         md = get_attention_metadata()
-        triton = q.is_cuda
         if rotary is not None:
             q, k = rotary(positions, q, k, q_norm, k_norm, kv_cache=(v, self.k_cache, self.v_cache, md.slot_mapping))
         else:
-            (kernels.write_kv_cache if triton else kernels.write_kv_cache_ref)(
+            (kernels.write_kv_cache if q.is_cuda else kernels.write_kv_cache_ref)(
                 k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        return self.attend(q)
+
+    def decode_rope(self, positions: torch.Tensor, rotary: nn.Module, q_norm: nn.Module | None,
+                    k_norm: nn.Module | None) -> QKRope | None:
+        """The operands for a qkv GEMV that norms, rotates and caches this layer's q/k/v itself
+        (:func:`vtcore.kernels.gemv.gemv_qk_rope`): a decode step of one token with RoPE over whole
+        heads; else None."""
+        md = get_attention_metadata()
+        if not md.decode or positions.numel() != 1 or rotary.rotary_dim != self.head_dim:
+            return None
+        norm = q_norm or k_norm
+        return QKRope(self.num_heads, self.num_kv_heads, self.head_dim, q_norm.weight if q_norm else None,
+                      k_norm.weight if k_norm else None, norm.eps if norm else 0.0, bool(norm and norm.zero_centered),
+                      rotary.cos_cache, rotary.sin_cache, positions, self.k_cache, self.v_cache, md.slot_mapping)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` [tokens, heads, dim] (normed and rotated) over the cache, this step's K/V already in
+        it -> [tokens, heads * dim]."""
+        md = get_attention_metadata()
+        triton = q.is_cuda
         if md.decode:
             out = (kernels.paged_decode_attention if triton else kernels.paged_decode_attention_ref)(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.block_size,

@@ -83,6 +83,19 @@ class QKVAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.forward_projected(positions, self.qkv_proj(x))
 
+    def forward_normed(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(self(positions, norm(x + residual)), x + residual)`` in fewer launches where the qkv GEMV
+        can finish the attention inputs itself (one decode token, RoPE over whole heads, no output
+        gate: :meth:`Linear.forward_qk_rope`); else None."""
+        rope = None if self.output_gate else self.attn.decode_rope(positions, self.rotary, self.q_norm, self.k_norm)
+        fused = None if rope is None else self.qkv_proj.forward_qk_rope(x, residual, norm, rope)
+        if fused is None:
+            return None
+        qkv, residual = fused
+        q = qkv[:, :self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+        return self.o_proj(self.attn.attend(q)), residual
+
 
 class PreNormDecoderLayer(nn.Module):
     """A pre-norm layer with the residual carried between layers: ``input_layernorm`` (adding the
@@ -92,7 +105,10 @@ class PreNormDecoderLayer(nn.Module):
     ``mix_module`` / ``ffn_module``. A module whose input goes through one Linear first declares it:
     ``in_proj`` (that Linear) and ``forward_projected(positions, y)`` (the rest, so that
     ``module(x) == module.forward_projected(positions, module.in_proj(x))``); the norm (and residual
-    add) before it then runs inside that Linear's GEMV on the decode path (one launch, not two).
+    add) before it then runs inside that Linear's GEMV on the decode path (one launch, not two). A
+    module may also offer ``forward_normed(positions, x, residual, norm)``, tried first: the whole
+    ``(module(norm(x + residual)), x + residual)`` or None (attention's decode path, whose qkv GEMV
+    also norms, rotates and caches q/k/v).
     """
 
     input_layernorm: RMSNorm
@@ -125,8 +141,13 @@ class PreNormDecoderLayer(nn.Module):
 def _norm_into(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, module: nn.Module | None,
                run: Callable[[torch.Tensor], torch.Tensor], positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(run(norm(x + residual)), x + residual)``; through ``module.in_proj.forward_rms_norm`` when the
-    module has one (the norm then runs inside its GEMV when it can)."""
+    """``(run(norm(x + residual)), x + residual)``; through ``module.forward_normed`` when the module
+    has one and it applies, else ``module.in_proj.forward_rms_norm`` when the module has that (the norm
+    then runs inside its GEMV when it can)."""
+    fused = getattr(module, "forward_normed", None)
+    done = None if fused is None else fused(positions, x, residual, norm)
+    if done is not None:
+        return done
     proj = getattr(module, "in_proj", None)
     if proj is not None:
         y, residual = proj.forward_rms_norm(x, residual, norm)

@@ -10,11 +10,16 @@ decode sizes its ``gemv_weight(layer)``, when not None, feeds the Triton GEMV in
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from vtcore.layers.activation import silu_and_mul
+
+if TYPE_CHECKING:
+    from vtcore.kernels.rope import QKRope
 
 
 GEMV_MAX_ROWS = 16  # up to this many rows, CUDA runs vtcore.kernels.gemv instead of cuBLAS
@@ -118,6 +123,22 @@ class Linear(nn.Module):
             return gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, weight, self.bias, norm.zero_centered)
         h, residual = norm(x, residual)
         return self(h), residual
+
+
+    def forward_qk_rope(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, rope: "QKRope"
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(self(norm(x + residual)), x + residual)`` for a [q | k | v] projection of one decode token,
+        with ``rope``'s q/k norm, RoPE and KV-cache write done by the GEMV's epilogue
+        (:func:`vtcore.kernels.gemv.gemv_qk_rope`; the norm before it as its prologue where
+        ``forward_rms_norm`` would fuse it); None where that GEMV does not apply."""
+        weight = self._gemv_weight(x, "qk_rope")
+        if weight is None or not rope.fits(x, weight.shape[0]):
+            return None
+        from vtcore.kernels import gemv
+        if norm.weight.dtype == x.dtype and gemv.supports(x, weight, self.bias, "rms_norm"):
+            return gemv.gemv_qk_rope(x, weight, rope, self.bias, residual, norm.weight, norm.eps, norm.zero_centered)
+        h, residual = norm(x, residual)
+        return gemv.gemv_qk_rope(h, weight, rope, self.bias)[0], residual
 
 
 def use_gemv(x: torch.Tensor) -> bool:
