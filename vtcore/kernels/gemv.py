@@ -355,7 +355,7 @@ def _gemv_kernel(
         y += tl.load(b_ptr + bias_off, mask=bias_off < N, other=0.0).to(tl.float32)
     if ROPE:
         head_epilogue(y, pid_n, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_ptr, kw_ptr, kc_ptr, vc_ptr,
-                      slot_ptr, stride_ct, stride_ch, qk_eps, NQ, NKV, BLOCK_N, QK_NORM, QK_ZERO_CENTERED, DT, INTERPRET)
+                      slot_ptr, stride_ct, stride_ch, qk_eps, NQ, NKV, BLOCK_N, QK_NORM, QK_ZERO_CENTERED, DT)
     elif SWIGLU:
         gate, up = tl.split(tl.permute(tl.reshape(_cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
         cols = pid_n * HALF + tl.arange(0, HALF)

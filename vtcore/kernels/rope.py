@@ -91,27 +91,32 @@ def _cos_sin(cos_ptr, sin_ptr, cs, j, jm, HALF: tl.constexpr, DT: tl.constexpr, 
 @triton.jit
 def head_epilogue(y, head, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
                   stride_ct, stride_ch, eps, NQ: tl.constexpr, NKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
+                  HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, DT: tl.constexpr):
     """Head ``head`` of one token's [q | k | v] projection, from ``y``, its HEAD_DIM float32 sums (the
     qkv GEMV's epilogue, :func:`vtcore.kernels.gemv.gemv_qk_rope`): rounded to ``DT`` as the projection
     would be, then q and k heads normed and rotated as :func:`qk_norm_rope` does (full-width RoPE; only
     the float32 sum of squares may be summed in another order) and written to ``out_ptr``'s head; k
-    and v heads also go to cache slot ``slot_ptr[0]`` (skipped when negative)."""
+    and v heads also go to cache slot ``slot_ptr[0]`` (skipped when negative).
+
+    Every rounding here is done with integer ops (``_cast``'s interpreter path, ``RNE``): the GEMV
+    compiles with FP contraction, under which the float conversions' rounding was not kept (H200:
+    ~19% of the rotated values one bf16 ulp off the standalone kernel's, with and without the norm)."""
+    RNE: tl.constexpr = True
     HALF: tl.constexpr = HEAD_DIM // 2
     j = tl.arange(0, HALF)
-    x1, x2 = tl.split(tl.permute(tl.reshape(_cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
+    x1, x2 = tl.split(tl.permute(tl.reshape(_cast(y, DT, RNE).to(tl.float32), (2, HALF)), (1, 0)))
     dst = out_ptr + head * HEAD_DIM
     slot = tl.load(slot_ptr).to(tl.int64)
     if head < NQ + NKV:
-        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr) * stride_cos, j, j < HALF, HALF, DT, INTERPRET)
+        c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr) * stride_cos, j, j < HALF, HALF, DT, RNE)
         if HAS_NORM:
             q_head = head < NQ
             w1 = tl.where(q_head, tl.load(qw_ptr + j), tl.load(kw_ptr + j)).to(tl.float32)
             w2 = tl.where(q_head, tl.load(qw_ptr + HALF + j), tl.load(kw_ptr + HALF + j)).to(tl.float32)
             rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * (1.0 / HEAD_DIM) + eps)
-            x1 = _cast(_normalize(x1, rstd, w1, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
-            x2 = _cast(_normalize(x2, rstd, w2, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
-        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, INTERPRET)
+            x1 = _cast(_normalize(x1, rstd, w1, ZERO_CENTERED, DT, RNE), DT, RNE).to(tl.float32)
+            x2 = _cast(_normalize(x2, rstd, w2, ZERO_CENTERED, DT, RNE), DT, RNE).to(tl.float32)
+        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, RNE)
         cache = kc_ptr + slot * stride_ct + (head - NQ) * stride_ch
     else:
         o1, o2 = x1.to(DT), x2.to(DT)
