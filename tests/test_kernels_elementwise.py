@@ -307,3 +307,15 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match=r"k_cache \(9, 2, 8\)"):
         qk_norm_rope(q, k, *rope_args, v=torch.randn(2, 2, 16), k_cache=torch.zeros(9, 2, 8),
                      v_cache=torch.zeros(9, 2, 8), slot_mapping=torch.zeros(2, dtype=torch.long))
+
+
+def test_pdl_setting(monkeypatch):
+    """VTCORE_PDL: 0 turns programmatic dependent launch off without asking the GPU; a bad value is
+    named; CPU launches never use it."""
+    from vtcore.kernels import pdl
+    assert pdl.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert pdl._enabled.__wrapped__(0) is False
+    monkeypatch.setenv(pdl.ENV, "maybe")
+    with pytest.raises(ValueError, match="VTCORE_PDL='maybe'"):
+        pdl._enabled.__wrapped__(0)
