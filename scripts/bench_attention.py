@@ -13,27 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 
 import torch
 
 from vtcore.kernels.paged_attention import decode_num_splits, paged_decode_attention
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemv import copy_bandwidth, replay_us  # noqa: E402
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS, MAX_LEN = 32, 8, 128, 16, 36, 40960
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(6):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.numel() / statistics.median(times[1:]) / 1e9
 
 
 def case(batch: int, ctx: int) -> tuple[list, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,19 +43,7 @@ def timed(caches: list, tables: torch.Tensor, lens: torch.Tensor, q: torch.Tenso
     def run() -> None:
         for k, v in caches:
             paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5, BLOCK, MAX_LEN, out, **kw)
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    rounds = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        rounds.append(s.elapsed_time(e) * 1e3 / len(caches))
-    return statistics.median(rounds)
+    return replay_us(run, len(caches))
 
 
 def main() -> None:

@@ -29,14 +29,13 @@ SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (614
           "4b qkv": (6144, 2560), "4b o": (2560, 4096), "4b gate_up": (19456, 2560), "4b down": (2560, 9728)}
 
 
-def timed(fn, copies: list[torch.Tensor], x: torch.Tensor) -> float:
-    """Median microseconds per launch, 20 launches captured in a CUDA graph (no host launch cost)."""
-    for i in range(3):
-        fn(x, copies[i % len(copies)])
+def replay_us(run, calls: int) -> float:
+    """Median microseconds per call of ``run`` (``calls`` launches), captured in a CUDA graph after
+    warm-up calls (no host launch cost), over 5 replays."""
+    run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(20):
-            fn(x, copies[i % len(copies)])
+        run()
     rounds = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -44,8 +43,25 @@ def timed(fn, copies: list[torch.Tensor], x: torch.Tensor) -> float:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        rounds.append(start.elapsed_time(end) * 1e3 / 20)
+        rounds.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(rounds)
+
+
+def timed(fn, copies: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Median microseconds per launch, 20 launches captured in a CUDA graph (no host launch cost)."""
+    for i in range(3):
+        fn(x, copies[i % len(copies)])
+
+    def run() -> None:
+        for i in range(20):
+            fn(x, copies[i % len(copies)])
+    return replay_us(run, 20)
+
+
+def copy_bandwidth() -> float:
+    """GB/s (read + write) of a 128 MiB device copy, timed as the kernels are."""
+    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    return 2 * (1 << 27) / timed(lambda x, w: w.copy_(x), [big[: 1 << 27]], big[1 << 27:]) / 1e3
 
 
 def sweep(copies: list[torch.Tensor], k: int, n: int, default_us: float) -> list[dict]:
@@ -185,10 +201,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--fp4", action="store_true")
     args = ap.parse_args()
-    big = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    copy_us = timed(lambda x, w: w.copy_(x), [big[: 1 << 27]], big[1 << 27:])
-    copy_bw = 2 * (1 << 27) / copy_us / 1e3  # GB/s, read + write
-    del big
+    copy_bw = copy_bandwidth()
     if args.fp4:
         rows = bench_fp4(copy_bw, args.sweep)
         print(f"copy bandwidth {copy_bw:.0f} GB/s")

@@ -10,6 +10,7 @@ from torch import nn
 from vtcore.config import HFConfig
 from vtcore.layers.attention import Attention
 from vtcore.layers.embedding import EmbedInto
+from vtcore.layers import linear
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
@@ -88,7 +89,9 @@ class QKVAttention(nn.Module):
         """``(self(positions, norm(x + residual)), x + residual)`` in fewer launches where the qkv GEMV
         can finish the attention inputs itself (one decode token, RoPE over whole heads, no output
         gate: :meth:`Linear.forward_qk_rope`); else None."""
-        rope = None if self.output_gate else self.attn.decode_rope(positions, self.rotary, self.q_norm, self.k_norm)
+        if self.output_gate or x.shape[0] != 1 or not linear.use_gemv(x):  # before building the operands
+            return None
+        rope = self.attn.decode_rope(positions, self.rotary, self.q_norm, self.k_norm)
         fused = None if rope is None else self.qkv_proj.forward_qk_rope(x, residual, norm, rope)
         if fused is None:
             return None
