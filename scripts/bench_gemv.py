@@ -22,7 +22,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from vtcore.kernels.gemv import _config, _num_sms, fp4_mma_tile, gemv, gemv_swiglu
+from vtcore.kernels.device import num_sms
+from vtcore.kernels.gemv import _config, fp4_mma_tile, gemv, gemv_swiglu
 from vtcore.quant.fp4 import FP4Weight
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
@@ -110,7 +111,7 @@ def bench_fp4(copy_bw: float, sweep_configs: bool) -> list[dict]:
                "ptxas_regs_us": ptxas_us, "ptxas_regs_frac_of_copy": nbytes / ptxas_us / 1e3 / copy_bw,
                "plain_us": plain_us, "plain_frac_of_copy": nbytes / plain_us / 1e3 / copy_bw,
                "bf16_us": bf16_us, "bf16_frac_of_copy": 2 * n * k / bf16_us / 1e3 / copy_bw,
-               "config": _config(1, n, k, 4, _num_sms(torch.device("cuda")), *[None] * 5, True)}
+               "config": _config(1, n, k, 4, num_sms(torch.device("cuda")), *[None] * 5, True)}
         if name.endswith("gate_up"):  # with the SwiGLU as its epilogue (one launch, the act written)
             row["swiglu_epilogue_us"] = timed(gemv_swiglu, copies, x)
         del dense
@@ -224,7 +225,7 @@ def main() -> None:
         if args.sweep and name.startswith("0.6b"):
             rows[-3]["sweep"] = sweep(copies, k, n, ours_m1 := rows[-3]["triton_us"])
             best = min(rows[-3]["sweep"], key=lambda r: r["us"])
-            print(f"{'':13s} M= 1 default {_config(1, n, k, 16, _num_sms(torch.device('cuda')), *[None] * 5)} "
+            print(f"{'':13s} M= 1 default {_config(1, n, k, 16, num_sms(torch.device('cuda')), *[None] * 5)} "
                   f"{ours_m1:.2f} us; best {best}")
         del copies
     print(f"copy bandwidth {copy_bw:.0f} GB/s")

@@ -68,7 +68,7 @@ def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
             return _f(*args, **kwargs)
         monkeypatch.setattr(gemv, name, spy)
     monkeypatch.setattr(linear, "use_gemv", lambda x: True)
-    monkeypatch.setattr(gemv, "_num_sms", lambda device: 4)  # few, large programs: the interpreter runs them one by one
+    monkeypatch.setattr(gemv, "num_sms", lambda device: 4)  # few, large programs: the interpreter runs them one by one
     got, _ = _generate(checkpoint)
     if "FP4" in checkpoint:
         # qkv, o, gate_up and down of every one-row forward (9 decode steps and the 1-token prompt's

@@ -32,6 +32,9 @@ from vtcore.kernels.paged_attention import (  # noqa: E402
     write_kv_cache_ref,
 )
 from vtcore.kernels import paged_attention as pa  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noqa: E402
 from vtcore.kernels.workspace import arrival_counters  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -177,15 +180,18 @@ def test_references_match_oracle(heads, kv_heads):
     (4, 2, 16, 2, torch.int64),       # GQA 2, 2 splits, int64 tables
     (4, 1, 16, 1, torch.int32),       # GQA 4, one split: the single-kernel path
 ])
+@pytest.mark.parametrize("early", [False, True], ids=["wait-first", "early-reads"])
 @interp
-def test_decode_kernel_matches_reference(heads, kv_heads, bs, split, table_dtype):
+def test_decode_kernel_matches_reference(heads, kv_heads, bs, split, table_dtype, early):
+    """``early_reads`` peels each program's first tile (read before the PDL wait, its last position
+    again after it): the same result, every tile and split boundary included."""
     dim, scale = 32, 0.2
     ctx = [1, 16, 33, 79, 0, 48]  # within a block, on block/split boundaries, past them, empty
     pc = _paged(ctx, kv_heads, dim, bs, seed=heads + bs, table_dtype=table_dtype)
     q = _decode_q(len(ctx), heads, dim, seed=3, dtype=torch.float32)
     max_ctx = 80  # grid sized beyond the batch's longest context, as in a captured graph
     out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, scale, bs, max_ctx,
-                                 num_splits=split, block_n=16)
+                                 num_splits=split, block_n=16, early_reads=early)
     ref = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, pc.context_lens, scale, bs, max_ctx)
     assert out.shape == (len(ctx), heads, dim) and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -230,9 +236,9 @@ def test_decode_kernel_float16_and_out_argument():
 def test_decode_all_empty_and_split_heuristic():
     pc = _paged([0, 0], 2, 16, 8, seed=6)
     q = _decode_q(2, 2, 16, seed=6, dtype=torch.float32)
-    for splits in (3, 1):  # reduce over no splits; single kernel over no positions
+    for splits, early in ((3, False), (1, False), (3, True), (1, True)):  # no splits to reduce; no positions
         out = paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40,
-                                     num_splits=splits, block_n=16)
+                                     num_splits=splits, block_n=16, early_reads=early)
         assert torch.equal(out, torch.zeros_like(out))
     no_blocks = torch.zeros((2, 0), dtype=torch.int32)  # the kernel reads a row's entry 0 whatever the length
     out = paged_decode_attention(q, pc.k_nan, pc.v_nan, no_blocks, pc.context_lens, 1.0, 8, 40, num_splits=3,
@@ -323,6 +329,8 @@ def test_cuda_decode_bf16_real_shapes(heads, kv_heads):
     ctx = [1000 + 137 * i for i in range(15)] + [0]
     _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 32768, BF16)  # batch 16, grid sized for 32k
     _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 3000, BF16, num_splits=1)  # single kernel
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 32768, BF16, early_reads=True)
+    _check_decode("cuda", torch.bfloat16, heads, kv_heads, ctx, 3000, BF16, num_splits=1, early_reads=True)
 
 
 @cuda
@@ -332,6 +340,50 @@ def test_cuda_prefill_bf16_real_shapes(heads, kv_heads):
     qlens = [300, 1, 512, 77, 1, 1000] + [1] * 10  # prompts, chunks over cached context, decode rows
     ctx = [300, 1200, 2048, 1077, 999, 1000] + [1000 + 50 * i for i in range(10)]
     _check_prefill("cuda", torch.bfloat16, heads, kv_heads, qlens, ctx, BF16)
+
+
+@triton.jit
+def _late_last_positions(k_src, v_src, k_dst, v_dst, slot_ptr, spin_ns, ROW: tl.constexpr):
+    """Lets the kernel after it start at once (PDL), spins ``spin_ns``, then copies cache row
+    ``slot_ptr[program]`` from the sources: a decode step's cache write, late."""
+    gdc_launch_dependents()
+    start = globaltimer()
+    now = start
+    while now - start < spin_ns:
+        now = globaltimer()
+    slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
+    offs = slot * ROW + tl.arange(0, ROW)
+    tl.store(k_dst + offs, tl.load(k_src + offs))
+    tl.store(v_dst + offs, tl.load(v_src + offs))
+
+
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90")
+def test_cuda_decode_early_reads_see_the_last_position_written_by_the_kernel_before():
+    """With ``early_reads`` the programs read their first K/V tile before the PDL wait; the kernel
+    before (here one that lets them start, spins 200 us, then writes the last position) has not written
+    it yet, so the tile holding that position must be read again after the wait. Batch 1: one wave of
+    programs, where the launch uses early reads."""
+    heads, kv_heads, dim, bs = 32, 8, 128, 16
+    q = _decode_q(1, heads, dim, seed=22, dtype=torch.bfloat16, device="cuda")
+    for ctx in (1088, 64, 1):  # the last position mid-tile (split 16 of 32), at a tile's end, alone
+        pc = _paged([ctx], kv_heads, dim, bs, seed=ctx, dtype=torch.bfloat16, device="cuda")
+        slot = pc.block_tables[0, (ctx - 1) // bs].long().view(1) * bs + (ctx - 1) % bs
+        k_stale, v_stale = pc.k_cache.clone(), pc.v_cache.clone()
+        k_stale[slot], v_stale[slot] = -3 * pc.k_cache[slot], 5 * pc.v_cache[slot]
+        args = (pc.block_tables, pc.context_lens, dim ** -0.5, bs, 40960)
+        want = paged_decode_attention_ref(q, pc.k_cache, pc.v_cache, *args)
+        stale = paged_decode_attention_ref(q, k_stale, v_stale, *args)
+        assert not torch.allclose(want.float(), stale.float(), **BF16)  # the late write matters
+        for early in (True, False):
+            for spin in (0, 200_000):  # both kernels compiled first: a compile between them would serialise them
+                k_cache, v_cache = k_stale.clone(), v_stale.clone()
+                torch.cuda.synchronize()
+                _late_last_positions[(1,)](pc.k_cache, pc.v_cache, k_cache, v_cache, slot, spin, ROW=kv_heads * dim)
+                out = paged_decode_attention(q, k_cache, v_cache, *args, early_reads=early)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out.float(), want.float(), **BF16)
 
 
 @cuda

@@ -69,7 +69,8 @@ from torch.nn import functional as F
 
 from vtcore.kernels.activation import exp, silu_mul
 from vtcore.kernels.fp4_gemm import _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
-from vtcore.kernels.gemv import _fp4_step, _load, _num_sms
+from vtcore.kernels.device import num_sms
+from vtcore.kernels.gemv import _fp4_step, _load
 from vtcore.kernels.workspace import arrival_counters
 from vtcore.kernels.rmsnorm import INTERPRET, _cast
 from vtcore.quant.fp4 import dequantize_fp4, group_scales
@@ -588,7 +589,7 @@ def fused_experts(
     if path not in ("decode", "prefill"):
         raise ValueError(f"fused_experts: path={path!r}, expected 'decode' or 'prefill'")
     if path == "decode":
-        sms = _num_sms(x.device)
+        sms = num_sms(x.device)
         blocks = [_decode_blocks(n, kk, x.element_size(), group, t * k, sms)
                   for n, kk in ((i, h), (h, i))]
     else:

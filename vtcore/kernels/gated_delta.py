@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vtcore.kernels.device import num_sms
 from vtcore.kernels.rmsnorm import INTERPRET
 
 __all__ = ["gdn_decode_step", "chunk_gated_delta_rule"]
@@ -66,7 +67,6 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _F32 = (torch.float32,)
 _L2_EPS = 1e-6  # vtcore.layers.gated_delta.l2_normalize's
 _SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: linear above it
-_INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
 _PROGRAMS_PER_SM = 2  # the Dv tiling aims for this many programs per SM
 
 
@@ -261,11 +261,6 @@ def _chunk_output_kernel(
 
 
 # -------------------------------------------------------------------------------------------- host
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _pick_block_dv(programs_per_tile: int, dv: int, sms: int, floor: int) -> int:
@@ -373,7 +368,7 @@ def gdn_decode_step(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
         mixed_qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1), dk ** -0.5,
         HK=hk, HV=hv, DK=dk, DV=dv, KERNEL=kernel, BLOCK_D=triton.next_power_of_2(max(dk, dv)), EPS=_L2_EPS,
         num_warps=4)
-    bdv = block_dv or _decode_block_dv(rows, hv, dv, _num_sms(device))
+    bdv = block_dv or _decode_block_dv(rows, hv, dv, num_sms(device))
     _decode_recurrent_kernel[(rows, hv, triton.cdiv(dv, bdv))](
         qkv, a, b, A_log, dt_bias, rec_states, slots, has_state, out, a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=bdv,
@@ -409,7 +404,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         return out, state.clone()
     num_chunks = triton.cdiv(t, chunk)
     t_pad = num_chunks * chunk
-    block_dk, prepare_dv, tile_dv, warps = _chunk_config(h, dk, dv, chunk, _num_sms(device))
+    block_dk, prepare_dv, tile_dv, warps = _chunk_config(h, dk, dv, chunk, num_sms(device))
     bdv = block_dv or tile_dv
     u = torch.empty((h, t_pad, dv), dtype=torch.float32, device=device)  # u, then v_new
     w = torch.empty((h, t_pad, dk), dtype=torch.float32, device=device)

@@ -66,6 +66,7 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from vtcore.kernels.activation import silu_mul
+from vtcore.kernels.device import num_sms
 from vtcore.kernels.fp4_gemm import X_SCALE, _word_scales
 from vtcore.kernels.fp4_mma import fp4_mma_rows, layout_ok
 from vtcore.kernels.pdl import pdl_launch, wait_prior
@@ -82,7 +83,6 @@ _MAX_M = 16
 _TILE_BYTES = 8192  # weight bytes per program per K step
 _PROGRAMS_PER_SM = 3  # programs the heuristic aims for
 _SPLIT_BELOW_PER_SM = 1  # split K when the N tiles are fewer than this many per SM
-_INTERPRET_SMS = 132  # the H200's, so the interpreter runs the same heuristic
 _CONFIG_KEYS = ("block_n", "block_k", "split_k", "num_warps", "num_stages")  # _config's forced fields, in order
 _LAUNCH_KEYS = _CONFIG_KEYS + ("fp4_mma", "maxnreg")  # every key gemv() takes
 _REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds (sm_80 .. sm_90)
@@ -364,13 +364,6 @@ def _gemv_kernel(
         tl.store(out_ptr + dst, _cast(y, DT, INTERPRET), mask=out_mask)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _pick_block_k(k: int, target: int, floor: int) -> int:
     """The largest power of two <= ``target`` (and <= next_pow2(k)) dividing ``k``, not below
     ``floor``; if none does, ``min(target, next_pow2(k))`` (the loop then masks K)."""
@@ -437,7 +430,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
     mma = fp4 is not None and config.get("fp4_mma", True) and use_fp4_mma(x, fp4)
     if rope is not None and config.setdefault("block_n", rope.head_dim) != rope.head_dim:
         raise ValueError(f"gemv_qk_rope: block_n={config['block_n']}: a tile is one head, {rope.head_dim} rows")
-    block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, bits, _num_sms(x.device),
+    block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, bits, num_sms(x.device),
                                                              *(config.get(key) for key in _CONFIG_KEYS), mma)
     if fp4 is not None and prologue:
         raise ValueError("gemv: FP4 weights take no prologue (see supports()); run the norm / SwiGLU first")
@@ -449,7 +442,7 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
                          "(see use_fp4_mma and fp4_mma_tile)")
     n_tiles = triton.cdiv(n, bn)  # SWIGLU: cdiv(n / 2, bn / 2), the same
-    maxnreg = config.get("maxnreg", (_registers(n_tiles * split, _num_sms(x.device), warps) if mma else 0) or 0)
+    maxnreg = config.get("maxnreg", (_registers(n_tiles * split, num_sms(x.device), warps) if mma else 0) or 0)
     if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 0 <= maxnreg <= 255:
         raise ValueError(f"gemv: maxnreg={maxnreg!r}: expected registers a thread may use, 1..255, or 0 (ptxas's "
                          "choice)")

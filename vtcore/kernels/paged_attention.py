@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from vtcore.kernels.device import num_sms
 from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.workspace import arrival_counters
 
@@ -36,6 +37,10 @@ _BLOCK_N = 64  # decode key tile (positions)
 _PREFILL_BLOCK_M = 64  # prefill query rows a program
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
 _MAX_SPLITS = 32  # ... but no more splits than this (programs past the context still cost their start)
+# Early reads (paged_decode_attention's early_reads) only for grids of at most this many programs an SM: the
+# kernel holds ~200 registers a thread, two programs an SM. On the H200 (scripts/bench_attention.py,
+# 2026-12-01) batch 1 (256 programs) went 7.9 -> 6.2 us a call at a 1088 context, batch 8 (1024) 17.1 -> 20.2.
+_EARLY_PROGRAMS_PER_SM = 2
 _COMBINE_VALUES = 8192  # partial values (heads x splits x head_dim) the last-arriving program loads at once
 
 
@@ -93,7 +98,7 @@ def _attend_tile(
     q, acc, m_i, l_i, k_ptr, v_ptr, bt_row_ptr, kv_head_off, start, key_end, q_pos, scale_log2,
     stride_cs, stride_cd, offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EARLY_V: tl.constexpr = False, block=None,
+    EARLY_V: tl.constexpr = False, block=None, k_tile=None, v_tile=None,
 ):
     """One online-softmax step of rows ``q`` [R, D] over key positions ``start + offs_n``.
 
@@ -102,22 +107,28 @@ def _attend_tile(
     its first tile, so the running max is finite and no ``-inf - -inf`` arises. ``EARLY_V`` issues the
     V load beside K's (decode: one tile a program, latency-bound; prefill keeps V's registers free
     until the scores are done). ``block``: the positions' cache blocks when the caller loaded them
-    (int64 [BLOCK_N]; any value where masked), else loaded here.
+    (int64 [BLOCK_N]; any value where masked), else loaded here. ``k_tile``, ``v_tile``: the tile's K
+    and V when the caller loaded them (``block`` then unused), else loaded here.
     """
     pos = start + offs_n
     if BOUNDED:
         n_mask = pos < key_end
-        if block is None:
-            block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
+    if k_tile is not None:
+        k = k_tile
+        v = v_tile
     else:
-        if block is None:
-            block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
-        kv_mask = d_mask[None, :]
-    kv = kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
-    k = tl.load(k_ptr + kv, mask=kv_mask, other=0.0)
-    if EARLY_V:
-        v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)
+        if BOUNDED:
+            if block is None:
+                block = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            if block is None:
+                block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_mask[None, :]
+        kv_off = kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        if EARLY_V:
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if BOUNDED:
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -126,8 +137,8 @@ def _attend_tile(
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    if not EARLY_V:
-        v = tl.load(v_ptr + kv, mask=kv_mask, other=0.0)
+    if not EARLY_V and k_tile is None:
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
@@ -177,6 +188,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Program (split, kv head, seq): the GROUP query heads of a kv head over the key tiles
     ``split, split + num_splits, ...`` (BLOCK_N positions each).
@@ -190,8 +202,12 @@ def _decode_kernel(
     once. Otherwise (one split) the program writes the normalised output; an empty context gives zeros.
     Each tile's block-table entries are loaded a tile ahead (clamped to the row's ``max_blocks``, so
     the load needs no context length: the first one goes out beside the length's).
+    ``EARLY`` (PDL): the block table, the lengths and the program's first K/V tile are read before
+    waiting on the kernel before, which must write none of them but each sequence's last position
+    (a decode step's qkv projection); the tile holding that position is read again after the wait.
     """
-    wait_prior(PDL)
+    if not EARLY:
+        wait_prior(PDL)
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -209,12 +225,35 @@ def _decode_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + b * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_ptrs = q_ptr + b * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q_mask = g_mask[:, None] & d_mask[None, :]
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    for t in range(split, num_tiles, num_splits):
+    first = split
+    if EARLY:  # the first tile by hand: its K/V before the wait, the last position's again after it
+        pos = split * BLOCK_N + offs_n
+        kv_mask = (pos < ctx)[:, None] & d_mask[None, :]
+        kv_off = kvh * stride_ch + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
+        k0 = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v0 = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        block = tl.load(bt_row + tl.minimum((pos + num_splits * BLOCK_N) // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+        wait_prior(PDL)
+        if (split + 1) * BLOCK_N >= ctx:  # this tile holds position ctx - 1 (or none): this step wrote it
+            k0 = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            v0 = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if split < num_tiles:
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, split * BLOCK_N, ctx, offs_g, scale_log2,
+                stride_cs, stride_cd, offs_n, offs_d, d_mask,
+                BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, EARLY_V=True,
+                k_tile=k0, v_tile=v0,
+            )
+        first = split + num_splits
+    else:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    for t in range(first, num_tiles, num_splits):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kvh * stride_ch, t * BLOCK_N, ctx, offs_g, scale_log2,
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
@@ -266,7 +305,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, block_size: int, max_context_len: int,
     out: torch.Tensor | None = None, *, num_splits: int | None = None, block_n: int = _BLOCK_N, num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 2, early_reads: bool = False,
 ) -> torch.Tensor:
     """One query per sequence over its first ``context_lens[b]`` cached positions (flash-decoding).
 
@@ -281,6 +320,13 @@ def paged_decode_attention(
     splits, head_dim]`` and ``[seqs, heads, splits, 2]`` (allocated per call, sized by host ints
     only) and the last split of a (seq, kv head) to finish combines them in split order, in the same
     launch; with one split each program writes ``out`` directly. ``num_splits`` defaults to :func:`decode_num_splits`.
+
+    ``early_reads``: with programmatic dependent launch (:mod:`vtcore.kernels.pdl`) each program reads
+    the block table, the context lengths and its first K/V tile before waiting on the kernel launched
+    just before, overlapping that kernel's end; only correct when that kernel writes none of them
+    except each sequence's last cached position (re-read after the wait), as a decode step's qkv
+    projection with its cache write does (:meth:`vtcore.layers.attention.Attention.attend`). Used
+    where the grid is at most ``_EARLY_PROGRAMS_PER_SM`` programs an SM (one wave).
     """
     seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -301,7 +347,8 @@ def paged_decode_attention(
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
                   BLOCK_N=block_n, BLOCK_D=block_d, GROUP_P2=group_p2,
                   CHUNK=max(1, _COMBINE_VALUES // (group_p2 * block_d)), DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps,
-                  num_stages=num_stages, **pdl_launch(q.device))
+                  num_stages=num_stages, EARLY=early_reads and seqs * kv_heads * num_splits <= _EARLY_PROGRAMS_PER_SM * num_sms(q.device),
+                  **pdl_launch(q.device))
     strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2))
     grid = (num_splits, kv_heads, seqs)

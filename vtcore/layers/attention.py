@@ -117,7 +117,7 @@ class Attention(nn.Module):
         if md.decode:
             out = (kernels.paged_decode_attention if triton else kernels.paged_decode_attention_ref)(
                 q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.block_size,
-                md.max_context_len)
+                md.max_context_len, **({"early_reads": True} if triton else {}))
         else:
             out = (kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_ref)(
                 q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.context_lens, self.scale,
