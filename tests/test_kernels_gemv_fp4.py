@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from vtcore.kernels.fp4_mma import layout_ok  # noqa: E402
+from vtcore.kernels.fp4_mma import _pairs, layout_ok  # noqa: E402
 from vtcore.kernels.activation import silu_and_mul  # noqa: E402
 from vtcore.kernels.gemv import (  # noqa: E402
     INTERPRET, _registers, gemv, gemv_silu_and_mul, gemv_swiglu, supports, use_fp4_mma)
@@ -293,3 +293,31 @@ def test_linear_fp4_weight_follows_reloaded_global_scales():
     assert layer.quant.fp4_weight(layer) is first  # cached: no gather per call
     layer.weight_global_scale.weight_loader(layer.weight_global_scale, torch.tensor([5.0]), "k")  # as the loader calls it
     assert layer.quant.fp4_weight(layer).row_global.tolist() == [2.0] * 16 + [5.0] * 8
+
+
+def _run_integer_ptx(ops: list[str], regs: dict[str, int]) -> dict[str, int]:
+    """Evaluate the 32-bit integer PTX that :func:`vtcore.kernels.fp4_mma._pairs` emits (shr, and,
+    mul.lo) on Python ints; an op it does not know fails the test."""
+    for op in ops:
+        name, args = op.rstrip(";").split(" ", 1)
+        dst, a, b = (t.strip() for t in args.split(","))
+        va, vb = (regs[t] if t in regs else int(t, 0) for t in (a, b))
+        regs[dst] = {"shr.b32": lambda: va >> vb, "and.b32": lambda: va & vb,
+                     "mul.lo.u32": lambda: (va * vb) & 0xFFFFFFFF}[name]()
+    return regs
+
+
+def test_tensor_core_decode_places_every_code_pair():
+    """The tensor-core path's word decode (run on the GPU only; its op list checked here): pair ``n``
+    of a word holds code ``n`` in its low bf16 half and code ``n + 4`` in its high one, each as the
+    magnitude bits at 6..8 and the sign at bit 15 (``c * 2^-126``, see the module), for every code in
+    every nibble and random neighbours."""
+    g = torch.Generator().manual_seed(0)
+    words = [c << (4 * j) | (int(r) & ~(0xF << (4 * j))) for j in range(8) for c in range(16)
+             for r in torch.randint(0, 2 ** 31, (4,), generator=g)] + [0, 0xFFFFFFFF]
+    for q in words:
+        out = _run_integer_ptx(_pairs("%q", "%d"), {"%q": q})
+        for n in range(4):
+            lo, hi = (q >> 4 * n) & 0xF, (q >> 4 * (n + 4)) & 0xF
+            half = [(c & 7) << 6 | (c >> 3) << 15 for c in (lo, hi)]
+            assert out[f"%d{n}"] == half[0] | half[1] << 16, (hex(q), n)

@@ -1,15 +1,17 @@
 """NVFP4 decode GEMV on tensor cores: packed FP4 codes decoded to bf16 pairs and summed by ``mma``.
 
 The one-row FP4 GEMV (:mod:`vtcore.kernels.gemv`) is bound by instruction issue, not memory: a
-float32 decode costs three integer ops and an FMA a code. Here (CUDA, sm_80+, bf16 x, e4m3 group-16
+float32 decode costs three integer ops and an FMA a code. Here (CUDA, sm_89+, bf16 x, e4m3 group-16
 scales: NVFP4) the decode is Marlin-style packed 16-bit work in inline PTX, and the multiply-adds
 go to the tensor cores:
 
 * A word ``q`` of 8 codes (code ``j`` in nibble ``j``) gives four bf16x2 registers, pair ``n`` holding
-  codes ``n`` and ``n + 4``: the magnitude bits ``e e m`` shifted to bf16 bits 8..6 and the sign to
-  bit 15 of each half (``c * 2^-126``, the e == 0 codes as bf16 subnormals); four ops a pair.
-* The group's e4m3 scale, times 2^119 (a normal bf16 for every e4m3 value), multiplies each pair
-  (``fma.rn.bf16x2``): ``w = c * s * 2^-7``, exact in bf16 (<= 6 significant bits) and normal.
+  codes ``n`` and ``n + 4``: the magnitude bits ``e e m`` at bf16 bits 8..6 and the sign at bit 15 of
+  each half (``c * 2^-126``, the e == 0 codes as bf16 subnormals); three ops a pair (mask, a multiply
+  that adds two shifted copies, mask: :func:`_pairs`).
+* The group's e4m3 scale, converted by the hardware (``cvt.rn.f16x2.e4m3x2``, sm_89+) and times 2^119
+  (a normal bf16 for every e4m3 value), multiplies each pair (``fma.rn.bf16x2``): ``w = c * s * 2^-7``,
+  exact in bf16 (<= 6 significant bits) and normal.
 * ``mma.m16n8k16`` with the weights as A: a thread's pairs of two weight rows R, R' (rows
   4 x warps apart, the same words) go in as A's two row halves, x's matching bf16 pairs (a byte permute
   of the loaded words) as B's column ``groupID``. Row ``groupID`` of the product, column
@@ -24,11 +26,13 @@ rows), so Triton changes no layout inside the loop (an earlier version loaded th
 Triton 3.6 moved the whole tile through shared memory every step). The host only launches tiles
 where the layout holds (:func:`layout_ok`, and 16-byte aligned operands: with a smaller alignment
 Triton picks another layout, found in review); the GPU tests pin every code to its row and column and
-check the sums against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): 1.4x the
-float32 decode on NVFP4 Qwen3-4B gate_up, 45% of copy bandwidth; the loop is latency-bound with ~4
-warps a scheduler (left to choose, ptxas issues each step's loads late, whatever the source order, to
-save registers: the launch caps them, see ``vtcore.kernels.gemv._registers``). The interpreter
-cannot run inline PTX: CPU tests cover the plain decode GEMV.
+check the sums against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): about 2x
+the float32 decode on NVFP4 Qwen3-4B gate_up; the loop is bound by integer instruction issue (ptxas's
+SASS for gate_up, ``scripts/sass_fp4_mma.py``: ~207 instructions a 256-code step, a third of them
+LOP3) and latency with ~4 warps a scheduler (left to choose, ptxas issues each step's loads late,
+whatever the source order, to save registers: the launch caps them, see
+``vtcore.kernels.gemv._registers``). L2 prefetch of the weights did not help (BENCHMARKS.md). The
+interpreter cannot run inline PTX: CPU tests cover the plain decode GEMV.
 """
 from __future__ import annotations
 
@@ -39,8 +43,7 @@ from vtcore.kernels.pdl import wait_prior
 
 __all__ = ["layout_ok", "fp4_mma_rows"]
 
-_MASK_MAG = "0x01C001C0"
-_MASK_SIGN = "0x80008000"
+_MASK_PAIR = "0x81C081C0"  # bf16 bits 6..8 and 15 of both halves
 
 
 def layout_ok(block_n: int, block_kw: int, num_warps: int) -> bool:
@@ -51,32 +54,28 @@ def layout_ok(block_n: int, block_kw: int, num_warps: int) -> bool:
 
 
 def _pairs(q: str, dst: str) -> list[str]:
-    """PTX: word register ``q`` -> bf16x2 registers ``dst0..dst3`` (pair n = codes n, n + 4)."""
-    ops = []
+    """PTX: word register ``q`` -> bf16x2 registers ``dst0..dst3`` (pair n = codes n, n + 4): each
+    pair's two nibbles masked out (codes 2, 3 and 6, 7 from ``q >> 8``) and multiplied by the sum of two
+    powers of two, which adds two shifted copies that share no bit: one puts the magnitude bits at bf16
+    bits 6..8 (22..24), the other the sign at 15 (31); a mask keeps those. Three ops a pair, one of
+    them a multiply: the decode's shifts and masks otherwise all queue for the integer ALU pipe."""
+    ops = [f"shr.b32 %h, {q}, 8;"]
     for n in range(4):
-        mag = 6 - 4 * n
-        shift = f"shl.b32 %m, {q}, {mag};" if mag > 0 else f"shr.b32 %m, {q}, {-mag};"
-        ops += [shift, f"and.b32 %m, %m, {_MASK_MAG};"]
-        sign = 12 - 4 * n
-        if sign:
-            ops += [f"shl.b32 %n, {q}, {sign};", f"lop3.b32 {dst}{n}, %m, %n, {_MASK_SIGN}, 0xF8;"]
-        else:
-            ops += [f"lop3.b32 {dst}{n}, %m, {q}, {_MASK_SIGN}, 0xF8;"]
+        mask, times = ("0x000F000F", "0x1040") if n % 2 == 0 else ("0x00F000F0", "0x104")  # 2^6 + 2^12, 2^2 + 2^8
+        ops += [f"and.b32 %m, {q if n < 2 else '%h'}, {mask};", f"mul.lo.u32 %m, %m, {times};",
+                f"and.b32 {dst}{n}, %m, {_MASK_PAIR};"]
     return ops
 
 
 def _scales(v: str, dst: str) -> list[str]:
     """PTX: the e4m3 bytes in bits 0..7 and 8..15 of ``v`` -> bf16x2 ``dst0`` = (s0, s0) * 2^119 and
-    ``dst1`` = (s1, s1) * 2^119, both groups at once: ``sign << 15 | (b & 0x7f) << 4`` is the bf16
-    s * 2^-120 (e4m3 subnormals as bf16 subnormals), times 2^120 then 2^119 in bf16x2 (each exact);
-    0x7f / 0xff -> NaN."""
+    ``dst1`` = (s1, s1) * 2^119, both groups at once: the hardware's e4m3x2 -> f16x2 conversion (sm_89+),
+    each half widened to float32 and the pair rounded to bf16x2 (all exact: 3 mantissa bits), then
+    times 2^119 in bf16x2 (exact, normal: 2^-9 .. 448 scales); NaN (0x7f / 0xff) stays NaN."""
     return [
-        f"prmt.b32 %q, {v}, 0, 0x4140;",  # b0 in half 0, b1 in half 1
-        "shl.b32 %m, %q, 4;", "and.b32 %m, %m, 0x07F007F0;", "shl.b32 %n, %q, 8;",
-        f"lop3.b32 %m, %m, %n, {_MASK_SIGN}, 0xF8;",
-        "and.b32 %o, %q, 0x007F007F;", "add.u32 %o, %o, 0x00010001;", "and.b32 %o, %o, 0x00800080;",  # 0x80: NaN byte
-        "fma.rn.bf16x2 %m, %m, %c120, %z;", "fma.rn.bf16x2 %m, %m, %c119, %z;",
-        "shr.b32 %o, %o, 7;", "mul.lo.u32 %o, %o, 0x7FC0;", "or.b32 %m, %m, %o;",
+        f"cvt.u16.u32 %sb, {v};", "cvt.rn.f16x2.e4m3x2 %m, %sb;", "mov.b32 {%h0, %h1}, %m;",
+        "cvt.f32.f16 %f0, %h0;", "cvt.f32.f16 %f1, %h1;", "cvt.rn.bf16x2.f32 %m, %f1, %f0;",
+        "fma.rn.bf16x2 %m, %m, %c119, %z;",
         f"prmt.b32 {dst}0, %m, %m, 0x1010;", f"prmt.b32 {dst}1, %m, %m, 0x3232;",
     ]
 
@@ -89,20 +88,20 @@ def _step_asm() -> str:
     bytes of the step as four int32 (R: $24..$27, R': $28..$31; lane ``t`` = lane % 8 owns words
     ``4t..4t+3``, groups ``2t, 2t+1``: bytes ``2t, 2t+1``); $32..$63 x's int32 bf16 pairs, ``$32 + 8j + i``
     = pair ``i`` of the thread's word ``j`` (x columns ``8w + 2i``, ``8w + 2i + 1``)."""
-    ops = ["{", ".reg .b32 %m, %n, %o, %q, %z, %c120, %c119, %l, %v, %w;", ".reg .pred %p1, %p2;",
-           ".reg .b32 %sa<2>, %sb<2>, %ra<4>, %rb<4>, %x<4>;", "mov.b32 %z, 0x80008000;",
-           "mov.b32 %c120, 0x7B807B80;", "mov.b32 %c119, 0x7B007B00;",  # bf16x2 (2^120, 2^120), (2^119, 2^119)
+    ops = ["{", ".reg .b32 %m, %h, %z, %c119, %l, %v, %w;", ".reg .pred %p1, %p2;", ".reg .b16 %sb, %h0, %h1;",
+           ".reg .f32 %f0, %f1;", ".reg .b32 %sa<2>, %sr<2>, %ra<4>, %rb<4>, %x<4>;", "mov.b32 %z, 0x80008000;",
+           "mov.b32 %c119, 0x7B007B00;",  # bf16x2 (2^119, 2^119)
            # this lane's scale halfword: int32 slot t // 2, shifted by 16 * (t % 2)
            "mov.u32 %l, %laneid;", "and.b32 %m, %l, 2;", "setp.ne.u32 %p1, %m, 0;", "and.b32 %m, %l, 4;",
            "setp.ne.u32 %p2, %m, 0;", "and.b32 %l, %l, 1;", "shl.b32 %l, %l, 4;"]
-    for base, dst in ((24, "%sa"), (28, "%sb")):  # R, R'
+    for base, dst in ((24, "%sa"), (28, "%sr")):  # R, R'
         ops += [f"selp.b32 %v, ${base + 1}, ${base}, %p1;", f"selp.b32 %w, ${base + 3}, ${base + 2}, %p1;",
                 "selp.b32 %v, %w, %v, %p2;", "shr.b32 %v, %v, %l;"]
         ops += _scales("%v", dst)
     for j in range(4):  # word j of R ($16 + j) and of R' ($20 + j)
         ops += _pairs(f"${16 + j}", "%ra") + _pairs(f"${20 + j}", "%rb")
         ops += [f"fma.rn.bf16x2 %ra{n}, %ra{n}, %sa{j // 2}, %z;" for n in range(4)]
-        ops += [f"fma.rn.bf16x2 %rb{n}, %rb{n}, %sb{j // 2}, %z;" for n in range(4)]
+        ops += [f"fma.rn.bf16x2 %rb{n}, %rb{n}, %sr{j // 2}, %z;" for n in range(4)]
         v = [f"${32 + 8 * j + i}" for i in range(4)]  # (x[8w+2i], x[8w+2i+1])
         ops += [f"prmt.b32 %x0, {v[0]}, {v[2]}, 0x5410;", f"prmt.b32 %x1, {v[0]}, {v[2]}, 0x7632;",
                 f"prmt.b32 %x2, {v[1]}, {v[3]}, 0x5410;", f"prmt.b32 %x3, {v[1]}, {v[3]}, 0x7632;"]

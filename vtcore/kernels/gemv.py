@@ -490,14 +490,14 @@ def _registers(programs: int, sms: int, num_warps: int) -> int | None:
 
 def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
     """Whether the one-row FP4 GEMV runs on tensor cores (:mod:`vtcore.kernels.fp4_mma`): compiled
-    NVIDIA CUDA (sm_80+; inline PTX does not interpret), bf16 x, NVFP4 weights (e4m3 scales, group 16),
-    K a multiple of the 256-code step, and x, the packed words and the scales 16-byte aligned (read as
+    NVIDIA CUDA (sm_89+, for the e4m3 scale conversion; inline PTX does not interpret), bf16 x, NVFP4
+    weights (e4m3 scales, group 16), K a multiple of the 256-code step, and x, the packed words and the scales 16-byte aligned (read as
     int32 vectors; with less, Triton lays the tile out otherwise than the PTX assumes and the sums come
     out wrong). The launch tile must fit too (:func:`fp4_mma_tile`)."""
     return (x.is_cuda and not INTERPRET and torch.version.hip is None and x.dtype == torch.bfloat16
             and weight.scale_kind == "e4m3" and weight.group_size == 16 and x.shape[1] % 256 == 0
             and all(t.data_ptr() % 16 == 0 for t in (x, weight.packed, weight.scale))
-            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def fp4_mma_tile(block_n: int, block_k: int, num_warps: int) -> bool:
