@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from vtcore import LLM, SamplingParams
-from vtcore.errors import NotSupportedError, RequestRejected
+from vtcore.errors import ConfigError, NotSupportedError, RequestRejected
 from vtcore.testing.oracle import near_tie_violations
 
 MAX_MODEL_LEN = 64
@@ -300,6 +300,16 @@ def test_bad_llm_knobs_name_themselves(tiny_checkpoint, kwargs: dict, text: str)
     with pytest.raises(ValueError) as exc:
         LLM(tiny_checkpoint[0], **kwargs)
     assert str(exc.value) == text
+
+
+def test_max_model_len_past_the_trained_positions_is_refused(tiny_checkpoint) -> None:
+    """As vLLM: a context longer than ``max_position_embeddings`` would run RoPE at positions the model
+    never saw; refused before the weights load, naming both numbers (equal is fine)."""
+    with pytest.raises(ConfigError) as exc:
+        LLM(tiny_checkpoint[0], device="cpu", max_model_len=257)
+    assert str(exc.value).startswith("max_model_len=257 exceeds the model's max_position_embeddings=256 (")
+    assert str(exc.value).endswith("pass max_model_len <= 256")
+    assert LLM(tiny_checkpoint[0], device="cpu", max_model_len=256, num_kv_blocks=4).engine.max_model_len == 256
 
 
 def test_unknown_llm_knob(tiny_checkpoint) -> None:

@@ -96,6 +96,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         hf = self.hf_config
+        trained = hf.get("max_position_embeddings")
+        if config.max_model_len and trained is not None and config.max_model_len > int(trained):
+            raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
+                              f"{trained} ({os.path.join(config.model, 'config.json')}): positions past it were "
+                              f"never trained and no RoPE scaling here extends them; pass max_model_len <= {trained}")
         self.max_model_len = config.max_model_len or int(hf.get("max_position_embeddings", 4096))
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.vocab_size = int(hf.vocab_size)
