@@ -209,6 +209,34 @@ def test_streaming_equals_non_streaming(client: Any) -> None:
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
 
 
+def test_n_choices_are_the_engines_n_samples(client: Any, offline: LLM) -> None:
+    """``n``: n choices a prompt (index prompt * n + sample), sample j the engine's n > 1 sample j
+    (seed + j); a prompt's tokens count once in usage; streamed choices add up to the same; chat too."""
+    kw = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=5, n=3, extra_body={"ignore_eos": True})
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=5, n=3, ignore_eos=True)
+    refs = [[c.text for c in o.outputs] for o in offline.generate(PROMPTS[:2], params)]
+    r = client.completions.create(prompt=PROMPTS[:2], **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == refs[0] + refs[1] and len(set(refs[0])) > 1
+    n_prompt = sum(len(offline.get_tokenizer().encode(p, add_special_tokens=False)) for p in PROMPTS[:2])
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 6 * 6
+    texts = ["", "", ""]
+    for chunk in client.completions.create(prompt=PROMPTS[0], stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == refs[0]
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    want = [c.text for c in offline.chat(messages, params)[0].outputs]
+    r = client.chat.completions.create(messages=messages, **kw)
+    assert [(c.index, c.message.content) for c in r.choices] == list(enumerate(want))
+    texts, roles = ["", "", ""], []
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role == "assistant" else []
+    assert texts == want and sorted(roles) == [0, 1, 2]
+
+
 def test_raw_sse_framing(server: ServerThread) -> None:
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "stream": True, "temperature": 0}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
@@ -330,7 +358,7 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
 @pytest.mark.parametrize("field, kwargs", [
     ("temperature", dict(temperature=-1)),
     ("top_p", dict(top_p=1.5)),
-    ("n", dict(n=2)),
+    ("n", dict(n=0)),
     ("best_of", dict(best_of=3)),
     ("logprobs", dict(logprobs=6)),
     ("max_tokens", dict(max_tokens=-1)),
@@ -368,7 +396,7 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
 
 
 @pytest.mark.parametrize("field, kwargs", [
-    ("n", dict(n=3)),
+    ("n", dict(n=0)),
     ("top_logprobs", dict(top_logprobs=2)),  # without logprobs=true
     ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
     ("max_completion_tokens", dict(max_completion_tokens=-2)),

@@ -54,9 +54,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __attrs_post_init__(self) -> None:
-        if self.n != 1 or (self.best_of not in (None, 1)):
-            raise NotSupportedError(f"SamplingParams n={self.n}, best_of={self.best_of}: only one sequence "
-                                    "per request is supported (n=1); send separate requests instead")
+        if not _is_int(self.n) or self.n < 1:
+            raise _bad("n", self.n, "a positive integer (samples of the prompt)")
+        if self.best_of not in (None, 1):
+            raise NotSupportedError(f"SamplingParams.best_of={self.best_of!r}: only None or 1 is supported (the n "
+                                    "samples are all returned)")
         if self.use_beam_search:
             raise NotSupportedError("SamplingParams.use_beam_search=True: beam search is not supported")
         self._check_number("temperature", self.temperature, 0.0, None, "a number >= 0")
@@ -114,6 +116,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def sample(self, index: int) -> "SamplingParams":
+        """Sample ``index`` of an ``n > 1`` request as a request of its own (vLLM's parallel sampling):
+        ``n=1``, seeded ``seed + index`` (wrapped into ``torch.Generator.manual_seed``'s range) when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= _SEED_RANGE[1]:
+            seed -= _SEED_RANGE[1]
+        return attrs.evolve(self, n=1, seed=seed)
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has."""

@@ -64,8 +64,7 @@ class LLM:
                 engine.add_request(ids[-1], prompt, p)
         except Exception:
             for rid in ids[:-1]:
-                engine.abort_request(rid)
-                engine.requests.pop(rid, None)
+                engine.drop_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:

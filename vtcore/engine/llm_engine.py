@@ -8,6 +8,7 @@ import os
 from collections import deque
 from typing import Any
 
+import attrs
 import torch
 
 from vtcore.config import EngineConfig, HFConfig
@@ -82,6 +83,20 @@ _GENERATION_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k":
                         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+@attrs.define
+class _Fanout:
+    """An ``n > 1`` request: its samples (one child request each, in index order), the kind of output
+    it wants and each sample's last completion."""
+
+    children: list[Request]
+    kind: RequestOutputKind
+    latest: list[CompletionOutput | None] = attrs.field()
+
+    @latest.default
+    def _none(self) -> list[CompletionOutput | None]:
+        return [None] * len(self.children)
+
+
 class LLMEngine:
     """Owns the scheduler, the runner and the requests; ``step`` advances every running request.
 
@@ -122,6 +137,8 @@ class LLMEngine:
                                   config.max_num_seqs, self.eos_token_ids, config.seed, self.depth,
                                   config.enforce_eager)
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
+        self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
+        self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
@@ -181,13 +198,39 @@ class LLMEngine:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """Validate and queue a request; a bad one raises here and leaves the others untouched."""
-        if request_id in self.requests:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Validate and queue a request; a bad one raises here and leaves the others untouched.
+
+        ``params.n > 1`` runs ``n`` samples of the prompt as requests ``"{i}_{request_id}"`` (seed ``seed
+        + i`` when seeded, prompt logprobs in sample 0 only), reported under ``request_id`` with the
+        completions' ``index`` = i (vLLM's parallel sampling; see :meth:`step`)."""
+        if request_id in self.requests or request_id in self.fanouts:
             raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
         text, ids = self.tokenize(prompt)
+        if params.n == 1:
+            self._add(request_id, text, ids, params)
+            return
+        children: list[Request] = []
+        try:
+            for i in range(params.n):
+                child = f"{i}_{request_id}"
+                if child in self.requests or child in self.fanouts:
+                    raise ValueError(f"request_id={request_id!r}: its sample {i}'s id {child!r} is already in use "
+                                     "by an unfinished request")
+                sample = params.sample(i)
+                children.append(self._add(child, text, ids, sample if i == 0 else attrs.evolve(sample,
+                                                                                          prompt_logprobs=None)))
+        except Exception:
+            for c in children:
+                self.drop_request(c.request_id)
+            raise
+        self.fanouts[request_id] = _Fanout(children, params.output_kind)
+        for i, c in enumerate(children):
+            self._sample_of[c.request_id] = (request_id, i)
+
+    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> Request:
         if not ids:
             raise RequestRejected(f"request {request_id!r}: the prompt is empty; expected at least one token")
         params.check_vocab(self.vocab_size)
@@ -206,9 +249,20 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.is_finished:
-            self.scheduler.finish(req, "abort")
+        """Abort a request (every sample of an ``n > 1`` one); it reports ``finish_reason="abort"``."""
+        fan = self.fanouts.get(request_id)
+        for req in fan.children if fan is not None else [self.requests.get(request_id)]:
+            if req is not None and not req.is_finished:
+                self.scheduler.finish(req, "abort")
+
+    def drop_request(self, request_id: str) -> None:
+        """Abort a request and forget it: no output will report it."""
+        self.abort_request(request_id)
+        fan = self.fanouts.pop(request_id, None)
+        for req in fan.children if fan is not None else [self.requests.get(request_id)]:
+            if req is not None:
+                self.requests.pop(req.request_id, None)
+                self._sample_of.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.inflight) or any(
@@ -249,15 +303,46 @@ class LLMEngine:
                         {t: Logprob(lp, rank, self._piece(t)) for t, (lp, rank) in pos.items()}
                         for pos in result.prompt_logprobs[s.request.request_id])
             touched += [s.request for s in done]
-        outputs = []
+        outputs: list[RequestOutput] = []
+        samples: dict[str, list[tuple[int, RequestOutput | None]]] = {}  # n > 1: parent -> its samples' outputs
         # A request that stopped while a later step was in flight was reported already: skip it.
         for r in (r for r in dict.fromkeys(touched) if self.requests.get(r.request_id) is r):
             out = self._output(r)
-            if out is not None:
+            parent = self._sample_of.get(r.request_id)
+            if parent is not None:
+                samples.setdefault(parent[0], []).append((parent[1], out))
+            elif out is not None:
                 outputs.append(out)
             if r.is_finished:
                 self.requests.pop(r.request_id, None)
+        for parent, changed in samples.items():
+            out = self._fanout_output(parent, changed)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _fanout_output(self, parent: str, changed: list[tuple[int, RequestOutput | None]]) -> RequestOutput | None:
+        """An ``n > 1`` request's output from its samples' outputs of this step: streamed (cumulative or
+        delta), the completions that changed, each with its ``index``; final-only, all ``n`` once all have
+        finished (as vLLM's parallel sampling reports them). ``finished`` once every sample has."""
+        fan = self.fanouts[parent]
+        for i, out in changed:
+            if out is not None:
+                fan.latest[i] = attrs.evolve(out.outputs[0], index=i)
+        finished = all(c.is_finished for c in fan.children)
+        if fan.kind == RequestOutputKind.FINAL_ONLY:
+            completions = list(fan.latest) if finished else []
+        else:
+            completions = [fan.latest[i] for i, out in sorted(changed) if out is not None]
+        if finished:
+            del self.fanouts[parent]
+            for c in fan.children:
+                self._sample_of.pop(c.request_id, None)
+        if not completions:
+            return None
+        first = fan.children[0]
+        return RequestOutput(parent, first.prompt, first.prompt_token_ids, first.prompt_logprobs, completions,
+                             finished)
 
     def _give_up(self, batch: Batch) -> None:
         """A step failed: abort its requests and those of every step still in flight (which read its

@@ -96,7 +96,7 @@ def to_api_error(exc: BaseException, renames: dict[str, str] | None = None) -> A
 
     if isinstance(exc, NotSupportedError):
         msg, param = field(str(exc))
-        return APIError(400, msg, param or ("n" if "n=" in msg and "best_of" in msg else None), "unsupported")
+        return APIError(400, msg, param, "unsupported")
     if isinstance(exc, (ValueError, TypeError)):
         msg, param = field(str(exc))
         return APIError(400, msg, param)
@@ -277,10 +277,12 @@ class _Delta:
 
 
 class _Sub:
-    """One prompt of a request: one engine request, one choice."""
+    """One prompt of a request, or one of its ``n`` samples (``sample``): one engine request, one choice."""
 
-    def __init__(self, index: int, rid: str, text: str, ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, index: int, rid: str, text: str, ids: list[int], params: SamplingParams,
+                 sample: int = 0) -> None:
         self.index = index
+        self.sample = sample
         self.rid = rid
         self.prompt_text = text
         self.prompt_ids = ids
@@ -358,9 +360,8 @@ class OpenAIServer:
 
     @staticmethod
     def check_unsupported(body: _Sampling) -> None:
-        if body.n not in (None, 1):
-            raise APIError(400, f"n={body.n}: only n=1 is supported; send separate requests instead", "n",
-                           "unsupported")
+        if body.n is not None and body.n < 1:
+            raise APIError(400, f"n={body.n}: expected a positive integer (choices per prompt)", "n")
         if body.best_of not in (None, 1):
             raise APIError(400, f"best_of={body.best_of}: only best_of=1 is supported", "best_of", "unsupported")
         if body.use_beam_search:
@@ -502,8 +503,14 @@ class OpenAIServer:
         return True
 
     @staticmethod
+    def samples(params: SamplingParams, n: int | None) -> list[SamplingParams]:
+        """A prompt's ``n`` choices as single requests, as the engine runs ``n > 1`` (vLLM's parallel
+        sampling): sample ``j`` seeded ``seed + j`` when seeded."""
+        return [params.sample(j) for j in range(n or 1)]
+
+    @staticmethod
     def usage(subs: list[_Sub]) -> dict[str, int]:
-        p = sum(len(s.prompt_ids) for s in subs)
+        p = sum(len(s.prompt_ids) for s in subs if s.sample == 0)  # a prompt counts once, whatever its n
         c = sum(len(s.token_ids) for s in subs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -564,7 +571,9 @@ class OpenAIServer:
             max_tokens = self.check_length(len(ids), body.max_tokens, "prompt", "max_tokens")
             params = self.make_params(kw if max_tokens == body.max_tokens else {**kw, "max_tokens": max_tokens},
                                       renames)
-            subs.append(_Sub(i, f"{rid}-{i}", text if text is not None else self.decode(ids), ids, params))
+            n = body.n or 1
+            subs += [_Sub(i * n + j, f"{rid}-{i * n + j}", text if text is not None else self.decode(ids), ids, p, j)
+                     for j, p in enumerate(self.samples(params, n))]
         return subs, renames
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -670,7 +679,8 @@ class OpenAIServer:
             kw["logprobs"] = body.top_logprobs or 0
         renames = {"max_tokens": tokens_field, "logprobs": "top_logprobs"}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return [_Sub(0, f"{rid}-0", prompt["prompt"], ids, self.make_params(kw, renames))], renames
+        return [_Sub(j, f"{rid}-{j}", prompt["prompt"], ids, p, j)
+                for j, p in enumerate(self.samples(self.make_params(kw, renames), body.n))], renames
 
     def chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], k: int) -> dict[str, Any]:
         content = []
@@ -691,25 +701,25 @@ class OpenAIServer:
             return EventStream(self.chat_events(body, subs, rid, created))
         if not await self.run_to_end(subs, request, renames):
             return Response(status_code=499)
-        s = subs[0]
-        logprobs = self.chat_logprobs(s.token_ids, s.logprobs, body.top_logprobs or 0) if body.logprobs else None
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": self.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text}, "logprobs": logprobs,
-                         "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}],
-            "usage": self.usage(subs)})
+        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+                    "logprobs": self.chat_logprobs(s.token_ids, s.logprobs, body.top_logprobs or 0)
+                    if body.logprobs else None, "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+                   for s in subs]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.name,
+                             "choices": choices, "usage": self.usage(subs)})
 
     async def chat_events(self, body: ChatCompletionRequest, subs: list[_Sub], rid: str,
                           created: int) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name}
         extra = {"usage": None} if include_usage else {}
-        role_sent = False
+        role_sent: set[int] = set()
         async with contextlib.aclosing(self.merged(subs)) as it:
             async for sub, out in it:
-                if not role_sent:
-                    role_sent = True
-                    yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                if sub.index not in role_sent:  # each choice opens with the assistant role
+                    role_sent.add(sub.index)
+                    yield _sse({**head, "choices": [{"index": sub.index, "delta": {"role": "assistant",
+                                                                                   "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **extra})
                 if not out.text and not out.token_ids and not out.finished:
                     continue
@@ -717,7 +727,7 @@ class OpenAIServer:
                 if body.logprobs and out.token_ids:
                     logprobs = self.chat_logprobs(out.token_ids, out.logprobs, body.top_logprobs or 0)
                 delta = {"content": out.text} if out.text or not out.finished else {}
-                yield _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                yield _sse({**head, "choices": [{"index": sub.index, "delta": delta, "logprobs": logprobs,
                                                  "finish_reason": out.finish_reason,
                                                  "stop_reason": out.stop_reason}],
                             **extra})
