@@ -35,6 +35,7 @@ from vtcore.kernels import paged_attention as pa  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noqa: E402
+from vtcore.kernels.pdl import pdl_launch  # noqa: E402
 from vtcore.kernels.workspace import arrival_counters  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -360,11 +361,14 @@ def _late_last_positions(k_src, v_src, k_dst, v_dst, slot_ptr, spin_ns, ROW: tl.
 @cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90")
-def test_cuda_decode_early_reads_see_the_last_position_written_by_the_kernel_before():
+def test_cuda_decode_early_reads_see_the_last_position_written_by_the_kernel_before(monkeypatch):
     """With ``early_reads`` the programs read their first K/V tile before the PDL wait; the kernel
     before (here one that lets them start, spins 200 us, then writes the last position) has not written
-    it yet, so the tile holding that position must be read again after the wait. Batch 1: one wave of
-    programs, where the launch uses early reads."""
+    it yet, so the tile holding that position must be read again after the wait. Batch 1 (256
+    programs), the SM count pinned to the H200's so that the launch takes the early path on any GPU."""
+    if not pdl_launch(torch.device("cuda")).get("PDL"):
+        pytest.skip("programmatic dependent launch is off (VTCORE_PDL=0)")
+    monkeypatch.setattr(pa, "num_sms", lambda device: 132)
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     q = _decode_q(1, heads, dim, seed=22, dtype=torch.bfloat16, device="cuda")
     for ctx in (1088, 64, 1):  # the last position mid-tile (split 16 of 32), at a tile's end, alone

@@ -9,12 +9,15 @@ The weights cover every code, e4m3 subnormal and negative scales, e8m0 exponents
 """
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from vtcore.kernels.fp4_mma import _pairs, layout_ok  # noqa: E402
+from vtcore.kernels.fp4_mma import _pairs, _scales, _step_asm, layout_ok  # noqa: E402
 from vtcore.kernels.activation import silu_and_mul  # noqa: E402
 from vtcore.kernels.gemv import (  # noqa: E402
     INTERPRET, _registers, gemv, gemv_silu_and_mul, gemv_swiglu, supports, use_fp4_mma)
@@ -295,16 +298,73 @@ def test_linear_fp4_weight_follows_reloaded_global_scales():
     assert layer.quant.fp4_weight(layer).row_global.tolist() == [2.0] * 16 + [5.0] * 8
 
 
-def _run_integer_ptx(ops: list[str], regs: dict[str, int]) -> dict[str, int]:
-    """Evaluate the 32-bit integer PTX that :func:`vtcore.kernels.fp4_mma._pairs` emits (shr, and,
-    mul.lo) on Python ints; an op it does not know fails the test."""
+def _bf16_bits(x: float) -> int:
+    return int(torch.tensor(x, dtype=torch.float64).to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
+def _bf16_value(bits: int) -> float:
+    return float(torch.tensor(bits & 0xFFFF, dtype=torch.int32).to(torch.int16).view(torch.bfloat16))
+
+
+def _run_ptx(ops: list[str], regs: dict[str, int]) -> dict[str, int]:
+    """Evaluate the PTX that :func:`vtcore.kernels.fp4_mma._pairs` and ``_scales`` emit on Python ints
+    (register bits; the float ops through torch's conversions, which round to nearest even as PTX's
+    ``.rn`` does); an op it does not know fails the test."""
     for op in ops:
         name, args = op.rstrip(";").split(" ", 1)
-        dst, a, b = (t.strip() for t in args.split(","))
-        va, vb = (regs[t] if t in regs else int(t, 0) for t in (a, b))
-        regs[dst] = {"shr.b32": lambda: va >> vb, "and.b32": lambda: va & vb,
-                     "mul.lo.u32": lambda: (va * vb) & 0xFFFFFFFF}[name]()
+        if name == "mov.b32":  # {lo, hi} = a
+            halves, a = args.split("},")
+            lo, hi = (t.strip() for t in halves.strip("{ ").split(","))
+            regs[lo], regs[hi] = regs[a.strip()] & 0xFFFF, regs[a.strip()] >> 16
+            continue
+        dst, *src = (t.strip() for t in args.split(","))
+        v = [regs[t] if t in regs else int(t, 0) for t in src]
+        if name == "shr.b32":
+            out = v[0] >> v[1]
+        elif name == "and.b32":
+            out = v[0] & v[1]
+        elif name == "mul.lo.u32":
+            out = (v[0] * v[1]) & 0xFFFFFFFF
+        elif name == "cvt.u16.u32":
+            out = v[0] & 0xFFFF
+        elif name == "cvt.rn.f16x2.e4m3x2":  # byte 0 -> low half, byte 1 -> high half
+            halves = torch.tensor([v[0] & 0xFF, v[0] >> 8], dtype=torch.uint8).view(torch.float8_e4m3fn)
+            bits = halves.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+            out = int(bits[0]) | int(bits[1]) << 16
+        elif name == "cvt.f32.f16":
+            out = float(torch.tensor(v[0], dtype=torch.int32).to(torch.int16).view(torch.float16))
+        elif name == "cvt.rn.bf16x2.f32":  # d.hi = a, d.lo = b
+            out = _bf16_bits(regs[src[0]]) << 16 | _bf16_bits(regs[src[1]])
+        elif name == "fma.rn.bf16x2":  # each half a * b + c, one rounding (exact products here)
+            out = 0
+            for shift in (0, 16):
+                a, b, c = (_bf16_value(x >> shift) for x in v)
+                out |= _bf16_bits(a * b + c) << shift
+        elif name == "prmt.b32":  # default mode: selector nibble i picks byte i of {b, a} (a = bytes 0..3)
+            pool = (v[0] | v[1] << 32).to_bytes(8, "little")
+            out = int.from_bytes(bytes(pool[(v[2] >> 4 * i) & 7] for i in range(4)), "little")
+        else:
+            raise AssertionError(f"op {name} not emulated")
+        regs[dst] = out
     return regs
+
+
+def test_tensor_core_scales_convert_every_e4m3_byte():
+    """The tensor-core path's scale conversion (run on the GPU only; its op list checked here): the
+    lane's two e4m3 bytes (bits 0..15) give ``dst0`` = (s0, s0) and ``dst1`` = (s1, s1), each s times
+    2^119 exactly in bf16 (subnormal, negative and zero scales included), NaN bytes NaN."""
+    consts = {reg: int(value, 0) for reg, value in re.findall(r"mov\.b32 (%c119|%z), (0x[0-9A-Fa-f]+);", _step_asm())}
+    assert set(consts) == {"%c119", "%z"}
+    for b0 in range(256):
+        b1 = (b0 * 37 + 11) % 256  # every byte in both places
+        out = _run_ptx(_scales("%v", "%d"), {**consts, "%v": 0xA5C30000 | b1 << 8 | b0})
+        for dst, byte in (("%d0", b0), ("%d1", b1)):
+            s = float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+            lo, hi = _bf16_value(out[dst]), _bf16_value(out[dst] >> 16)
+            if math.isnan(s):
+                assert math.isnan(lo) and math.isnan(hi), hex(byte)
+            else:
+                assert lo == hi == s * 2.0 ** 119 and math.copysign(1, lo) == math.copysign(1, s), hex(byte)
 
 
 def test_tensor_core_decode_places_every_code_pair():
@@ -316,7 +376,7 @@ def test_tensor_core_decode_places_every_code_pair():
     words = [c << (4 * j) | (int(r) & ~(0xF << (4 * j))) for j in range(8) for c in range(16)
              for r in torch.randint(0, 2 ** 31, (4,), generator=g)] + [0, 0xFFFFFFFF]
     for q in words:
-        out = _run_integer_ptx(_pairs("%q", "%d"), {"%q": q})
+        out = _run_ptx(_pairs("%q", "%d"), {"%q": q})
         for n in range(4):
             lo, hi = (q >> 4 * n) & 0xF, (q >> 4 * (n + 4)) & 0xF
             half = [(c & 7) << 6 | (c >> 3) << 15 for c in (lo, hi)]

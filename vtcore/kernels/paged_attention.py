@@ -39,7 +39,7 @@ _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuris
 _MAX_SPLITS = 32  # ... but no more splits than this (programs past the context still cost their start)
 # Early reads (paged_decode_attention's early_reads) only for grids of at most this many programs an SM: the
 # kernel holds ~200 registers a thread, two programs an SM. On the H200 (scripts/bench_attention.py,
-# 2026-12-01) batch 1 (256 programs) went 7.9 -> 6.2 us a call at a 1088 context, batch 8 (1024) 17.1 -> 20.2.
+# 2026-12-01) batch 1 (256 programs) went 7.8 -> 6.2 us a call at a 1088 context, batch 8 (1024) 17.1 -> 20.2.
 _EARLY_PROGRAMS_PER_SM = 2
 _COMBINE_VALUES = 8192  # partial values (heads x splits x head_dim) the last-arriving program loads at once
 
