@@ -109,7 +109,7 @@ class ServerMetrics:
         core = engine.engine
         self.http_requests = Counter("vtcore:http_requests_total", "HTTP requests answered, by endpoint and status.")
         self.requests = Counter("vtcore:request_success_total",
-                                "Generation requests (one per prompt) finished, by finish reason.")
+                                "Generation requests (one per prompt and choice) finished, by finish reason.")
         self.prompt_tokens = Counter("vtcore:prompt_tokens_total", "Prompt tokens of the requests admitted.")
         self.generation_tokens = Counter("vtcore:generation_tokens_total", "Tokens generated.")
         self.ttft = Histogram("vtcore:time_to_first_token_seconds",
