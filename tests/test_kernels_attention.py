@@ -254,6 +254,8 @@ def test_decode_all_empty_and_split_heuristic():
         paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, block_n=24)
     with pytest.raises(ValueError, match="num_splits=0"):
         paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, num_splits=0)
+    with pytest.raises(TypeError, match="early_reads='yes': expected True or False"):
+        paged_decode_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, pc.context_lens, 1.0, 8, 40, early_reads="yes")
 
 
 # ----------------------------------------------------------------------------- prefill kernel

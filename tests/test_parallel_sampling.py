@@ -100,3 +100,14 @@ def test_async_llm_streams_n_samples(tiny_checkpoint, llm: LLM) -> None:
     for o in stream:
         last.update({c.index: c.token_ids for c in o.outputs})
     assert last == {c.index: c.token_ids for c in llm.generate(PROMPT, sampled(n=2))[0].outputs}
+
+
+def test_sample_params() -> None:
+    """Sample i: n=1, seed + i, wrapped into torch's seed range; unseeded stays unseeded; a bad index
+    is named."""
+    assert sampled(n=4).sample(2) == sampled(n=1, seed=13)
+    assert SamplingParams(seed=2 ** 64 - 1, n=3).sample(2).seed == 1
+    assert SamplingParams(n=2).sample(1).seed is None
+    for bad in (-1, 1.0, "1"):
+        with pytest.raises(ValueError, match=rf"SamplingParams.sample\(index={bad!r}\): expected an integer >= 0"):
+            SamplingParams(n=2).sample(bad)

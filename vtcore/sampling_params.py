@@ -120,6 +120,8 @@ class SamplingParams:
     def sample(self, index: int) -> "SamplingParams":
         """Sample ``index`` of an ``n > 1`` request as a request of its own (vLLM's parallel sampling):
         ``n=1``, seeded ``seed + index`` (wrapped into ``torch.Generator.manual_seed``'s range) when seeded."""
+        if not _is_int(index) or index < 0:
+            raise ValueError(f"SamplingParams.sample(index={index!r}): expected an integer >= 0")
         seed = None if self.seed is None else self.seed + index
         if seed is not None and seed >= _SEED_RANGE[1]:
             seed -= _SEED_RANGE[1]

@@ -116,7 +116,7 @@ class LLMEngine:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
                               f"{trained} ({os.path.join(config.model, 'config.json')}): positions past it were "
                               f"never trained and no RoPE scaling here extends them; pass max_model_len <= {trained}")
-        self.max_model_len = config.max_model_len or int(hf.get("max_position_embeddings", 4096))
+        self.max_model_len = config.max_model_len or int(4096 if trained is None else trained)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.vocab_size = int(hf.vocab_size)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -204,7 +204,7 @@ class LLMEngine:
         ``params.n > 1`` runs ``n`` samples of the prompt as requests ``"{i}_{request_id}"`` (seed ``seed
         + i`` when seeded, prompt logprobs in sample 0 only), reported under ``request_id`` with the
         completions' ``index`` = i (vLLM's parallel sampling; see :meth:`step`)."""
-        if request_id in self.requests or request_id in self.fanouts:
+        if self._in_use(request_id):
             raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
@@ -216,7 +216,7 @@ class LLMEngine:
         try:
             for i in range(params.n):
                 child = f"{i}_{request_id}"
-                if child in self.requests or child in self.fanouts:
+                if self._in_use(child):
                     raise ValueError(f"request_id={request_id!r}: its sample {i}'s id {child!r} is already in use "
                                      "by an unfinished request")
                 sample = params.sample(i)
@@ -248,21 +248,31 @@ class LLMEngine:
             self.scheduler.finish(req, "length")
         return req
 
+    def _in_use(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.fanouts
+
+    def _members(self, request_id: str) -> list[Request]:
+        """The engine requests behind an id: an ``n > 1`` request's samples, else the one (if any)."""
+        fan = self.fanouts.get(request_id)
+        if fan is not None:
+            return fan.children
+        req = self.requests.get(request_id)
+        return [] if req is None else [req]
+
     def abort_request(self, request_id: str) -> None:
         """Abort a request (every sample of an ``n > 1`` one); it reports ``finish_reason="abort"``."""
-        fan = self.fanouts.get(request_id)
-        for req in fan.children if fan is not None else [self.requests.get(request_id)]:
-            if req is not None and not req.is_finished:
+        for req in self._members(request_id):
+            if not req.is_finished:
                 self.scheduler.finish(req, "abort")
 
     def drop_request(self, request_id: str) -> None:
         """Abort a request and forget it: no output will report it."""
+        members = self._members(request_id)
         self.abort_request(request_id)
-        fan = self.fanouts.pop(request_id, None)
-        for req in fan.children if fan is not None else [self.requests.get(request_id)]:
-            if req is not None:
-                self.requests.pop(req.request_id, None)
-                self._sample_of.pop(req.request_id, None)
+        self.fanouts.pop(request_id, None)
+        for req in members:
+            self.requests.pop(req.request_id, None)
+            self._sample_of.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.inflight) or any(

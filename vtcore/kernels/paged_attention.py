@@ -94,6 +94,19 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @triton.jit
+def _kv_offsets(kv_head_off, block, pos, offs_d, stride_cs, stride_cd, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets [BLOCK_N, D] of positions ``pos`` held in cache blocks ``block``."""
+    return kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
+
+
+@triton.jit
+def _table_blocks(bt_row, pos, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """int64 cache blocks of positions ``pos`` from a block-table row, unmasked: the index is clamped
+    to the row's ``max_blocks`` entries (past the context, any valid entry does)."""
+    return tl.load(bt_row + tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_ptr, v_ptr, bt_row_ptr, kv_head_off, start, key_end, q_pos, scale_log2,
     stride_cs, stride_cd, offs_n, offs_d, d_mask,
@@ -125,7 +138,7 @@ def _attend_tile(
             if block is None:
                 block = tl.load(bt_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
             kv_mask = d_mask[None, :]
-        kv_off = kv_head_off + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
+        kv_off = _kv_offsets(kv_head_off, block, pos, offs_d, stride_cs, stride_cd, BLOCK_SIZE)
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         if EARLY_V:
             v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -213,7 +226,7 @@ def _decode_kernel(
     b = tl.program_id(2)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    block = tl.load(bt_row + tl.minimum((split * BLOCK_N + offs_n) // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+    block = _table_blocks(bt_row, split * BLOCK_N + offs_n, max_blocks, BLOCK_SIZE)
     ctx = tl.load(lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
     active = tl.maximum(tl.minimum(num_tiles, num_splits), 1)
@@ -234,10 +247,10 @@ def _decode_kernel(
     if EARLY:  # the first tile by hand: its K/V before the wait, the last position's again after it
         pos = split * BLOCK_N + offs_n
         kv_mask = (pos < ctx)[:, None] & d_mask[None, :]
-        kv_off = kvh * stride_ch + (block * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * stride_cs + offs_d[None, :] * stride_cd
+        kv_off = _kv_offsets(kvh * stride_ch, block, pos, offs_d, stride_cs, stride_cd, BLOCK_SIZE)
         k0 = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v0 = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        block = tl.load(bt_row + tl.minimum((pos + num_splits * BLOCK_N) // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+        block = _table_blocks(bt_row, pos + num_splits * BLOCK_N, max_blocks, BLOCK_SIZE)
         wait_prior(PDL)
         if (split + 1) * BLOCK_N >= ctx:  # this tile holds position ctx - 1 (or none): this step wrote it
             k0 = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -259,8 +272,7 @@ def _decode_kernel(
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
             BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION, EARLY_V=True, block=block,
         )
-        nxt = (t + num_splits) * BLOCK_N + offs_n
-        block = tl.load(bt_row + tl.minimum(nxt // BLOCK_SIZE, max_blocks - 1)).to(tl.int64)
+        block = _table_blocks(bt_row, (t + num_splits) * BLOCK_N + offs_n, max_blocks, BLOCK_SIZE)
     if SPLIT_OUT:
         rows = b * stride_ps + heads * stride_ph + split * stride_pk
         tl.store(part_ptr + rows[:, None] + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
@@ -338,6 +350,8 @@ def paged_decode_attention(
         raise ValueError(f"block_n={block_n} must be a power of two >= 16")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if not isinstance(early_reads, bool):
+        raise TypeError(f"early_reads={early_reads!r}: expected True or False")
     num_splits = num_splits or decode_num_splits(seqs, kv_heads, max_context_len, block_n)
     if block_tables.shape[1] == 0:  # no context anywhere; the kernel reads a row's entry 0 unconditionally
         block_tables = torch.zeros((seqs, 1), dtype=block_tables.dtype, device=block_tables.device)

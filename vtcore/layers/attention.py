@@ -115,9 +115,12 @@ class Attention(nn.Module):
         md = get_attention_metadata()
         triton = q.is_cuda
         if md.decode:
-            out = (kernels.paged_decode_attention if triton else kernels.paged_decode_attention_ref)(
-                q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.block_size,
-                md.max_context_len, **({"early_reads": True} if triton else {}))
+            args = (q, self.k_cache, self.v_cache, md.block_tables, md.context_lens, self.scale, self.block_size,
+                    md.max_context_len)
+            # early_reads: the kernel before this one (the qkv projection's cache write) wrote only each
+            # sequence's last position, which is what the contract allows
+            out = kernels.paged_decode_attention(*args, early_reads=True) if triton else \
+                kernels.paged_decode_attention_ref(*args)
         else:
             out = (kernels.paged_prefill_attention if triton else kernels.paged_prefill_attention_ref)(
                 q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.context_lens, self.scale,

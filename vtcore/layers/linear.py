@@ -124,7 +124,6 @@ class Linear(nn.Module):
         h, residual = norm(x, residual)
         return self(h), residual
 
-
     def forward_qk_rope(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, rope: "QKRope"
                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(self(norm(x + residual)), x + residual)`` for a [q | k | v] projection of one decode token,
