@@ -23,11 +23,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vtcore.kernels.gemv import _config, _gemv_kernel, _registers
+from vtcore.kernels.gemv import _config, _gemv_kernel, _registers, narrow_layout
 
 SHAPES = {"4b gate_up": (19456, 2560), "4b down": (2560, 9728), "4b qkv": (6144, 2560), "4b o": (2560, 4096)}
 _POINTERS = {"x_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*i32", "r_out_ptr": "*bf16", "w_ptr": "*i32",
-             "s_ptr": "*i32", "g_ptr": "*fp32", "b_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32",
+             "s_ptr": "*u8", "g_ptr": "*fp32", "b_ptr": "*i32", "out_ptr": "*bf16", "ws_ptr": "*fp32", "sem_ptr": "*i32",
              "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
              "kc_ptr": "*bf16", "vc_ptr": "*bf16", "slot_ptr": "*i64"}
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -35,10 +35,10 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 
 def compile_launch(n: int, k: int, sms: int, maxnreg: int | None) -> bytes:
     """The sm_90 cubin of gemv's tensor-core launch for an [n, k] NVFP4 weight (16-byte aligned operands)."""
-    _, bn, bk, split, k_split, warps, stages = _config(1, n, k, 4, sms, *[None] * 5, True)
-    const = dict(N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=1, BLOCK_N=bn,
+    _, bn, bk, split, k_split, warps, stages, full = _config(1, n, k, 4, sms, *[None] * 5, True)
+    const = dict(N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, FULL_TILES=full, BLOCK_M=1, BLOCK_N=bn,
                  BLOCK_K=bk, EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=False, PROLOGUE=0, HAS_RESIDUAL=False,
-                 ZERO_CENTERED=False, FP4=True, FP4_MMA=True, GROUP=16, SCALE_E8M0=False, HAS_GLOBAL=True,
+                 ZERO_CENTERED=False, FP4=True, FP4_MMA=True, FP4_NARROW=narrow_layout(bn, split, warps), GROUP=16, SCALE_E8M0=False, HAS_GLOBAL=True,
                  SWIGLU=False, ROPE=False, NQ=0, NKV=0, QK_NORM=False, QK_ZERO_CENTERED=False,
                  DOT_PRECISION="tf32", INTERPRET=False, PDL=True)
     sig = {**_POINTERS, "M": "i32", "stride_xm": "i32", "stride_rm": "i32", "eps": "fp32", "stride_cos": "i32",
@@ -80,7 +80,7 @@ def sass_report(cubin: bytes) -> dict:
         for d in range(1, n if back else n - i):
             ops = re.split(r"[ ,\[\]]+", re.sub(r"^@!?U?P[T0-9]+\s+", "", body[(i + d) % n]))  # predicate off
             if {o.split(".")[0] for o in ops[2:]} & regs:
-                if not ops[0].startswith(("PRMT", "SEL")):
+                if not ops[0].startswith(("PRMT", "SEL", "F2FP")):
                     ahead.append(d)
                 break
     steps = sum("HMMA" in t for t in body) / 8 if back else 0  # 8 mma a 256-code step of a pack of two rows
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132, help="SM count the launch configs are made for (H200: 132)")
     args = ap.parse_args()
     for name, (n, k) in SHAPES.items():
-        _, bn, _, split, _, warps, _ = _config(1, n, k, 4, args.sms, *[None] * 5, True)
+        _, bn, _, split, _, warps, _, _ = _config(1, n, k, 4, args.sms, *[None] * 5, True)
         cap = _registers(triton.cdiv(n, bn) * split, args.sms, warps)
         for label, regs in (("capped", cap), ("ptxas", None)):
             r = sass_report(compile_launch(n, k, args.sms, regs))

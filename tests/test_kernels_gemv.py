@@ -167,7 +167,7 @@ def test_config_heuristic():
     for m in (1, 16):
         for k, n in ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024),
                      (2560, 6144), (4096, 2560), (2560, 19456), (9728, 2560)):
-            block_m, bn, bk, split, k_split, _, _ = _config(m, n, k, 16, 132, None, None, None, None, None)
+            block_m, bn, bk, split, k_split, _, _, _ = _config(m, n, k, 16, 132, None, None, None, None, None)
             assert (block_m == 1) == (m == 1) and k_split % bk == 0 and (split - 1) * k_split < k <= split * k_split
             assert triton_cdiv(n, bn) * split >= 132, (m, n, k)
             assert 4096 <= bn * bk * 2 <= 8192

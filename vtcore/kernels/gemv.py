@@ -54,7 +54,12 @@ tiles are fewer than the SMs: on the H200 (``scripts/bench_gemv.py --sweep``, M 
 tiles beat a 2-3 way split (0.6B o_proj 3.6 vs 4.4 us, down_proj 3.9 vs 4.8 us). A split is the
 smallest reaching 3x SMs programs, moved up to a divisor of the K-tile count when one is within 2x
 (balanced splits), capped so the partials' traffic (8 * split * M * N bytes) stays under a quarter
-of the weight bytes.
+of the weight bytes. The float32 FP4 decode, where its tiles outnumber the SMs but not by a
+multiple, runs the first ``n_tiles // SMs * SMs`` tiles whole and cuts the rest into short K
+pieces launched last (a 1-D grid, ``FULL_TILES``): with one program a tile, the SMs holding one
+more tile than the others set the time (NVFP4 Qwen3-4B gate_up, 304 64-row tiles: 24.0 -> 19.6 us).
+The tensor-core path does not take it (11.97 -> 13.83 us: its pieces' start-up costs more than the
+imbalance); its whole-K launches of 4 row repetitions take the narrow layout (``narrow_layout``).
 """
 from __future__ import annotations
 
@@ -207,10 +212,10 @@ def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, r_out_ptr, w_ptr, s_ptr, g_ptr, b_ptr, out_ptr, ws_ptr, sem_ptr,
     pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, M, stride_xm, stride_rm,
     eps, stride_cos, stride_ct, stride_ch, qk_eps, N: tl.constexpr, K: tl.constexpr, K_P2: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FULL_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-    FP4: tl.constexpr, FP4_MMA: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
+    FP4: tl.constexpr, FP4_MMA: tl.constexpr, FP4_NARROW: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr,
     SWIGLU: tl.constexpr, ROPE: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, QK_NORM: tl.constexpr,
     QK_ZERO_CENTERED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -223,6 +228,9 @@ def _gemv_kernel(
     ``SPLIT > 1``: each program stores its float32 partial in ``ws`` [SPLIT, M, N], then counts
     itself in the n tile's arrival counter; the last to arrive sums the SPLIT partials in order,
     adds the bias, rounds once, writes ``out`` and resets the counter.
+    ``FULL_TILES > 0`` (one row, no prologue; a 1-D grid): n tiles below ``FULL_TILES`` are one
+    program each over all of K; the rest (the tail) are split ``SPLIT`` ways as above, their programs
+    launched last, so the short pieces even out the SMs' loads (see :func:`_config`).
     ``SWIGLU`` (one row, a [gate | up] weight of N = 2I rows): an n tile is BLOCK_N / 2 gate rows and
     the same up rows (I further on); its epilogue rounds the sums as the projection's output would be
     and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.activation.silu_mul`).
@@ -230,8 +238,20 @@ def _gemv_kernel(
     its epilogue norms, rotates and writes to the KV cache (:func:`vtcore.kernels.rope.head_epilogue`).
     """
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    if FULL_TILES > 0:
+        pid = tl.program_id(0)
+        split_tile = pid >= FULL_TILES
+        piece = tl.maximum(pid - FULL_TILES, 0)
+        pid_n = tl.where(split_tile, FULL_TILES + piece // SPLIT, pid)
+        pid_k = tl.where(split_tile, piece % SPLIT, 0)
+        k_start = pid_k * K_SPLIT
+        k_end = tl.where(split_tile, tl.minimum(k_start + K_SPLIT, K), K)
+    else:
+        split_tile = SPLIT > 1
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        k_start = pid_k * K_SPLIT
+        k_end = tl.minimum(k_start + K_SPLIT, K)
     offs_k = tl.arange(0, BLOCK_K)
     # Clamp rows past N onto row N - 1 (SWIGLU: past each half's end onto its last row): every
     # weight load stays in bounds without a mask (the columns they produce are never stored).
@@ -247,8 +267,6 @@ def _gemv_kernel(
         n_mask = offs_n < N
         rows = offs_n if EVEN_N else tl.minimum(offs_n, N - 1)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * K + offs_k[None, :]
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
     # x offsets of column 0 ([BLOCK_K] for one row, [BLOCK_K, BLOCK_M] transposed for several)
     if BLOCK_M == 1:
         m_ok = offs_k >= 0
@@ -285,7 +303,7 @@ def _gemv_kernel(
         rstd = tl.rsqrt(ss * (1.0 / K) + eps)[None, :]
     if FP4:  # one row, no prologue (the host never picks either); loads double-buffered as below
         if FP4_MMA:  # x_ptr is x's int32 pair view
-            y = fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K, BLOCK_N, BLOCK_K, PDL)
+            y = fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K, BLOCK_N, BLOCK_K, FP4_NARROW, PDL)
         else:
             rows64 = rows.to(tl.int64)
             w_words = w_ptr + rows64[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
@@ -343,14 +361,15 @@ def _gemv_kernel(
         dst = offs_m[:, None] * N + offs_n[None, :]
         bias_off = offs_n[None, :]
     if SPLIT > 1:
-        tl.store(ws_ptr + pid_k * (M * N) + dst, y, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
-        if tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
-            return
-        tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-        y = tl.load(ws_ptr + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT):
-            y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if split_tile:
+            tl.store(ws_ptr + pid_k * (M * N) + dst, y, mask=out_mask)
+            tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
+            if tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
+                return
+            tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            y = tl.load(ws_ptr + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         y += tl.load(b_ptr + bias_off, mask=bias_off < N, other=0.0).to(tl.float32)
     if ROPE:
@@ -377,8 +396,9 @@ def _pick_block_k(k: int, target: int, floor: int) -> int:
 @functools.cache
 def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, block_k: int | None,
             split_k: int | None, num_warps: int | None, num_stages: int | None, fp4_mma: bool = False) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split, K_SPLIT, num_warps, num_stages) for one shape of ``bits``-bit
-    weights (16 or 32; 4: packed FP4, ``fp4_mma``: on the tensor-core path); forced values win."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split, K_SPLIT, num_warps, num_stages, full_tiles) for one shape of
+    ``bits``-bit weights (16 or 32; 4: packed FP4, ``fp4_mma``: on the tensor-core path); forced
+    values win. ``full_tiles`` > 0: only the tiles past it are split (see ``_gemv_kernel``)."""
     target = _PROGRAMS_PER_SM * sms
     if m == 1:
         block_m = 1
@@ -404,9 +424,16 @@ def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, bl
         split = next((s for s in range(split, min(k_tiles, 2 * split) + 1) if k_tiles % s == 0), split)
     else:
         split = 1
+    full = 0
+    if bits == 4 and not fp4_mma and split == 1 and split_k is None and n_tiles > sms and n_tiles % sms and k_tiles > 1:
+        # One program a tile leaves the SMs holding one more tile than others idle (608 gate_up tiles:
+        # 80 SMs do 5, 52 do 4); instead the last n_tiles % sms tiles are cut into short K pieces,
+        # launched last, which the SMs that finish first take up.
+        full = n_tiles // sms * sms
+        split = min(k_tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, n_tiles - full))
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)  # no empty splits
-    return block_m, bn, bk, split, per_split * bk, num_warps or 4, num_stages or 3
+    return block_m, bn, bk, split, per_split * bk, num_warps or 4, num_stages or 3, full if split > 1 else 0
 
 
 def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue: int,
@@ -430,8 +457,8 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
     mma = fp4 is not None and config.get("fp4_mma", True) and use_fp4_mma(x, fp4)
     if rope is not None and config.setdefault("block_n", rope.head_dim) != rope.head_dim:
         raise ValueError(f"gemv_qk_rope: block_n={config['block_n']}: a tile is one head, {rope.head_dim} rows")
-    block_m, bn, bk, split, k_split, warps, stages = _config(m, n, k, bits, num_sms(x.device),
-                                                             *(config.get(key) for key in _CONFIG_KEYS), mma)
+    block_m, bn, bk, split, k_split, warps, stages, full = _config(m, n, k, bits, num_sms(x.device),
+                                                                   *(config.get(key) for key in _CONFIG_KEYS), mma)
     if fp4 is not None and prologue:
         raise ValueError("gemv: FP4 weights take no prologue (see supports()); run the norm / SwiGLU first")
     if fp4 is not None and (bk % fp4.group_size or bk % 8):
@@ -442,15 +469,18 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
                          "(see use_fp4_mma and fp4_mma_tile)")
     n_tiles = triton.cdiv(n, bn)  # SWIGLU: cdiv(n / 2, bn / 2), the same
-    maxnreg = config.get("maxnreg", (_registers(n_tiles * split, num_sms(x.device), warps) if mma else 0) or 0)
+    grid = (full + (n_tiles - full) * split,) if full else (n_tiles, split)
+    # registers for the programs resident at once: with a tail (full > 0), a tile each
+    maxnreg = config.get("maxnreg", (_registers(n_tiles if full else n_tiles * split, num_sms(x.device), warps)
+                                     if mma else 0) or 0)
     if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 0 <= maxnreg <= 255:
         raise ValueError(f"gemv: maxnreg={maxnreg!r}: expected registers a thread may use, 1..255, or 0 (ptxas's "
                          "choice)")
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     sem = arrival_counters(x.device, n_tiles) if split > 1 else out
-    _gemv_kernel[(n_tiles, split)](
+    _gemv_kernel[grid](
         x[0].view(torch.int32) if mma else x, x if residual is None else residual, w if norm_weight is None else norm_weight,
-        out if new_residual is None else new_residual, w, w if fp4 is None else fp4.scale.view(torch.int32) if mma else fp4.scale,
+        out if new_residual is None else new_residual, w, w if fp4 is None else fp4.scale,
         w if fp4 is None or fp4.row_global is None else fp4.row_global, w if bias is None else bias, out, ws, sem,
         *((rope.positions, rope.cos_cache, rope.sin_cache, rope.q_weight if rope.q_weight is not None else out,
            rope.k_weight if rope.k_weight is not None else out, rope.k_cache, rope.v_cache, rope.slot_mapping)
@@ -458,9 +488,10 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
         m, x.stride(0), 0 if residual is None else residual.stride(0), eps,
         *((rope.cos_cache.stride(0), rope.k_cache.stride(0), rope.k_cache.stride(1), rope.eps) if rope is not None
           else (0, 0, 0, 0.0)),
-        N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        N=n, K=k, K_P2=triton.next_power_of_2(k), K_SPLIT=k_split, SPLIT=split, FULL_TILES=full, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
         EVEN_N=n % bn == 0, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, FP4=fp4 is not None, FP4_MMA=mma,
+        FP4_NARROW=mma and narrow_layout(bn, split, warps),
         GROUP=1 if fp4 is None else fp4.group_size, SCALE_E8M0=fp4 is not None and fp4.scale_kind == "e8m0",
         HAS_GLOBAL=fp4 is not None and fp4.row_global is not None, SWIGLU=swiglu, ROPE=rope is not None,
         NQ=rope.q_heads if rope else 0, NKV=rope.kv_heads if rope else 0,
@@ -498,6 +529,14 @@ def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
             and weight.scale_kind == "e4m3" and weight.group_size == 16 and x.shape[1] % 256 == 0
             and all(t.data_ptr() % 16 == 0 for t in (x, weight.packed, weight.scale))
             and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def narrow_layout(block_n: int, split: int, num_warps: int) -> bool:
+    """Whether a tensor-core FP4 launch takes the narrow layout (:mod:`vtcore.kernels.fp4_mma`: 2 words
+    a lane, 4 rows a thread sharing x): for whole-K programs of 4 row repetitions, where it was
+    measured faster (NVFP4 Qwen3-4B gate_up, 32 x 256 tiles: 11.5 -> 10.9 us, BENCHMARKS.md); the
+    split-K launches (2-5 steps a program) were slower with it (down 7.1 -> 8.1 us)."""
+    return split == 1 and block_n == 8 * num_warps
 
 
 def fp4_mma_tile(block_n: int, block_k: int, num_warps: int) -> bool:
