@@ -7,8 +7,9 @@ bundled ptxas twice: with the register cap ``_registers`` gives and with none (p
 Printed: registers, spill bytes, the main loop's SASS instructions a K step (where the loop is not
 unrolled away) and how far ahead of their first use the weight loads are issued (median over the
 loads, in SASS instructions and, in a loop, in K steps). A load is a weight load when its first
-user decodes it (not a PRMT: x's pairs; not a SEL: the scale bytes). The loop is latency-bound
-(docs/BENCHMARKS.md), so the lookahead is what the cap buys.
+user decodes it (not a PRMT: x's pairs or the narrow layout's scale bytes; not an F2FP: the wide
+layout's scale bytes). The loop is latency-bound (docs/BENCHMARKS.md), so the lookahead is what the
+cap buys.
 """
 from __future__ import annotations
 
@@ -80,10 +81,10 @@ def sass_report(cubin: bytes) -> dict:
         for d in range(1, n if back else n - i):
             ops = re.split(r"[ ,\[\]]+", re.sub(r"^@!?U?P[T0-9]+\s+", "", body[(i + d) % n]))  # predicate off
             if {o.split(".")[0] for o in ops[2:]} & regs:
-                if not ops[0].startswith(("PRMT", "SEL", "F2FP")):
+                if not ops[0].startswith(("PRMT", "F2FP")):
                     ahead.append(d)
                 break
-    steps = sum("HMMA" in t for t in body) / 8 if back else 0  # 8 mma a 256-code step of a pack of two rows
+    steps = sum("HMMA" in t for t in body) / 8 if back else 0  # 8 mma a 256-code step of a pack (2 rows wide, 4 narrow)
     out = {"regs": int(re.search(r"REG:(\d+)", usage)[1]), "spill_bytes": int(re.search(r"LOCAL:(\d+)", usage)[1]),
            "weight_lookahead": statistics.median(ahead) if ahead else None}
     if back:

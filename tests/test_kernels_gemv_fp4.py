@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from vtcore.kernels.fp4_mma import _pairs, _scales, _step_asm, layout_ok  # noqa: E402
+from vtcore.kernels.fp4_mma import UNSCALE, _diag_asm, _pairs, _scales, _step_asm, layout_ok  # noqa: E402
 from vtcore.kernels import gemv as gemv_module  # noqa: E402
 from vtcore.kernels.activation import silu_and_mul  # noqa: E402
 from vtcore.kernels.gemv import (  # noqa: E402
-    INTERPRET, _registers, gemv, gemv_silu_and_mul, gemv_swiglu, supports, use_fp4_mma)
+    INTERPRET, _registers, fp4_mma_tile, gemv, gemv_silu_and_mul, gemv_swiglu, narrow_layout, supports, use_fp4_mma)
 from vtcore.quant.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
@@ -91,18 +92,33 @@ def test_interpreter_swiglu_epilogue(kind, split):
 
 
 @interp
-@pytest.mark.parametrize("kind", ["e4m3", "e8m0"])
-def test_interpreter_tail_tiles_cut_into_k_pieces(monkeypatch, kind):
-    """More tiles than SMs, not a multiple of them (7 tiles, 3 SMs): the first 6 run whole, the last
-    one's K is cut into pieces launched last, whose partials its last piece sums (also under the
-    SwiGLU epilogue); 108 rows: that tile is partial too."""
+@pytest.mark.parametrize("kind,n,k,cfg", [("e4m3", 108, 512, (4, 128, 4, 3, 6)), ("e8m0", 124, 896, (4, 256, 4, 3, 6))])
+def test_interpreter_tail_tiles_cut_into_k_pieces(monkeypatch, kind, n, k, cfg):
+    """More tiles than SMs, not a multiple of them (3 SMs): the first 6 tiles run whole, the rest (one
+    of 108 rows, partial; two of 124 rows, with a bias) have their K cut into pieces launched last
+    (1 step each; 2, 2, 2 and 1 steps of 7), whose partials each tile's last piece sums. Under the
+    SwiGLU epilogue the tail holds other rows (gate and up), so its sums may round differently:
+    within 2 bf16 ulps of the projection then ``silu_and_mul``."""
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 3)
-    assert gemv_module._config(1, 108, 512, 4, 3, 16, 128, None, None, None)[3:] == (4, 128, 4, 3, 6)
-    w = fp4_weight(108, 512, kind, seed=41)
-    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(42)).bfloat16()
-    y = gemv(x, w, block_n=16, block_k=128)
-    check(y, x, w)
-    assert torch.equal(gemv_swiglu(x, w, block_n=16, block_k=128), silu_and_mul(y))
+    assert gemv_module._config(1, n, k, 4, 3, 16, 128, None, None, None)[3:] == cfg  # split, K_SPLIT, .., full
+    w = fp4_weight(n, k, kind, seed=41)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(42)).bfloat16()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(43)).bfloat16() if n == 124 else None
+    y = gemv(x, w, bias, block_n=16, block_k=128)
+    check(y, x, w, bias)
+    ref = silu_and_mul(y).float()
+    assert torch.allclose(gemv_swiglu(x, w, bias, block_n=16, block_k=128).float(), ref, rtol=2 * _ULP[torch.bfloat16],
+                          atol=1e-3 * ref.abs().max().item())
+
+
+def test_tensor_core_layout_choice():
+    """NVFP4 Qwen3-4B on 132 SMs: gate_up's whole-K launch of 32-row tiles takes the narrow layout; the
+    split-K launches (down, qkv, o) the wide one (where each was measured faster, BENCHMARKS.md)."""
+    for (n, k), narrow in (((19456, 2560), True), ((2560, 9728), False), ((6144, 2560), False), ((2560, 4096), False)):
+        _, bn, bk, split, _, warps, _, full = gemv_module._config(1, n, k, 4, 132, None, None, None, None, None, True)
+        assert fp4_mma_tile(bn, bk, warps) and full == 0
+        assert narrow_layout(bn, split, warps) is narrow, (n, k)
+    assert not narrow_layout(64, 1, 4) and narrow_layout(16, 1, 2)  # 8 row repetitions / 4
 
 
 @interp
@@ -286,6 +302,10 @@ def test_cuda_swiglu_epilogue(cfg):
     for n in (19456, 2 * 1000):  # 1000 rows a half: the last tile partial
         w = fp4_weight(n, 2560, "e4m3", seed=41, device="cuda")
         assert torch.equal(gemv_swiglu(x, w, **cfg), silu_and_mul(gemv(x, w, **cfg)))
+        if cfg.get("fp4_mma") == 0:  # the default (split tail tiles): the same within 2 ulps
+            ref = silu_and_mul(gemv(x, w, fp4_mma=0)).float()
+            assert torch.allclose(gemv_swiglu(x, w, fp4_mma=0).float(), ref, rtol=2 * _ULP[torch.bfloat16],
+                                  atol=1e-3 * ref.abs().max().item())
     dense_w = torch.randn(2 * 1001, 2560, device="cuda").bfloat16() / 50
     bias = torch.randn(2 * 1001, device="cuda").bfloat16()
     assert torch.equal(gemv_swiglu(x, dense_w, bias), silu_and_mul(gemv(x, dense_w, bias)))
@@ -334,15 +354,26 @@ def _run_ptx(ops: list[str], regs: dict[str, int]) -> dict[str, int]:
     (register bits; the float ops through torch's conversions, which round to nearest even as PTX's
     ``.rn`` does); an op it does not know fails the test."""
     for op in ops:
+        if op in ("{", "}") or op.startswith(".reg"):
+            continue
         name, args = op.rstrip(";").split(" ", 1)
-        if name == "mov.b32":  # {lo, hi} = a
+        if name == "mov.b32" and args.startswith("{"):  # {lo, hi} = a
             halves, a = args.split("},")
             lo, hi = (t.strip() for t in halves.strip("{ ").split(","))
             regs[lo], regs[hi] = regs[a.strip()] & 0xFFFF, regs[a.strip()] >> 16
             continue
         dst, *src = (t.strip() for t in args.split(","))
-        v = [regs[t] if t in regs else int(t, 0) for t in src]
-        if name == "shr.b32":
+        v = [regs[t] if t in regs else float(struct.unpack("<f", bytes.fromhex(t[2:])[::-1])[0]) if t.startswith("0f")
+             else int(t, 0) for t in src]
+        if name in ("mov.b32", "mov.u32", "mov.f32"):
+            out = v[0]
+        elif name == "setp.eq.u32":
+            out = v[0] == v[1]
+        elif name == "selp.f32":
+            out = v[0] if v[2] else v[1]
+        elif name == "add.rn.f32":
+            out = _f32(v[0] + v[1])
+        elif name == "shr.b32":
             out = v[0] >> v[1]
         elif name == "and.b32":
             out = v[0] & v[1]
@@ -370,6 +401,82 @@ def _run_ptx(ops: list[str], regs: dict[str, int]) -> dict[str, int]:
             raise AssertionError(f"op {name} not emulated")
         regs[dst] = out
     return regs
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _run_warp(asm: str, lanes: list[dict]) -> None:
+    """Run one inline-asm body on the 32 lanes' registers in lockstep: plain ops lane by lane
+    (:func:`_run_ptx`), ``mma.sync ... m16n8k16`` across the warp with PTX's fragment layouts (lane
+    ``(g, tig)`` = ``(lane // 4, lane % 4)``; A's rows g, g + 8 and columns 2tig(+1), 2tig + 8(+9), B's
+    column g and rows the same, C's rows g, g + 8 and columns 2tig, 2tig + 1), the products summed in
+    float64 and rounded once to float32."""
+    for op in asm.split("\n"):
+        if not op.startswith("mma.sync"):
+            for lane in lanes:
+                _run_ptx([op], lane)
+            continue
+        d, a, b, c = ([t.strip() for t in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}", op))
+        amat, bmat, cmat = [[0.0] * 16 for _ in range(16)], [[0.0] * 8 for _ in range(16)], [[0.0] * 8 for _ in range(16)]
+        for i, lane in enumerate(lanes):
+            g, t = i // 4, i % 4
+            for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                amat[row][col], amat[row][col + 1] = _bf16_value(lane[a[r]]), _bf16_value(lane[a[r]] >> 16)
+            for r, k in enumerate((2 * t, 2 * t + 8)):
+                bmat[k][g], bmat[k + 1][g] = _bf16_value(lane[b[r]]), _bf16_value(lane[b[r]] >> 16)
+            for r, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+                cmat[row][col] = lane[c[r]]
+        for i, lane in enumerate(lanes):
+            g, t = i // 4, i % 4
+            for r, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+                lane[d[r]] = _f32(sum(amat[row][k] * bmat[k][col] for k in range(16)) + cmat[row][col])
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_tensor_core_step_on_an_emulated_warp(narrow):
+    """The whole K step and diagonal PTX of both layouts (run on the GPU only; emulated here on one
+    warp of 8 rows and 256 codes, registers placed as the module docstring says Triton lays the tile
+    out): every row's sum equals the float64 sum of code x scale x x. Catches a wrong operand number,
+    fragment, scale or x pair in either generator."""
+    g = torch.Generator().manual_seed(5 + narrow)
+    words = torch.randint(0, 2 ** 32, (8, 32), generator=g, dtype=torch.int64).tolist()
+    scale = torch.randint(0, 0x7F, (8, 16), generator=g) | torch.randint(0, 2, (8, 16), generator=g) << 7
+    xbits = torch.randn(256, generator=g).bfloat16().view(torch.int16).to(torch.int64) & 0xFFFF
+    s_val = scale.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    ref = [sum((-1) ** (words[r][k // 8] >> (4 * (k % 8) + 3) & 1) * mag[words[r][k // 8] >> 4 * (k % 8) & 7]
+               * float(s_val[r, k // 16]) * _bf16_value(int(xbits[k])) for k in range(256)) for r in range(8)]
+    pair = [int(xbits[2 * p]) | int(xbits[2 * p + 1]) << 16 for p in range(128)]
+    lanes, rows_of = [], []
+    for i in range(32):
+        if narrow:  # lane u of 16 a row: words 2 grp, 2 grp + 1; element 2q + e: row i // 16 + 2q, word e
+            grp = 5 * (i % 16) % 16
+            rows = [i // 16 + 2 * (e // 2) for e in range(8)]
+            word = [2 * grp + e % 2 for e in range(8)]
+            sc = [int(scale[r, grp]) for r in rows]
+            xs = {32 + 8 * p + e: pair[4 * word[e] + p] for p in range(4) for e in range(8)}
+        else:  # lane t of 8 a row: words 4t..4t+3 of rows R = i // 8 (elements 0..3) and R + 4 (4..7)
+            t = i % 8
+            rows = [i // 8 + 4 * (e // 4) for e in range(8)]
+            word = [4 * t + e % 4 for e in range(8)]
+            sc = [int(scale[r, 2 * t]) | int(scale[r, 2 * t + 1]) << 8 for r in rows]
+            xs = {32 + 8 * j + e: pair[4 * (4 * t + j) + e % 4] for j in range(4) for e in range(8)}
+        rows_of.append(rows)
+        lanes.append({"%laneid": i, **{f"${8 + e}": 0.0 for e in range(8)},
+                      **{f"${16 + e}": words[rows[e]][word[e]] for e in range(8)},
+                      **{f"${24 + e}": sc[e] for e in range(8)}, **{f"${k}": v for k, v in xs.items()}})
+    _run_warp(_step_asm(narrow), lanes)
+    for lane in lanes:
+        lane.update({f"${8 + e}": lane[f"${e}"] for e in range(8)})
+    _run_warp(_diag_asm(narrow), lanes)
+    got = [0.0] * 8
+    for lane, rows in zip(lanes, rows_of):
+        for e in range(8):
+            got[rows[e]] += lane[f"${e}"] * UNSCALE.value
+    top = max(abs(v) for v in ref)
+    assert all(abs(a - b) <= 1e-5 * top for a, b in zip(got, ref)), (got, ref)
 
 
 def test_tensor_core_scales_convert_every_e4m3_byte():

@@ -28,8 +28,9 @@ Both layouts take 256 codes (32 int32 words) a row a K step, in Triton's registe
   costs 32 bytes a lane a step, as much as the weights. ``gemv`` takes it for whole-K launches of 4
   row repetitions (:func:`vtcore.kernels.gemv.narrow_layout`).
 
-The loop is bound by load latency through L1 (``ncu`` on gate_up: L1 throughput ~81% of peak, of which
-x's loads are nearly all; stalls on the scoreboard of the loads, BENCHMARKS.md), so what it loads
+The loop is bound by load latency through L1 (``ncu`` on gate_up, wide layout: L1 throughput ~81% of
+peak, of which x's loads are nearly all; stalls on the scoreboard of the loads, BENCHMARKS.md; the
+narrow kernel was not profiled), so what it loads
 counts more than its ~200 SASS instructions a step: the scale bytes are loaded once a lane by inline
 PTX (2 bytes wide, 1 narrow, instead of the row's 16), and the narrow layout halves x's bytes. x,
 scales and words share the tile's layout (scales and x follow the words' load: Triton changes no
@@ -106,7 +107,7 @@ def _step_asm(narrow: bool) -> str:
       mma row pairs); row ``q``'s group byte in ``$24 + 2q``; ``$32 + 8i + e`` is pair ``i`` of word ``e``;
       fragment ``p`` sums row pair ``p``."""
     ops = ["{", ".reg .b32 %m, %h, %z, %c119, %v;", ".reg .b16 %sb, %h0, %h1;", ".reg .f32 %f0, %f1;",
-           ".reg .b32 %sa<2>, %sr<2>, %ra<4>, %rb<4>, %x<16>;", "mov.b32 %z, 0x80008000;",
+           f".reg .b32 %sa<2>, {'' if narrow else '%sr<2>, '}%ra<4>, %rb<4>, %x<16>;", "mov.b32 %z, 0x80008000;",
            "mov.b32 %c119, 0x7B007B00;"]  # bf16x2 (2^119, 2^119)
     words = 2 if narrow else 4
     for j in range(words):  # word j's B fragments (x[8w+i], x[8w+i+4]) for code pairs i, i + 4, shared by the rows
@@ -220,9 +221,18 @@ def _mma_weights(w_words, sc, kw, NARROW: tl.constexpr):
 
 
 @triton.jit
+def _after_wait():
+    """int32 0 from inline asm with side effects: called after :func:`wait_prior` and added to x's
+    pointers, it orders the narrow layout's x loads (pure inline PTX, which the compiler may
+    otherwise move) after the wait on the kernel that wrote x."""
+    return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _mma_x(x_lane, kw, NARROW: tl.constexpr):
     """x's pairs for the step from word ``kw``, as the step asm takes them: wide, ``x_j`` holds word j's
-    4 pairs (4 loads); narrow, ``x_i`` holds pair i of the lane's 2 words (two 16-byte loads, PTX)."""
+    4 pairs (4 loads); narrow, ``x_i`` holds pair i of the lane's 2 words (two 16-byte loads, PTX;
+    ``x_lane`` carries :func:`_after_wait`)."""
     x = x_lane + 4 * kw
     if NARROW:
         x0, x1, x2, x3 = tl.inline_asm_elementwise(
@@ -251,6 +261,8 @@ def fp4_mma_rows(w_ptr, s_ptr, x_ptr, rows, k_start, k_end, K: tl.constexpr, BLO
     # use. Written as one buffer carried through the loop, ptxas sank the loads to the loop's end.
     w, sb = _mma_weights(w_words, sc, kw0, NARROW)
     wait_prior(PDL)
+    if NARROW:
+        x_lane += _after_wait()
     x0, x1, x2, x3 = _mma_x(x_lane, kw0, NARROW)
     for i in range(0, steps // 2):
         kb = kw0 + (2 * i + 1) * BLOCK_KW

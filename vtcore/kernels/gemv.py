@@ -426,9 +426,9 @@ def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, bl
         split = 1
     full = 0
     if bits == 4 and not fp4_mma and split == 1 and split_k is None and n_tiles > sms and n_tiles % sms and k_tiles > 1:
-        # One program a tile leaves the SMs holding one more tile than others idle (608 gate_up tiles:
-        # 80 SMs do 5, 52 do 4); instead the last n_tiles % sms tiles are cut into short K pieces,
-        # launched last, which the SMs that finish first take up.
+        # One program a tile leaves the SMs holding one more tile than others idle (NVFP4 Qwen3-4B
+        # gate_up, 304 tiles: 40 SMs do 3, 92 do 2); instead the last n_tiles % sms tiles are cut into
+        # short K pieces, launched last, which the SMs that finish first take up.
         full = n_tiles // sms * sms
         split = min(k_tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, n_tiles - full))
     per_split = triton.cdiv(k_tiles, split)
@@ -469,10 +469,8 @@ def _launch(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, prologue
                          f"group {fp4 and fp4.group_size}, K {k}, tile {bn} x {bk} over {warps} warps do not qualify "
                          "(see use_fp4_mma and fp4_mma_tile)")
     n_tiles = triton.cdiv(n, bn)  # SWIGLU: cdiv(n / 2, bn / 2), the same
-    grid = (full + (n_tiles - full) * split,) if full else (n_tiles, split)
-    # registers for the programs resident at once: with a tail (full > 0), a tile each
-    maxnreg = config.get("maxnreg", (_registers(n_tiles if full else n_tiles * split, num_sms(x.device), warps)
-                                     if mma else 0) or 0)
+    grid = (full + (n_tiles - full) * split,) if full else (n_tiles, split)  # full > 0: the float32 decode only
+    maxnreg = config.get("maxnreg", (_registers(n_tiles * split, num_sms(x.device), warps) if mma else 0) or 0)
     if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 0 <= maxnreg <= 255:
         raise ValueError(f"gemv: maxnreg={maxnreg!r}: expected registers a thread may use, 1..255, or 0 (ptxas's "
                          "choice)")
@@ -510,9 +508,10 @@ def _registers(programs: int, sms: int, num_warps: int) -> int | None:
 
     Why: the loop is latency-bound (docs/BENCHMARKS.md) and ptxas, left to itself, keeps registers
     low by issuing each K step's weight loads just before their use. sm_90 SASS from Triton 3.6's
-    ptxas (``scripts/sass_fp4_mma.py``), NVFP4 Qwen3-4B: gate_up (608 programs, 5 an SM) 74
-    registers and loads a median 0.22 of a step ahead uncapped, 96 and 0.88 steps capped; qkv 92 ->
-    128 registers, loads 81 -> 231 instructions ahead; down and o_proj about as before; no spills.
+    ptxas (``scripts/sass_fp4_mma.py``), NVFP4 Qwen3-4B: gate_up (608 programs, 5 an SM, the narrow
+    layout) 72 registers and loads a median 0.20 of a step ahead uncapped, 96 and 0.91 steps capped;
+    qkv 71 -> 98 registers, down and o_proj about as before; no spills. Measured: gate_up 15.2 us
+    uncapped, 10.9 us capped (BENCHMARKS.md).
     """
     per_sm = triton.cdiv(programs, sms)
     regs = _REGISTERS_PER_SM // (per_sm * num_warps * 32) // 8 * 8
@@ -522,9 +521,10 @@ def _registers(programs: int, sms: int, num_warps: int) -> int | None:
 def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
     """Whether the one-row FP4 GEMV runs on tensor cores (:mod:`vtcore.kernels.fp4_mma`): compiled
     NVIDIA CUDA (sm_89+, for the e4m3 scale conversion; inline PTX does not interpret), bf16 x, NVFP4
-    weights (e4m3 scales, group 16), K a multiple of the 256-code step, and x, the packed words and the scales 16-byte aligned (read as
-    int32 vectors; with less, Triton lays the tile out otherwise than the PTX assumes and the sums come
-    out wrong). The launch tile must fit too (:func:`fp4_mma_tile`)."""
+    weights (e4m3 scales, group 16), K a multiple of the 256-code step, and x, the packed words and the
+    scales 16-byte aligned (x and the words are read as int32 vectors: with less, Triton lays the tile
+    out otherwise than the PTX assumes and the sums come out wrong; the scales' 1- and 2-byte loads
+    need less, asked the same for simplicity). The launch tile must fit too (:func:`fp4_mma_tile`)."""
     return (x.is_cuda and not INTERPRET and torch.version.hip is None and x.dtype == torch.bfloat16
             and weight.scale_kind == "e4m3" and weight.group_size == 16 and x.shape[1] % 256 == 0
             and all(t.data_ptr() % 16 == 0 for t in (x, weight.packed, weight.scale))
