@@ -161,6 +161,18 @@ _DIAG_WIDE: tl.constexpr = tl.constexpr(_diag_asm(False))
 _DIAG_NARROW: tl.constexpr = tl.constexpr(_diag_asm(True))
 _STEP_CONSTRAINTS: tl.constexpr = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 48))
 _DIAG_CONSTRAINTS: tl.constexpr = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8))
+
+
+def _lane_load(ld: str, elements: int) -> str:
+    """PTX: one load (``ld``, e.g. ``ld.global.nc.u16``) at element 0's address, the value copied to
+    all ``elements`` of the lane (their addresses are equal)."""
+    return " ".join([f"{ld} $0, [${elements}];", *(f"mov.b32 ${i}, $0;" for i in range(1, elements))])
+
+
+_SCALES_WIDE: tl.constexpr = tl.constexpr(_lane_load("ld.global.nc.u16", 4))  # the lane's 2 group bytes
+_SCALES_NARROW: tl.constexpr = tl.constexpr(_lane_load("ld.global.nc.u8", 2))  # the lane's group byte
+_LANE_CONSTRAINTS_WIDE: tl.constexpr = tl.constexpr(",".join(["=r"] * 4 + ["l"] * 4))
+_LANE_CONSTRAINTS_NARROW: tl.constexpr = tl.constexpr(",".join(["=r"] * 2 + ["l"] * 2))
 #: the sum's factor: w = c * s * 2^-7 in the tensor cores
 UNSCALE: tl.constexpr = tl.constexpr(128.0)
 
@@ -212,11 +224,10 @@ def _mma_weights(w_words, sc, kw, NARROW: tl.constexpr):
     row's 16 of the step (16-byte loads of scales cost ~7% of gate_up's time, BENCHMARKS.md)."""
     sp = sc + kw // 2
     if NARROW:
-        sb = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$2]; mov.b32 $1, $0;", "=r,=r,l,l", [sp],
-                                       dtype=tl.int32, is_pure=True, pack=2)
+        sb = tl.inline_asm_elementwise(_SCALES_NARROW, _LANE_CONSTRAINTS_NARROW, [sp], dtype=tl.int32, is_pure=True,
+                                       pack=2)
     else:
-        sb = tl.inline_asm_elementwise("ld.global.nc.u16 $0, [$4]; mov.b32 $1, $0; mov.b32 $2, $0; mov.b32 $3, $0;",
-                                       "=r,=r,=r,=r,l,l,l,l", [sp], dtype=tl.int32, is_pure=True, pack=4)
+        sb = tl.inline_asm_elementwise(_SCALES_WIDE, _LANE_CONSTRAINTS_WIDE, [sp], dtype=tl.int32, is_pure=True, pack=4)
     return tl.load(w_words + kw), sb
 
 

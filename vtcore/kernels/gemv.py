@@ -247,7 +247,7 @@ def _gemv_kernel(
         k_start = pid_k * K_SPLIT
         k_end = tl.where(split_tile, tl.minimum(k_start + K_SPLIT, K), K)
     else:
-        split_tile = SPLIT > 1
+        split_tile: tl.constexpr = SPLIT > 1
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         k_start = pid_k * K_SPLIT
@@ -360,16 +360,15 @@ def _gemv_kernel(
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]
         dst = offs_m[:, None] * N + offs_n[None, :]
         bias_off = offs_n[None, :]
-    if SPLIT > 1:
-        if split_tile:
-            tl.store(ws_ptr + pid_k * (M * N) + dst, y, mask=out_mask)
-            tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
-            if tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
-                return
-            tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            y = tl.load(ws_ptr + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
+    if split_tile:  # FULL_TILES > 0 implies SPLIT > 1
+        tl.store(ws_ptr + pid_k * (M * N) + dst, y, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
+        if tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
+            return
+        tl.atomic_xchg(sem_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        y = tl.load(ws_ptr + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            y += tl.load(ws_ptr + s * (M * N) + dst, mask=out_mask, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         y += tl.load(b_ptr + bias_off, mask=bias_off < N, other=0.0).to(tl.float32)
     if ROPE:
