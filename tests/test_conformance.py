@@ -45,7 +45,8 @@ def test_gate_fails_each_broken_family_naming_it(plugins: Plugins, family: str, 
     out = io.StringIO()
     write_table([gate], out, "cpu")
     text = out.getvalue()
-    assert f"FAIL {check}: {message}" in text and text.rstrip().endswith("FAILED: 1 family, 0 quant methods")
+    assert f"FAIL {check}: {message}" in text
+    assert text.rstrip().endswith(f"FAILED: 1 family ({family}) of 1; quant methods: none run")
     if family == "undeclared":  # the async checks cannot run for it, and say why
         assert {gate.results[c].status for c in CHECKS if c.startswith("async")} == {"skip"}
         assert gate.results["oracle-greedy"].status == "pass"
@@ -58,7 +59,8 @@ def test_gate_report_names_the_oracle_and_json(plugins: Plugins) -> None:
     report = to_json(gates, "cpu")
     assert report["passed"] is False
     assert report["families"]["qwen3_dense"]["oracle"] == "transformers:Qwen3ForCausalLM"
-    assert all(c["status"] == "pass" for c in report["families"]["qwen3_dense"]["checks"].values())
+    statuses = {name: c["status"] for name, c in report["families"]["qwen3_dense"]["checks"].items()}
+    assert {n for n, st in statuses.items() if st != "pass"} == {"cuda-graphs", "cuda-bf16"}  # CPU: skipped
     out = io.StringIO()
     write_table(gates, out, "cpu")
     assert "qwen3_dense  transformers:Qwen3ForCausalLM" in out.getvalue()
@@ -112,7 +114,7 @@ def test_conformance_suite_fails_a_broken_family_in_a_plugins_own_tests(tmp_path
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAILED test_undeclared.py::TestUndeclared::test_conformance[declares-device-tokens]" in proc.stdout
     assert "family 'undeclared': does not declare consumes_device_tokens=True" in proc.stdout
-    assert "1 failed, 6 passed, 4 skipped" in proc.stdout
+    assert "1 failed, 8 passed, 6 skipped" in proc.stdout
 
 
 def test_quant_section_passes_and_fails_a_nibble_swapping_method() -> None:
@@ -121,7 +123,8 @@ def test_quant_section_passes_and_fails_a_nibble_swapping_method() -> None:
     real = [ep for ep in md.entry_points(group="vtcore") if ep.name in ("qwen3_dense", "quant_nvfp4", "quant_mxfp4")]
     good = run_gate(["qwen3_dense"], plugins=Plugins(entry_points=real))
     assert [g.name for g in good[1:]] == ["mxfp4-pack-quantized", "nvfp4-pack-quantized"]
-    assert all(r.status == "pass" for g in good for r in g.results.values()), to_json(good, "cpu")
+    assert all(r.status == "pass" or r.check.startswith("cuda") for g in good for r in g.results.values()), \
+        to_json(good, "cpu")
     swapped = Plugins(entry_points=[ep for ep in real if ep.name != "quant_nvfp4"] + [md.EntryPoint(
         name="swapped_nibbles", value="tests.fixture_async.quant", group="vtcore")])
     gates = run_gate(["qwen3_dense"], plugins=swapped, quant=["nvfp4-pack-quantized"])

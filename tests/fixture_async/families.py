@@ -11,9 +11,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
 from vtcore import hookimpl
 from vtcore.family import ConformanceExample, ModelFamily
+from vtcore.layers.attention import Attention, get_attention_metadata
+from vtcore.layers.gated_deltanet import GatedDeltaNet
 from vtcore.layers.linear import Linear
+from vtcore.layers.norm import RMSNorm, rms_norm
+from vtcore_qwen3_5.model import Qwen3_5ForCausalLM
+from vtcore_qwen3_5.plugin import dense_example as qwen3_5_example
 from vtcore_qwen3_dense.model import Qwen3ForCausalLM
 from vtcore_qwen3_dense.plugin import conformance_example as qwen3_example
 
@@ -60,6 +67,78 @@ class LossyLoad(Qwen3ForCausalLM):
         o_proj.weight.weight_loader = lossy
 
 
+class _WeightlessNorm(RMSNorm):
+    """Normalises but never scales by its weight (loaded all the same)."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, torch.zeros_like(self.weight) if self.zero_centered else torch.ones_like(self.weight),
+                        self.eps, self.zero_centered)
+
+
+class IgnoresNormWeight(Qwen3ForCausalLM):
+    """Every layer's input_layernorm ignores its weight: right only while the weights are at their init (1)."""
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        for layer in self.model.layers:
+            layer.input_layernorm.__class__ = _WeightlessNorm
+
+
+class _OwnTokensAttention(Attention):
+    """Prefill attends over the step's own K/V only, not the context already in the cache: right while
+    every prompt is prefilled whole in one step."""
+
+    def forward(self, q, k, v, positions=None, rotary=None, q_norm=None, k_norm=None):
+        md = get_attention_metadata()
+        if md.decode:
+            return super().forward(q, k, v, positions, rotary, q_norm, k_norm)
+        q, k = rotary(positions, q, k, q_norm, k_norm, kv_cache=(v, self.k_cache, self.v_cache, md.slot_mapping))
+        group = self.num_heads // self.num_kv_heads
+        starts = md.query_start_loc.tolist()
+        out = []
+        for a, b in zip(starts[:-1], starts[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale).transpose(0, 1))
+        return torch.cat(out).reshape(-1, self.num_heads * self.head_dim)
+
+
+class PrefillIgnoresCache(Qwen3ForCausalLM):
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        for layer in self.model.layers:
+            layer.self_attn.attn.__class__ = _OwnTokensAttention
+
+
+class _StickyStateGDN(GatedDeltaNet):
+    """Its decode path always continues the slot's state ("a decode row never starts a sequence"): a
+    one-token prompt arriving in a decode step on a freed slot inherits the old owner's state."""
+
+    def _decode_indexed(self, mixed, b, a, slots, continues):
+        return super()._decode_indexed(mixed, b, a, slots, torch.ones_like(continues))
+
+
+class StateNotReset(Qwen3_5ForCausalLM):
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.__class__ = _StickyStateGDN
+
+
+class DeadTensorOracle(HFQwen3ForCausalLM):
+    """HF's Qwen3 with a tensor its forward never reads: no family can be checked on it."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model.unused = nn.Linear(4, 4, bias=False)
+
+
+class DeadTensor(Qwen3ForCausalLM):
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        self.skipped_tensors = (*self.skipped_tensors, "model.unused.weight")
+
+
 def _example(arch: str, **overrides: Any) -> ConformanceExample:
     base = qwen3_example()
     return ConformanceExample(hf_config={**base.hf_config, "architectures": [arch], **overrides}, oracle=base.oracle)
@@ -90,6 +169,25 @@ def lossy_example() -> ConformanceExample:
     return _example("LossyLoadForCausalLM")
 
 
+def ignores_norm_weight_example() -> ConformanceExample:
+    return _example("IgnoresNormWeightForCausalLM")
+
+
+def prefill_ignores_cache_example() -> ConformanceExample:
+    return _example("PrefillIgnoresCacheForCausalLM")
+
+
+def state_not_reset_example() -> ConformanceExample:
+    base = qwen3_5_example()
+    return ConformanceExample(hf_config={**base.hf_config, "architectures": ["StateNotResetForCausalLM"]},
+                              oracle=base.oracle)
+
+
+def dead_tensor_example() -> ConformanceExample:
+    return ConformanceExample(hf_config={**qwen3_example().hf_config, "architectures": ["DeadTensorForCausalLM"]},
+                              oracle=f"{HERE}:DeadTensorOracle")
+
+
 def wrong_model_type_example() -> ConformanceExample:
     # qwen3_moe configs build other tensor names: the gate would blame the family for them
     return _example("WrongModelTypeForCausalLM", model_type="qwen3_moe")
@@ -115,6 +213,13 @@ def vtcore_model_families() -> list[ModelFamily]:
                     conformance_example=f"{HERE}:swapped_example"),
         ModelFamily(name="lossy_load", architectures=("LossyLoadForCausalLM",), model_cls=f"{HERE}:LossyLoad",
                     consumes_device_tokens=True, conformance_example=f"{HERE}:lossy_example"),
+        *(ModelFamily(name=name, architectures=(f"{cls}ForCausalLM",), model_cls=f"{HERE}:{cls}",
+                      consumes_device_tokens=True, conformance_example=f"{HERE}:{name}_example")
+          for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
+                            ("state_not_reset", "StateNotReset"), ("dead_tensor", "DeadTensor"))),
+        ModelFamily(name="dropped_bias", architectures=("DroppedBiasForCausalLM",),
+                    model_cls="tests.fixture_async.qwen2:DroppedBias", consumes_device_tokens=True,
+                    conformance_example="tests.fixture_async.qwen2:dropped_bias_example"),
         ModelFamily(name="wrong_model_type", architectures=("WrongModelTypeForCausalLM",), model_cls=qwen3,
                     consumes_device_tokens=True, conformance_example=f"{HERE}:wrong_model_type_example"),
     ]

@@ -80,7 +80,7 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
 
     resolve_device(args.device)  # no CUDA here: one error now, not a failed check per family
     quant = [] if args.no_quant else (args.quant or None)
-    return gate_main(args.family or None, args.device, args.json, out, quant)
+    return gate_main(args.family or None, args.device, args.json, out, quant, args.check)
 
 
 def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
@@ -100,6 +100,7 @@ def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from vtcore.bench.serving import add_bench_parser, json_path
+    from vtcore.conformance import CHECKS
     from vtcore.quant.quantize import add_quantize_parser
     from vtcore.server.serve import add_serve_parser
 
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("conformance", help="prove every registered model family against its oracle and "
                                            "on the async path")
     p.add_argument("--family", action="append", help="check only this family (repeatable)")
+    p.add_argument("--check", action="append", choices=CHECKS, metavar="CHECK",
+                   help="run only this family check and the ones it needs (repeatable; one of: "
+                        f"{', '.join(CHECKS)})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write the results as JSON")
     quant = p.add_mutually_exclusive_group()

@@ -18,6 +18,9 @@ description = "vtcore plugin: the {arch} model family."
 requires-python = ">=3.11"
 dependencies = ["vtcore"]
 
+[project.optional-dependencies]
+test = ["pytest>=8"]  # the gate's tests; vtcore ships their pytest plugin
+
 [project.entry-points.vtcore]
 {name} = "{module}.plugin"
 
@@ -86,10 +89,10 @@ README = '''# {dist}
 A vtcore plugin serving `{arch}`. Install it, then prove it:
 
 ```bash
-pip install -e .
+pip install -e ".[test]"      # the plugin, and pytest for its own tests (the `test` extra)
 vtcore models
 vtcore conformance --family {name}
-python -m pytest tests
+python -m pytest tests        # the same gate, one test per check
 ```
 '''
 

@@ -9,13 +9,15 @@ import os
 import random
 from typing import Any, Callable
 
-import attrs
 import torch
 
 from vtcore.conformance import CHECKS
+from vtcore.conformance.cuda_checks import CudaChecks
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
+from vtcore.conformance.results import CheckResult, Failed, Skipped
 from vtcore.engine.llm_engine import LLMEngine
 from vtcore.family import ConformanceExample, ModelFamily
+from vtcore.outputs import CompletionOutput
 from vtcore.plugins.manager import Plugins
 from vtcore.sampling_params import SamplingParams
 
@@ -25,21 +27,8 @@ MAX_TOKENS_BRACKET = (*range(1, 9), 16, 33)
 LOGPROB_TOL = 1e-4
 MIN_LAYERS, MIN_DISTINCT, STRENGTH_TOKENS = 2, 8, 32
 SEED = 0
-
-
-@attrs.define
-class CheckResult:
-    check: str
-    status: str  # "pass", "fail" or "skip"
-    detail: str = ""
-
-
-class Failed(Exception):
-    """A check failed; the message says what to fix."""
-
-
-class Skipped(Exception):
-    """A check could not run; the message says why."""
+#: What every other check needs: run even when ``--check`` names others.
+PREREQUISITES = ("example", "structure", "declares-device-tokens")
 
 
 def _check_oracle(example: ConformanceExample) -> None:
@@ -59,7 +48,7 @@ def _check_oracle(example: ConformanceExample) -> None:
                      f"{expected!r}; set model_type to {expected!r}")
 
 
-class FamilyGate:
+class FamilyGate(CudaChecks):
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
     def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str) -> None:
@@ -86,10 +75,12 @@ class FamilyGate:
             self._path = save_checkpoint(self._hf, os.path.join(self.workdir, self.name))
         return self._path, self._hf
 
-    def engine(self, mode: str = "sync") -> LLMEngine:
+    def engine(self, mode: str = "sync", **knobs: Any) -> LLMEngine:
+        """An engine over the oracle checkpoint: float32, the gate's blocks and pool unless ``knobs`` say."""
         path, _ = self._checkpoint()
-        return build_engine(path, mode, device=self.device, dtype="float32", block_size=BLOCK,
-                            num_kv_blocks=256, max_model_len=128, max_num_seqs=32, seed=SEED)
+        return build_engine(path, mode, **{"device": self.device, "dtype": "float32", "block_size": BLOCK,
+                                           "num_kv_blocks": 256, "max_model_len": 128, "max_num_seqs": 32,
+                                           "seed": SEED, **knobs})
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(SEED)
@@ -97,10 +88,14 @@ class FamilyGate:
         return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
 
     # ------------------------------------------------------------------ driver
-    def run(self) -> dict[str, CheckResult]:
+    def run(self, only: list[str] | None = None) -> dict[str, CheckResult]:
+        """Run every check in order, or only those of ``only`` and the checks they need (the others
+        are reported as skipped)."""
         for check in CHECKS:
             method: Callable[[], str] = getattr(self, "check_" + check.replace("-", "_"))
             try:
+                if only is not None and check not in only and check not in PREREQUISITES:
+                    raise Skipped("not selected (--check)")
                 self._require(check)
                 result = CheckResult(check, "pass", method() or "")
             except Skipped as exc:
@@ -207,46 +202,109 @@ class FamilyGate:
                 checked += 1
         return f"{checked} tensors land bit for bit"
 
-    def check_oracle_greedy(self) -> str:
-        from vtcore.testing.oracle import near_tie_violations
+    def check_parameters(self) -> str:
+        from vtcore.conformance.sensitivity import MIN_EFFECT, tensor_effects
 
         _, hf = self._checkpoint()
-        prompts = self.prompts()
-        tokens, _ = run_engine(self.engine(), {0: [(str(i), p, greedy(16)) for i, p in enumerate(prompts)]})
-        for i, p in enumerate(prompts):
-            bad = near_tie_violations(hf, p, tokens[str(i)], LOGPROB_TOL)
-            if bad or len(tokens[str(i)]) != 16:
-                pos, ours, theirs, gap = bad[0] if bad else (len(tokens[str(i)]), -1, -1, 0.0)
-                raise Failed(f"greedy tokens differ from {self.oracle} beyond near-ties: prompt of {len(p)} tokens, "
-                             f"position {pos}: ours {ours}, oracle {theirs} (logit gap {gap:.3g})")
+        effects = tensor_effects(hf, self.prompts()[-1])
+        weak = sorted(n for n, e in effects.items() if e < MIN_EFFECT)
+        if weak:
+            raise Failed(f"the example leaves {len(weak)} oracle tensor(s) untestable: resetting "
+                         f"{', '.join(repr(n) for n in weak[:8])}{' ...' if len(weak) > 8 else ''} moves no "
+                         f"log-probability of the oracle by {MIN_EFFECT:g} or more, so a family that ignores it "
+                         "passes; choose an example config under which every tensor matters")
+        least = min(effects, key=effects.__getitem__)
+        return f"resetting any of {len(effects)} tensors moves the oracle's logprobs by >= {effects[least]:.2g} " \
+               f"(least: {least})"
+
+    # ------------------------------------------------------------------ against the oracle
+    def _violation(self, hf: Any, prompt: list[int], out: CompletionOutput, is_greedy: bool,
+                   strict: bool = False) -> str | None:
+        """What is wrong with ``out`` under the oracle ``hf`` teacher-forced on it (None: nothing): a
+        greedy token that is neither the oracle's argmax nor within the near-tie tolerance of it, or a
+        returned logprob more than ``LOGPROB_TOL`` from the oracle's. ``strict`` also refuses an oracle
+        whose logits are flat at a position (every token a near-tie: a degenerate oracle agrees with anything)."""
+        from vtcore.testing.oracle import teacher_forced_logits
+
+        ids = list(out.token_ids)
+        lp = torch.log_softmax(teacher_forced_logits(hf, prompt + ids[:-1])[len(prompt) - 1:].double(), -1)
+        for pos, tok in enumerate(ids):
+            top = int(lp[pos].argmax())
+            gap = float(lp[pos, top] - lp[pos, tok])
+            if strict and float(lp[pos, top] - lp[pos].min()) <= LOGPROB_TOL:
+                return "flat"
+            if is_greedy and tok != top and gap > LOGPROB_TOL:
+                return f"greedy tokens differ from {self.oracle} beyond near-ties: prompt of {len(prompt)} tokens, " \
+                       f"position {pos}: ours {tok}, oracle {top} (logit gap {gap:.3g})"
+            if out.logprobs:
+                err = abs(out.logprobs[pos][tok].logprob - float(lp[pos, tok]))
+                if err > LOGPROB_TOL:
+                    return f"sampled-token logprob differs from {self.oracle} by {err:.3g} (> {LOGPROB_TOL}) at " \
+                           f"position {pos} of the prompt of {len(prompt)} tokens"
+        return None
+
+    def _against_oracle(self, cases: list[tuple[str, list[int], SamplingParams, CompletionOutput]],
+                        context: Callable[[list[str]], str] = lambda rids: "") -> None:
+        """Fail if the oracle disagrees with any of ``cases`` (request id, prompt, params, output): on
+        the first, naming the oracle tensor whose reset would explain it, else ``context(the ids of
+        every request it disagrees with)``."""
+        from vtcore.conformance.sensitivity import likely_cause
+
+        _, hf = self._checkpoint()
+        bad: dict[str, str] = {}
+        for rid, prompt, params, out in cases:
+            if len(out.token_ids) != params.max_tokens:
+                raise Failed(f"request {rid!r} returned {len(out.token_ids)} tokens, not max_tokens={params.max_tokens}")
+            wrong = self._violation(hf, prompt, out, params.temperature == 0)
+            if wrong:
+                bad[rid] = wrong
+        if bad:
+            rid, prompt, params, out = next(c for c in cases if c[0] in bad)
+            cause = likely_cause(hf, lambda m: self._violation(m, prompt, out, params.temperature == 0, True) is None)
+            raise Failed(bad[rid] + (cause or context(list(bad))))
+
+    def _cases(self, engine: LLMEngine, params: list[SamplingParams], prompts: list[list[int]] | None = None
+               ) -> list[tuple[str, list[int], SamplingParams, CompletionOutput]]:
+        """(request id, prompt, params, final output) of ``prompts`` (default: the gate's), request i
+        with ``params[i]``, all arriving at step 0."""
+        prompts = self.prompts() if prompts is None else prompts
+        finals: dict[str, CompletionOutput] = {}
+        run_engine(engine, {0: [(str(i), p, params[i]) for i, p in enumerate(prompts)]}, finals=finals)
+        return [(str(i), p, params[i], finals[str(i)]) for i, p in enumerate(prompts)]
+
+    def check_oracle_greedy(self) -> str:
+        self._against_oracle(self._cases(self.engine(), [greedy(16)] * len(PROMPT_LENGTHS)))
         return f"prompts of {', '.join(map(str, PROMPT_LENGTHS))} tokens, 16 greedy tokens each"
 
     def check_oracle_logprobs(self) -> str:
-        from vtcore.testing.oracle import teacher_forced_logits
-
-        _, hf = self._checkpoint()
-        prompts = self.prompts()
         params = [SamplingParams(temperature=1.0, seed=SEED + i, max_tokens=12, ignore_eos=True, logprobs=0)
-                  for i in range(len(prompts))]
-        engine = self.engine()
-        final: dict[str, Any] = {}
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": p}, params[i])
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out.outputs[0]
-        worst = 0.0
-        for i, p in enumerate(prompts):
-            out = final[str(i)]
-            lp = torch.log_softmax(teacher_forced_logits(hf, p + out.token_ids[:-1])[len(p) - 1:].double(), -1)
-            for pos, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-                err = abs(entry[tok].logprob - float(lp[pos, tok]))
-                worst = max(worst, err)
-                if err > LOGPROB_TOL:
-                    raise Failed(f"sampled-token logprob differs from {self.oracle} by {err:.3g} "
-                                 f"(> {LOGPROB_TOL}) at position {pos} of the prompt of {len(p)} tokens")
-        return f"worst logprob error {worst:.2g}"
+                  for i in range(len(PROMPT_LENGTHS))]
+        self._against_oracle(self._cases(self.engine(), params))
+        return f"12 sampled tokens on each prompt, logprobs within {LOGPROB_TOL}"
+
+    def check_oracle_schedule(self) -> str:
+        from vtcore.conformance.schedule import KNOBS, ScheduleLog, hostile_arrivals
+
+        arrivals = hostile_arrivals(int(self.example.hf_config["vocab_size"]), SEED)
+        requests = {rid: (ids, params) for batch in arrivals.values() for rid, ids, params in batch}
+        log, finals = ScheduleLog(), {}
+        ref, ref_batches = run_engine(self.engine("sync", **KNOBS), arrivals, log, finals)
+        if log.missing():
+            raise Failed(f"the gate's hostile schedule ran without {', '.join(log.missing())}: vtcore's scheduler "
+                         "changed under the gate (a vtcore bug, not the family's)")
+        self._against_oracle([(rid, ids, params, finals[rid]) for rid, (ids, params) in requests.items()],
+                             lambda rids: f" (sync; {log.hint(rids)})")
+        modes = ("async",) if self.family.consumes_device_tokens else ()
+        for mode in modes:
+            got, batches = run_engine(self.engine(mode, **KNOBS), arrivals)
+            if batches != ref_batches:
+                raise Failed(f"{mode} scheduled different batches than sync under the hostile schedule")
+            bad = [rid for rid in ref if got.get(rid) != ref[rid]]
+            if bad:
+                raise Failed(f"{mode} differs from sync under the hostile schedule for request {bad[0]!r}: "
+                             f"{got.get(bad[0])} vs {ref[bad[0]]} ({log.hint(bad)})")
+        return f"{len(requests)} requests through {', '.join(sorted(log.seen))}; sync within the oracle's " \
+               f"tolerances{', async equal to sync' if modes else ' (async refused for this family)'}"
 
     def check_async_abc(self) -> str:
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}

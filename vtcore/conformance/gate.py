@@ -15,9 +15,10 @@ Gate = Union[FamilyGate, QuantGate]
 
 
 def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Plugins | None = None,
-             quant: list[str] | None = None) -> list[Gate]:
-    """Run every check on each named family (default: all registered), then the quant checks of each
-    named quant format (default: all registered; ``[]`` for none) over those families."""
+             quant: list[str] | None = None, checks: list[str] | None = None) -> list[Gate]:
+    """Run every check (or ``checks`` and the ones they need) on each named family (default: all
+    registered), then the quant checks of each named quant format (default: all registered; ``[]``
+    for none) over those families."""
     plugins = plugins or get_plugins()
     names = families or sorted(plugins.families)
     formats = sorted(plugins.quant_methods) if quant is None else quant
@@ -29,6 +30,9 @@ def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Pl
         import torch
 
         torch.use_deterministic_algorithms(True)
+    unknown = sorted(set(checks or ()) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"checks={unknown}: not gate checks; expected some of {', '.join(CHECKS)}")
     for name in names:  # unknown names are errors naming the registered ones, before any check runs
         plugins.family(name)
     for fmt in formats:
@@ -37,10 +41,10 @@ def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Pl
     with tempfile.TemporaryDirectory(prefix="vtcore-conformance-") as workdir, use_plugins(plugins):
         for name in names:
             gate = FamilyGate(plugins, plugins.family(name), device, workdir)
-            gate.run()
+            gate.run(checks)
             gates.append(gate)
         # A family that failed its own gate would fail the quant checks for its own fault: left out.
-        failed = {g.name for g in gates if any(r.status == "fail" for r in g.results.values())}
+        failed = {g.name for g in gates if _failed(g)}
         for fmt in formats:
             gate = QuantGate(plugins, fmt, [plugins.family(n) for n in names if n not in failed], device, workdir,
                              left_out=sorted(failed))
@@ -82,13 +86,35 @@ def write_table(gates: list[Gate], out: TextIO, device: str) -> None:
                 skips.setdefault(r.detail, []).append(r.check)
         for reason, checks in skips.items():
             out.write(f"skip {g.name} ({', '.join(checks)}): {reason}\n")
-    n_fam = sum(isinstance(g, FamilyGate) for g in gates)
-    n_quant = len(gates) - n_fam
-    # a gate whose every check skipped proved nothing: counted apart
-    n_skipped = sum(all(r.status == "skip" for r in g.results.values()) for g in gates if not isinstance(g, FamilyGate))
-    out.write(("PASSED" if passed(gates) else "FAILED") + f": {n_fam} famil{'y' if n_fam == 1 else 'ies'}, "
-              f"{n_quant} quant method{'' if n_quant == 1 else 's'}"
-              + (f" ({n_skipped} of them all skipped)" if n_skipped else "") + "\n")
+    out.write(summary(gates) + "\n")
+
+
+def _failed(g: Gate) -> bool:
+    return any(r.status == "fail" for r in g.results.values())
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def summary(gates: list[Gate]) -> str:
+    """The last line: PASSED with the counts, or FAILED naming every family and quant method that failed."""
+    families = [g for g in gates if isinstance(g, FamilyGate)]
+    quant = [g for g in gates if not isinstance(g, FamilyGate)]
+    # a quant gate whose every check skipped proved nothing: counted apart
+    skipped = [g for g in quant if all(r.status == "skip" for r in g.results.values())]
+    if passed(gates):
+        return (f"PASSED: {_plural(len(families), 'family', 'families')}, "
+                f"{_plural(len(quant), 'quant method', 'quant methods')}"
+                + (f" ({len(skipped)} of them all skipped)" if skipped else ""))
+    bad_fam = [g.name for g in families if _failed(g)]
+    bad_quant = [g.name for g in quant if _failed(g)]
+    fam = (f"{_plural(len(bad_fam), 'family', 'families')} ({', '.join(bad_fam)}) of {len(families)}" if bad_fam
+           else f"families: {len(families)} passed")
+    parts = ([f"{len(bad_quant)} failed ({', '.join(bad_quant)})"] if bad_quant else []) + \
+        ([f"{len(quant) - len(bad_quant) - len(skipped)} passed"] if len(quant) > len(bad_quant) + len(skipped) else []) + \
+        ([f"{len(skipped)} all skipped"] if skipped else [])
+    return f"FAILED: {fam}; quant methods: {', '.join(parts) or 'none run'}"
 
 
 def to_json(gates: list[Gate], device: str) -> dict:
@@ -103,9 +129,9 @@ def to_json(gates: list[Gate], device: str) -> dict:
 
 
 def main(families: list[str] | None, device: str, json_path: str | None, out: TextIO,
-         quant: list[str] | None = None) -> int:
+         quant: list[str] | None = None, checks: list[str] | None = None) -> int:
     """The ``vtcore conformance`` command: exit code 1 on any failure (or nothing to check)."""
-    gates = run_gate(families, device, quant=quant)
+    gates = run_gate(families, device, quant=quant, checks=checks)
     write_table(gates, out, device)
     if json_path:
         with open(json_path, "w") as f:
@@ -113,4 +139,4 @@ def main(families: list[str] | None, device: str, json_path: str | None, out: Te
     return 0 if passed(gates) else 1
 
 
-__all__ = ["CheckResult", "run_gate", "passed", "write_table", "to_json", "main"]
+__all__ = ["CheckResult", "run_gate", "passed", "summary", "write_table", "to_json", "main"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 import random
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from vtcore.engine.llm_engine import LLMEngine
+from vtcore.outputs import CompletionOutput
+from vtcore.engine.scheduler import Batch
 from vtcore.sampling_params import SamplingParams
 
 #: Requests arriving before the n-th ``step()`` call: {n: [(request_id, prompt ids, params)]}.
@@ -38,9 +40,13 @@ def build_engine(path: str, mode: str, **knobs: Any) -> LLMEngine:
         return LLM(path, async_scheduling=mode != "sync", **knobs).engine
 
 
-def run_engine(engine: LLMEngine, arrivals: Arrivals) -> tuple[dict[str, list[int]], list[list[tuple[str, int, int]]]]:
+def run_engine(engine: LLMEngine, arrivals: Arrivals, observe: Callable[[Batch], None] | None = None,
+               finals: dict[str, CompletionOutput] | None = None
+               ) -> tuple[dict[str, list[int]], list[list[tuple[str, int, int]]]]:
     """Run to completion; returns the final tokens per request and every scheduled batch
-    as (request_id, first token, token count) rows."""
+    as (request_id, first token, token count) rows. ``observe`` sees each non-empty batch as it is
+    scheduled (its requests' block tables and slots are current then); ``finals`` collects each
+    request's final output."""
     batches: list[list[tuple[str, int, int]]] = []
     schedule = engine.scheduler.schedule
 
@@ -48,6 +54,8 @@ def run_engine(engine: LLMEngine, arrivals: Arrivals) -> tuple[dict[str, list[in
         batch = schedule()
         if batch:
             batches.append([(s.request.request_id, s.start, s.num_tokens) for s in batch])
+            if observe is not None:
+                observe(batch)
         return batch
 
     engine.scheduler.schedule = recording_schedule
@@ -60,6 +68,8 @@ def run_engine(engine: LLMEngine, arrivals: Arrivals) -> tuple[dict[str, list[in
             for out in engine.step():
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids
+                    if finals is not None:
+                        finals[out.request_id] = out.outputs[0]
             call += 1
     finally:
         engine.scheduler.schedule = schedule

@@ -49,18 +49,24 @@ class QKVAttention(nn.Module):
     per-head RMSNorm of q and k before it; HF's ``self_attn`` names (``qkv_proj`` fused at load).
     ``output_gate`` (Qwen3.5): ``q_proj`` holds each head's query and a gate, ``[q_h | gate_h]`` per
     head, and the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``;
-    ``zero_centered`` makes the q/k norms ``(1 + w)``-scaled."""
+    ``zero_centered`` makes the q/k norms ``(1 + w)``-scaled. ``qkv_bias`` / ``o_bias``: whether
+    ``qkv_proj`` (its q, k and v shards, loaded from ``q_proj.bias`` ...) and ``o_proj`` have a bias;
+    None takes the config's ``attention_bias`` (default False) for that projection (Qwen2:
+    ``qkv_bias=True, o_bias=False``)."""
 
     def __init__(self, config: HFConfig, rotary: RotaryEmbedding, qk_norm: bool = False, *,
-                 output_gate: bool = False, zero_centered: bool = False) -> None:
+                 output_gate: bool = False, zero_centered: bool = False, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
         super().__init__()
         hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         bias = bool(config.get("attention_bias", False))
+        qkv_bias, o_bias = (bias if b is None else b for b in (qkv_bias, o_bias))
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
         self.output_gate = output_gate
         q_width = (2 if output_gate else 1) * nq * hd
-        self.qkv_proj = Linear(config.hidden_size, [("q", q_width), ("k", nkv * hd), ("v", nkv * hd)], bias=bias)
-        self.o_proj = Linear(nq * hd, config.hidden_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, [("q", q_width), ("k", nkv * hd), ("v", nkv * hd)],
+                               bias=qkv_bias)
+        self.o_proj = Linear(nq * hd, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered) if qk_norm else None
         self.rotary = rotary

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vtcore.testing.parameters import redraw_constants
 
 #: A tiny Qwen3 config (2 layers, GQA 2) for tests: small enough for CPU float32 in milliseconds.
 TINY_QWEN3: dict[str, Any] = {
@@ -29,8 +30,14 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     return {**TINY_QWEN3, **overrides}
 
 
-def hf_model(hf_config: dict[str, Any], seed: int = 0, oracle: str | None = None) -> torch.nn.Module:
+def hf_model(hf_config: dict[str, Any], seed: int = 0, oracle: str | None = None, nontrivial: bool = True
+             ) -> torch.nn.Module:
     """A float32 random-initialised transformers model of ``hf_config``.
+
+    ``nontrivial``: every tensor transformers initialises to a constant (norm weights, biases,
+    ``dt_bias``) is redrawn around it (:func:`vtcore.testing.parameters.redraw_constants`), so that a
+    family ignoring one of them disagrees with the oracle; the constants are kept on the model as
+    ``vtcore_init_constants`` (name -> value), for resetting them again.
 
     The class is ``oracle`` (a lazy ``"module:Class"``) or else transformers' ``architectures[0]``;
     the saved config keeps ``hf_config``'s architectures, so a family may serve the oracle's math
@@ -44,7 +51,9 @@ def hf_model(hf_config: dict[str, Any], seed: int = 0, oracle: str | None = None
     config.architectures = list(hf_config["architectures"])
     cls = resolve_ref(oracle) if oracle else getattr(transformers, hf_config["architectures"][0])
     torch.manual_seed(seed)
-    return cls(config).float().eval()
+    model = cls(config).float().eval()
+    model.vtcore_init_constants = redraw_constants(model, seed) if nontrivial else {}
+    return model
 
 
 def save_checkpoint(model: torch.nn.Module, path: str) -> str:
@@ -70,8 +79,8 @@ def save_checkpoint(model: torch.nn.Module, path: str) -> str:
 
 @torch.no_grad()
 def teacher_forced_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab] float32 logits of the HF model on one sequence."""
-    return model(torch.tensor([ids])).logits[0].float()
+    """[len(ids), vocab] float32 logits of the HF model on one sequence (on the model's device)."""
+    return model(torch.tensor([ids], device=next(model.parameters()).device)).logits[0].float()
 
 
 def near_tie_violations(model: torch.nn.Module, prompt: list[int], generated: list[int],

@@ -1,0 +1,1 @@
+"""vtcore plugin: the Qwen2 model family (the second worked example of docs/writing-a-plugin.md)."""

@@ -1,0 +1,117 @@
+"""The gate's checks of issue 19 bite: non-trivial oracle tensors, the tensor-sensitivity check and the
+hostile schedule, each shown by a fixture family that only it catches, and by disabling it."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import io
+import os
+import sys
+
+import pytest
+
+from vtcore.cli.main import main
+from vtcore.conformance import CHECKS, checks, schedule
+from vtcore.conformance.checks import PREREQUISITES
+from vtcore.conformance.gate import run_gate, write_table
+from vtcore.plugins.manager import Plugins, reset_plugins
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INPUT_NORM = "likely cause: the oracle agrees with the family once model.layers.*.input_layernorm.weight (2 tensors) " \
+             "is set to 1 (the family ignores it, or loads it wrongly)"
+BIASES = "likely cause: the oracle agrees with the family once every Linear.bias (6 tensors) is set to 0"
+
+#: fixture family -> (the checks it fails, a phrase each failure message holds, how to disable what catches it)
+FIXTURES = {
+    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule"}, INPUT_NORM, "redraw"),
+    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule"}, BIASES, "redraw"),
+    "prefill_ignores_cache": ({"oracle-schedule"}, "were prefilled in chunks (a prefill chunk must attend over the KV",
+                              "schedule"),
+    "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", "schedule"),
+    "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
+                    "parameters"),
+}
+
+
+@pytest.fixture(scope="module")
+def plugins() -> Plugins:
+    sys.path.insert(0, ROOT)
+    return Plugins(entry_points=[*md.entry_points(group="vtcore"), md.EntryPoint(
+        name="fixture_async", value="tests.fixture_async.families", group="vtcore")])
+
+
+def _disable(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if how == "redraw":
+        monkeypatch.setattr("vtcore.testing.oracle.redraw_constants", lambda model, seed: {})
+    else:
+        monkeypatch.setattr(checks.FamilyGate, f"check_{'oracle_schedule' if how == 'schedule' else how}",
+                            lambda self: "disabled")
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_each_fixture_fails_exactly_its_checks_naming_the_cause(plugins: Plugins, family: str) -> None:
+    expected, phrase, _ = FIXTURES[family]
+    (gate,) = run_gate([family], plugins=plugins, quant=[])
+    failed = {c for c, r in gate.results.items() if r.status == "fail"}
+    assert failed == expected, {c: gate.results[c].detail for c in failed}
+    for check in expected:
+        assert phrase in gate.results[check].detail, gate.results[check].detail
+    out = io.StringIO()
+    write_table([gate], out, "cpu")
+    assert "Traceback" not in out.getvalue() and f"FAIL {sorted(expected)[0]}: family {family!r}" in out.getvalue()
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_disabling_the_check_lets_its_fixture_pass(plugins: Plugins, family: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    expected, _, how = FIXTURES[family]
+    _disable(how, monkeypatch)
+    (gate,) = run_gate([family], plugins=plugins, quant=[], checks=sorted(expected))  # the others passed above
+    ran = {c: r for c, r in gate.results.items() if c in expected or c in PREREQUISITES}
+    assert {r.status for r in ran.values()} == {"pass"}, {c: r.detail for c, r in ran.items()}
+
+
+def test_cli_names_the_failed_check_and_family(plugins: Plugins) -> None:
+    reset_plugins(plugins)
+    out = io.StringIO()
+    assert main(["conformance", "--family", "prefill_ignores_cache", "--family", "qwen3_dense", "--no-quant",
+                 "--check", "oracle-schedule"], out=out) == 1
+    text = out.getvalue()
+    assert "FAIL oracle-schedule: family 'prefill_ignores_cache'" in text and "Traceback" not in text
+    assert text.rstrip().endswith("FAILED: 1 family (prefill_ignores_cache) of 2; quant methods: none run")
+
+
+def test_an_unknown_check_is_named_before_any_check_runs(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checks.FamilyGate, "run", lambda self, only=None: pytest.fail("a check ran"))
+    with pytest.raises(ValueError, match=r"checks=\['oracle-schedul'\]: not gate checks; expected some of example"):
+        run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["oracle-schedul"])
+
+
+def test_the_hostile_schedule_proves_what_it_built(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool with room for everything never preempts: the check says so rather than passing."""
+    monkeypatch.setattr(schedule, "KNOBS", {**schedule.KNOBS, "num_kv_blocks": 64})
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["oracle-schedule"])
+    detail = gate.results["oracle-schedule"].detail
+    assert gate.results["oracle-schedule"].status == "fail" and "ran without preemption" in detail, detail
+
+
+def test_oracle_checkpoints_hold_no_constant_tensor(make_checkpoint) -> None:
+    _, hf = make_checkpoint()
+    for name, p in hf.named_parameters():
+        assert p.unique().numel() > 1, name
+    init = hf.vtcore_init_constants
+    assert init["model.norm.weight"] == 1.0 and init["model.layers.0.self_attn.q_norm.weight"] == 1.0
+    assert not any(n.endswith("proj.weight") for n in init)  # random draws are kept, not recorded
+
+
+def test_a_mismatch_no_reset_explains_names_no_cause(plugins: Plugins) -> None:
+    (gate,) = run_gate(["swapped_gate_up"], plugins=plugins, quant=[])
+    detail = gate.results["oracle-greedy"].detail
+    assert gate.results["oracle-greedy"].status == "fail" and "likely cause" not in detail, detail
+
+
+def test_cuda_checks_skip_on_cpu_saying_why(plugins: Plugins) -> None:
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["cuda-graphs", "cuda-bf16"])
+    assert {(r.status, r.detail) for c, r in gate.results.items() if c.startswith("cuda")} == \
+        {("skip", "runs with --device cuda")}
+    assert gate.results["oracle-greedy"].detail == "not selected (--check)"
+    assert set(CHECKS) >= {"parameters", "oracle-schedule", "cuda-graphs", "cuda-bf16"}
