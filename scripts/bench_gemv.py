@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from vtcore.kernels.device import num_sms
 from vtcore.kernels.gemv import _config, fp4_mma_tile, gemv, gemv_swiglu
-from vtcore.quant.fp4 import FP4Weight
+from vtcore.kernels.fp4 import FP4Weight
 
 SHAPES = {"0.6b qkv": (4096, 1024), "0.6b o": (1024, 2048), "0.6b gate_up": (6144, 1024), "0.6b down": (1024, 3072),
           "4b qkv": (6144, 2560), "4b o": (2560, 4096), "4b gate_up": (19456, 2560), "4b down": (2560, 9728)}

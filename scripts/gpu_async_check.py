@@ -42,8 +42,8 @@ from model_shapes import write_shape  # noqa: E402
 
 MAX_TOKENS = 96
 EAGER = False  # --enforce-eager: no CUDA graphs
-SLEEP = {"VTCORE_DEBUG_SAMPLER_SLEEP": "20000000"}  # ~10 ms of GPU spin before every sampler call
-ENV_KNOBS = ("VTCORE_ASYNC_DEVICE_MIRROR", "VTCORE_DEBUG_STAGING_POISON", "VTCORE_DEBUG_SAMPLER_SLEEP")
+SLEEP = {"sleep": 20_000_000}  # ~10 ms of GPU spin before every sampling (vtcore.testing.runner_probes)
+MIRROR_OFF = {"mirror": False}
 
 
 def checkpoint(tmp: str, arch: str = "Qwen3ForCausalLM") -> str:
@@ -56,17 +56,22 @@ def prompts(batch: int) -> list[list[int]]:
             for _ in range(batch)]
 
 
-def run(path: str, batch: int, async_scheduling: bool, env: dict[str, str] | None = None,
+def run(path: str, batch: int, async_scheduling: bool, probes: dict | None = None,
         sync_debug: bool = False) -> tuple[list[list[int]], list[float], int]:
-    """Tokens per request, per-step wall times (decode phase) and the override-consuming forwards."""
+    """Tokens per request, per-step wall times (decode phase) and the override-consuming forwards.
+    ``probes``: ``mirror`` (False: the rollback), ``poison`` ("early" / "guard") and ``sleep`` (GPU
+    cycles before every sampling), installed by :mod:`vtcore.testing.runner_probes`."""
     from vtcore import LLM, SamplingParams
+    from vtcore.testing.runner_probes import delay_sampling, poison_staging
 
-    for k in ENV_KNOBS:
-        os.environ.pop(k, None)
-    os.environ.update(env or {})
+    probes = probes or {}
     llm = LLM(path, device="cuda", load_format="dummy", async_scheduling=async_scheduling, num_kv_blocks=2048,
-              max_model_len=1024, max_num_seqs=16, enforce_eager=EAGER)
+              max_model_len=1024, max_num_seqs=16, enforce_eager=EAGER, async_device_mirror=probes.get("mirror"))
     engine = llm.engine
+    if "poison" in probes:
+        poison_staging(engine.runner, probes["poison"])
+    if "sleep" in probes:
+        delay_sampling(engine.runner, probes["sleep"])
     if sync_debug:
         submit = engine.runner.submit
 
@@ -102,7 +107,7 @@ def arm(name: str, batch: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if name == "control":  # the race widened by the sleep, and the guard skipped
             ref, _, _ = run(checkpoint(tmp), batch, False)
-            got, _, _ = run(checkpoint(tmp), batch, True, {"VTCORE_DEBUG_STAGING_POISON": "early", **SLEEP})
+            got, _, _ = run(checkpoint(tmp), batch, True, {"poison": "early", **SLEEP})
         else:  # "ignore": a family whose embedding reads the host ids
             import importlib.metadata as md
 
@@ -152,13 +157,13 @@ def main() -> int:
         for batch in () if args.timing_only else (1, 3, 16):
             ref, t_sync, _ = run(path, batch, False)
             rows = {"sync": (True, t_sync)}
-            for mode, asyn, env, dbg in (
-                    ("async", True, {}, True), ("mirror-off", True, {"VTCORE_ASYNC_DEVICE_MIRROR": "0"}, False),
+            for mode, asyn, probes, dbg in (
+                    ("async", True, {}, True), ("mirror-off", True, MIRROR_OFF, False),
                     ("async+sleep", True, SLEEP, False),
-                    ("async+poison-at-guard", True, {"VTCORE_DEBUG_STAGING_POISON": "guard"}, False),
-                    ("async+sleep+poison-at-guard", True, {"VTCORE_DEBUG_STAGING_POISON": "guard", **SLEEP}, False)):
+                    ("async+poison-at-guard", True, {"poison": "guard"}, False),
+                    ("async+sleep+poison-at-guard", True, {"poison": "guard", **SLEEP}, False)):
                 try:
-                    got, times, consumed = run(path, batch, asyn, env, sync_debug=dbg)
+                    got, times, consumed = run(path, batch, asyn, probes, sync_debug=dbg)
                     rows[mode] = (got == ref, times)
                     if mode == "async":
                         report[f"b{batch}_consuming_forwards"] = consumed
@@ -173,7 +178,9 @@ def main() -> int:
             from vtcore import LLM, SamplingParams
 
             llm = LLM(path, device="cuda", load_format="dummy", num_kv_blocks=256, max_model_len=1024)
-            llm.engine.runner.withhold_override = True
+            from vtcore.testing.runner_probes import withhold_override
+
+            withhold_override(llm.engine.runner)
             try:
                 llm.generate([{"prompt_token_ids": p} for p in prompts(batch)],
                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -194,9 +201,9 @@ def main() -> int:
         for batch in (1, 16):
             rounds: dict[str, list[float]] = {"sync": [], "async": [], "mirror-off": []}
             for _ in range(args.rounds):
-                for mode, asyn, env in (("sync", False, {}), ("async", True, {}),
-                                        ("mirror-off", True, {"VTCORE_ASYNC_DEVICE_MIRROR": "0"})):
-                    rounds[mode].append(statistics.median(run(path, batch, asyn, env)[1]) * 1e3)
+                for mode, asyn, probes in (("sync", False, {}), ("async", True, {}),
+                                        ("mirror-off", True, MIRROR_OFF)):
+                    rounds[mode].append(statistics.median(run(path, batch, asyn, probes)[1]) * 1e3)
             timing = {m: round(statistics.median(v), 3) for m, v in rounds.items()}
             report[f"b{batch}_timing_ms"] = {**timing, "rounds": rounds}
             print(f"batch={batch:<3} timing (median of {args.rounds} interleaved rounds, ms/step): {timing}; "

@@ -15,6 +15,7 @@ from vtcore.errors import DeviceTokenOverrideIgnored, EngineDeadError, VtcoreErr
 from vtcore.plugins.manager import Plugins, reset_plugins
 from vtcore.sampling_params import RequestOutputKind
 from vtcore.worker.model_runner import PLACEHOLDER
+from vtcore.testing.runner_probes import withhold_override
 
 KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=400, max_num_seqs=32)
 
@@ -97,13 +98,13 @@ def test_eos_stop_drops_the_extra_step(make_checkpoint) -> None:
 def test_overlap_is_real(tiny_checkpoint) -> None:
     eng = engine(tiny_checkpoint[0], "async")
     staged: list[list[int]] = []
-    stage = eng.runner._stage
+    stage = eng.runner.staging.stage
 
-    def spy(sections, **kwargs):
+    def spy(step, sections, **kwargs):
         staged.append(list(sections[0]))  # the host input ids of the step
-        return stage(sections, **kwargs)
+        return stage(step, sections, **kwargs)
 
-    eng.runner._stage = spy
+    eng.runner.staging.stage = spy
     eng.event_log = []
     run(eng, {0: [("a", [5, 6, 7], greedy(10)), ("b", [8], greedy(10))]})
     log = eng.event_log
@@ -119,7 +120,7 @@ def test_abc_triple_on_qwen3(tiny_checkpoint) -> None:
     arrivals = {0: [("a", [3, 1, 4, 1, 5], greedy(16)), ("b", [9, 2, 6], greedy(16))]}
     a, _ = run(engine(tiny_checkpoint[0], "sync"), arrivals)
     b = engine(tiny_checkpoint[0], "async")
-    b.runner.withhold_override = True
+    withhold_override(b.runner)
     with pytest.raises(DeviceTokenOverrideIgnored, match="qwen3_dense"):
         run(b, arrivals)
     c = engine(tiny_checkpoint[0], "async")

@@ -68,6 +68,8 @@ def test_plugins_json() -> None:
                                       "dist": "vtcore-qwen3-dense", "version": "0.1.0",
                                       "hooks": ["vtcore_model_families"], "error": None}
     assert entries["vtcore.builtin"]["error"] is None
+    assert (entries["vtcore.builtin"]["dist"], entries["vtcore.builtin"]["version"]) == \
+        ("vtcore", md.version("vtcore"))  # the built-in plugin shows vtcore's own version
 
 
 def test_plugins_json_reports_a_broken_plugin() -> None:

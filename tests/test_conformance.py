@@ -86,6 +86,7 @@ def test_unknown_family_or_quant_format_fails_before_any_check_runs(plugins: Plu
             run_gate(families, plugins=plugins, quant=quant)
 
 
+@pytest.mark.timeout(300)  # the whole gate in a fresh process: 31 s on an idle 2-core machine, 70 s loaded
 def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "vtcore.cli.main", "conformance", "--json", str(tmp_path / "r.json")],
                           capture_output=True, text=True, timeout=240)

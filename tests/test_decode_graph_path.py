@@ -9,6 +9,7 @@ import pytest
 from vtcore import SamplingParams
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
 from vtcore.worker.model_runner import PLACEHOLDER
+from vtcore.testing.runner_probes import withhold_override
 
 KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=400, max_num_seqs=8)
 
@@ -72,7 +73,7 @@ def test_abc_triple_on_the_padded_path(tiny_checkpoint) -> None:
     arrivals = {0: [("a", [3, 1, 4], greedy(10)), ("b", [9, 2], greedy(10)), ("c", [6], greedy(10))]}
     a = run(build_engine(tiny_checkpoint[0], "sync", **KNOBS), arrivals)
     b = build_engine(tiny_checkpoint[0], "async", **KNOBS)
-    b.runner.withhold_override = True
+    withhold_override(b.runner)
     with pytest.raises(DeviceTokenOverrideIgnored):
         run(b, arrivals)
     c = build_engine(tiny_checkpoint[0], "async", **KNOBS)
@@ -84,13 +85,13 @@ def test_step_inputs_are_16_byte_aligned(tiny_checkpoint) -> None:
     alignment, and a section at an odd int64 offset made the prefill kernel recompile mid-run."""
     eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS, enforce_eager=True)
     views = []
-    upload = eng.runner._upload
+    upload = eng.runner.staging.upload
 
-    def spy(host, bounds, dest=None):
-        got = upload(host, bounds, dest)
+    def spy(staged, dest=None):
+        got = upload(staged, dest)
         views.extend(got)
         return got
 
-    eng.runner._upload = spy
+    eng.runner.staging.upload = spy
     run(eng, {0: [("a", [5, 6, 7], greedy(3)), ("b", [8], greedy(3)), ("c", [1, 2, 3, 4, 5], greedy(3))]})
     assert len(views) > 20 and all(v.data_ptr() % 16 == 0 for v in views if v.numel())

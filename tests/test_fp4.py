@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from vtcore.quant.fp4 import (
+from vtcore.kernels.fp4 import (
     E2M1,
     decode_e4m3,
     decode_e8m0,
@@ -343,7 +343,7 @@ def test_kernel_propagates_nan_and_inf_scales_like_reference(fp4_matmul):
 
 def test_reference_imports_neither_compressed_tensors_nor_triton():
     code = (
-        "import sys, vtcore.quant.fp4, vtcore.kernels\n"
+        "import sys, vtcore.kernels.fp4\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('compressed_tensors', 'triton'))\n"
         "assert not bad, bad\n"
     )

@@ -56,7 +56,7 @@ def test_fused_gemv_decode_equals_torch(checkpoint, monkeypatch) -> None:
     with the SwiGLU epilogue (the torch path decodes them transiently in float32); the qkv GEMV
     finishing q/k/v itself (norm, RoPE, cache write) in both."""
     from vtcore.kernels import gemv
-    from vtcore.quant.fp4 import FP4Weight
+    from vtcore.kernels.fp4 import FP4Weight
 
     ref, layers = _generate(checkpoint)
     calls = {"gemv_rms_norm": 0, "gemv_silu_and_mul": 0, "gemv_swiglu": 0, "gemv_qk_rope": 0, "gemv": 0}

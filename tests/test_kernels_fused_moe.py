@@ -42,7 +42,7 @@ from vtcore.kernels.fused_moe import (  # noqa: E402
 )
 from vtcore.kernels.rmsnorm import INTERPRET  # noqa: E402
 from vtcore.layers.activation import silu_and_mul  # noqa: E402
-from vtcore.quant.fp4 import fp4_linear_reference  # noqa: E402
+from vtcore.kernels.fp4 import fp4_linear_reference  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,5 +1,5 @@
 """FP4 (W4A16) decode GEMV: ``vtcore.kernels.gemv`` with an ``FP4Weight``, against float64 products of
-the decoded weights (``vtcore.quant.fp4``, itself held bit-exact to compressed-tensors' decompress).
+the decoded weights (``vtcore.kernels.fp4``, itself held bit-exact to compressed-tensors' decompress).
 
 The kernel computes ``(sum_g s_g * sum_{i in g} c_i x_i) / global`` in float32; the oracle is the exact
 ``x @ W.T`` of the float32 decoded weights ``W = c * s / global``. float32 x: within 1e-5 of max |y|
@@ -23,7 +23,7 @@ from vtcore.kernels import gemv as gemv_module  # noqa: E402
 from vtcore.kernels.activation import silu_and_mul  # noqa: E402
 from vtcore.kernels.gemv import (  # noqa: E402
     INTERPRET, _registers, fp4_mma_tile, gemv, gemv_silu_and_mul, gemv_swiglu, narrow_layout, supports, use_fp4_mma)
-from vtcore.quant.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
+from vtcore.kernels.fp4 import FP4Weight, dequantize_fp4, group_scales  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,8 +1,9 @@
 """The OpenAI-compatible server, through the real ``openai`` client, on a loopback port in-process.
 
 One engine (the embedded default model on CPU) serves a module-scoped uvicorn server in a background
-thread; a second server over the same engine has an API key. Every socket is 127.0.0.1. The offline
-``LLM`` over the same checkpoint is the reference for the greedy outputs.
+thread; a second server over the same engine has an API key (fixtures in ``server_harness``). Every
+socket is 127.0.0.1. The offline ``LLM`` over the same checkpoint is the reference for the greedy
+outputs.
 """
 from __future__ import annotations
 
@@ -18,121 +19,14 @@ import time
 from typing import Any, Iterator
 
 import pytest
+from server_harness import (API_KEY, HOST, MAX_BYTES, MODEL, PROMPTS, REPO_ROOT, ServerThread, client,  # noqa: F401
+                            engine, error_of, greedy, httpx, keyed_server, metric, needs_default_model, offline,
+                            openai, server, wait_pool_empty)
 
-pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+from vtcore import LLM, AsyncLLM, SamplingParams
+from vtcore.server.serve import listening_socket
 
-from vtcore import LLM, AsyncLLM, SamplingParams  # noqa: E402
-from vtcore.config import DEFAULT_MODEL  # noqa: E402
-from vtcore.server.app import build_app  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")),
-                                reason="no embedded default model")
-
-HOST = "127.0.0.1"
-MODEL = "vtcore-test"
-API_KEY = "sk-test-key"
-MAX_BYTES = 64 * 1024
-KNOBS = dict(device="cpu", num_kv_blocks=512)
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = ["The meaning of life is", "A friend is", "Once upon a time", "The best thing about"]
-
-
-# ------------------------------------------------------------------------------------------- fixtures
-class ServerThread:
-    """A uvicorn server over ``app`` on a free loopback port, in a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((HOST, 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://{HOST}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncLLM]:
-    eng = AsyncLLM(**KNOBS)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM(**KNOBS)
-
-
-@pytest.fixture(scope="module")
-def server(engine: AsyncLLM) -> Iterator[ServerThread]:
-    with ServerThread(build_app(engine, MODEL, None, MAX_BYTES)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def keyed_server(engine: AsyncLLM) -> Iterator[ServerThread]:
-    with ServerThread(build_app(engine, MODEL, API_KEY, MAX_BYTES)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> Iterator[Any]:
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
-
-
-def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-def error_of(exc: Any) -> dict[str, Any]:
-    """The OpenAI-shaped error body of an ``openai.APIStatusError``."""
-    body = exc.response.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
-    return body["error"]
-
-
-def wait_pool_empty(engine: AsyncLLM, timeout: float = 10.0) -> None:
-    core = engine.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if core.pool.num_free == core.pool.num_blocks and not core.requests:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"KV blocks not freed: {core.pool.num_free}/{core.pool.num_blocks} free, "
-                         f"requests {list(core.requests)}")
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """A sample's value from the Prometheus text (0 when absent)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if series.split("{")[0] != name:
-            continue
-        if all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
+pytestmark = needs_default_model
 
 
 # --------------------------------------------------------------------------------------------- basics
@@ -331,12 +225,10 @@ def test_echo_logprobs_max_tokens_zero(client: Any, offline: LLM) -> None:
 
 
 def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: LLM, engine: AsyncLLM) -> None:
-    """Three 900-token prompts overflow one step's token budget (2048), so one prefill is chunked.
-
-    The engine never finishes a max_tokens=0 + prompt_logprobs request whose prefill is chunked (it
-    drains after the first chunk); the server asks it for one token and drops it.
-    """
-    assert engine.engine.max_num_batched_tokens < 3 * 900
+    """Three 900-token prompts overflow one step's token budget (2048), so one prefill is chunked: a
+    max_tokens=0 + prompt_logprobs request still gets every chunk's logprobs (it once drained after
+    the first)."""
+    assert engine.limits().max_num_batched_tokens < 3 * 900
     prompts = [[(7 * i + j) % 2000 + 10 for j in range(900)] for i in range(3)]
     r = client.with_options(timeout=30).completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True,
                                                            logprobs=1)
@@ -432,7 +324,7 @@ def test_unknown_model_is_404(client: Any) -> None:
 
 
 def test_too_long_prompt_is_400_naming_both_lengths(client: Any, engine: AsyncLLM) -> None:
-    limit = engine.engine.max_model_len
+    limit = engine.limits().max_model_len
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=[5] * (limit + 76), max_tokens=4)
     err = error_of(exc.value)
@@ -503,7 +395,6 @@ def test_request_too_large_is_413(client: Any, server: ServerThread) -> None:
 # ------------------------------------------------------------------------------------------ lifecycle
 def test_disconnect_mid_stream_aborts_and_frees_blocks(client: Any, server: ServerThread,
                                                        engine: AsyncLLM) -> None:
-    core = engine.engine
     wait_pool_empty(engine)
     before = metric(httpx.get(server.url + "/metrics").text, "vtcore:request_success_total", finished_reason="abort")
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=900, temperature=0, stream=True,
@@ -513,7 +404,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(client: Any, server: Serv
         got += 1
         if got == 3:
             break
-    assert core.pool.num_free < core.pool.num_blocks  # it holds blocks while it runs
+    assert engine.stats().kv_cache_usage > 0  # it holds blocks while it runs
     stream.close()
     wait_pool_empty(engine)
     # a non-streaming request whose client gives up is aborted too
@@ -641,9 +532,9 @@ def test_serve_subprocess_sigterm_exits_cleanly() -> None:
 def test_serve_binds_before_loading_and_names_a_port_in_use(capsys: pytest.CaptureFixture) -> None:
     """A port in use is one error line, before the model loads (it once printed the URL, loaded the
     model, then failed in uvicorn); with --port 0 the URL names the port bound (it printed :0)."""
-    from vtcore.server.serve import _bind, main as serve_main
+    from vtcore.server.serve import main as serve_main
 
-    taken = _bind(HOST, 0)
+    taken = listening_socket(HOST, 0)
     try:
         port = taken.getsockname()[1]
         started = time.monotonic()
@@ -653,7 +544,7 @@ def test_serve_binds_before_loading_and_names_a_port_in_use(capsys: pytest.Captu
         assert time.monotonic() - started < 5  # no model was loaded
     finally:
         taken.close()
-    any_port = _bind(HOST, 0)
+    any_port = listening_socket(HOST, 0)
     assert any_port.getsockname()[1] > 0
     any_port.close()
 
@@ -723,7 +614,7 @@ def test_tokenizing_a_prompt_does_not_stall_the_server(server: ServerThread, eng
     """Requests are tokenized off the event loop: while one prompt's tokenization is held (a 7 MB
     prompt took 7 s), the server still answers others (it once stalled every stream meanwhile)."""
     entered, release = threading.Event(), threading.Event()
-    tokenize = engine.engine.tokenize
+    tokenize = engine.tokenize
 
     def held(prompt: Any) -> Any:
         if prompt == "HOLD":
@@ -731,7 +622,7 @@ def test_tokenizing_a_prompt_does_not_stall_the_server(server: ServerThread, eng
             release.wait(20)
         return tokenize(prompt)
 
-    monkeypatch.setattr(engine.engine, "tokenize", held)
+    monkeypatch.setattr(engine, "tokenize", held)
     slow: dict[str, Any] = {}
     worker = threading.Thread(target=lambda: slow.update(r=httpx.post(
         server.url + "/v1/completions", json={"model": MODEL, "prompt": "HOLD", "max_tokens": 2}, timeout=30)))
@@ -752,8 +643,8 @@ def test_vllm_extensions_asking_for_nothing_and_chat_template_kwargs(client: Any
     """An unsupported extension at its do-nothing value is fine (clients send the defaults), as are
     unknown fields; ``chat_template_kwargs`` reach the chat template (Qwen3's ``enable_thinking``)."""
     seen: list[dict] = []
-    chat_prompt = engine.engine.chat_prompt
-    monkeypatch.setattr(engine.engine, "chat_prompt", lambda m, **kw: (seen.append(kw), chat_prompt(m, **kw))[1])
+    chat_prompt = engine.chat_prompt
+    monkeypatch.setattr(engine, "chat_prompt", lambda m, **kw: (seen.append(kw), chat_prompt(m, **kw))[1])
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
         extra_body={"add_generation_prompt": True, "spaces_between_special_tokens": True, "echo": False,
@@ -765,7 +656,7 @@ def test_generation_config_defaults_fill_unset_fields(client: Any, engine: Async
                                                       monkeypatch) -> None:
     """Fields a request leaves out take the checkpoint's generation_config.json values (vLLM's
     default); fields it sends win."""
-    monkeypatch.setattr(engine.engine, "default_sampling", lambda: {"temperature": 0.0, "max_tokens": 3})
+    monkeypatch.setattr(engine, "default_sampling", lambda: {"temperature": 0.0, "max_tokens": 3})
     want = offline.generate(PROMPTS[1], greedy(12))[0].outputs[0].text
     got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12)  # no temperature: greedy
     assert got.choices[0].text == want and got.usage.completion_tokens > 3  # max_tokens stays the request's

@@ -148,6 +148,9 @@ class EngineConfig:
     enforce_eager: bool = attrs.field(default=False, validator=_bool)
     async_scheduling: bool | None = attrs.field(default=None, validator=_bool)  # None: on for families that consume
     # device tokens
+    #: async scheduling with the device mirror (two steps in flight), or the rollback (False: the host
+    #: waits for each step's tokens); None reads VTCORE_ASYNC_DEVICE_MIRROR (default 1: on)
+    async_device_mirror: bool | None = attrs.field(default=None, validator=_bool)
     #: "auto": the checkpoint's generation_config.json sampling values are the defaults of requests
     #: that leave them unset (vLLM's default); "vllm": SamplingParams' own defaults
     generation_config: str = attrs.field(default="auto", validator=_generation_config)

@@ -231,12 +231,12 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
             results.append(await _one_request(engine, f"bench-c{c}-{i}", prompts[i], params))
             bar.update(1)
 
-    steps0 = inner.runner._steps
+    steps0 = inner.runner.steps_submitted
     with StepTimer(inner.runner) as timer:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
         end = time.perf_counter()
-    steps = inner.runner._steps - steps0
+    steps = inner.runner.steps_submitted - steps0
     bar.close()
     peak = int(torch.cuda.max_memory_allocated(inner.device)) if cuda else None
     # after the measured run, so the profiler cannot distort its TTFT/TPOT

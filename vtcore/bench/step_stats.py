@@ -39,13 +39,14 @@ def is_decode(batch: Sequence[Any]) -> bool:
 
 
 class StepTimer:
-    """Wraps ``runner.submit`` (restored on exit): per call its host wall time and whether it decoded;
-    ``window`` (a :class:`DecodeWindow`) sees every batch before and after its submit."""
+    """Through the runner's ``on_submit`` hook (while entered): per submit its host wall time and whether
+    it decoded; ``window`` (a :class:`DecodeWindow`) sees every batch before and after its submit."""
 
     def __init__(self, runner: Any, window: "DecodeWindow | None" = None) -> None:
         self.runner, self.window = runner, window
         self.times: list[float] = []
         self.decode: list[bool] = []
+        self._decode, self._t0 = False, 0.0
 
     @property
     def total(self) -> float:
@@ -61,26 +62,24 @@ class StepTimer:
                 [t for t, d in zip(self.times, self.decode) if not d])
 
     def __enter__(self) -> "StepTimer":
-        orig, window = self.runner.submit, self.window
-
-        def timed(batch: Any, *a: Any, **k: Any) -> Any:
-            decode = is_decode(batch)
-            if window is not None:
-                window.before(batch, decode)
-            t0 = time.perf_counter()
-            try:
-                return orig(batch, *a, **k)
-            finally:
-                self.times.append(time.perf_counter() - t0)
-                self.decode.append(decode)
-                if window is not None:
-                    window.after()
-
-        self.runner.submit = timed
+        self.runner.on_submit.append(self._observe)
         return self
 
+    def _observe(self, batch: Any, done: bool) -> None:
+        """The runner's ``on_submit`` hook: called before a batch is prepared and after it is enqueued."""
+        if not done:
+            self._decode = is_decode(batch)
+            if self.window is not None:
+                self.window.before(batch, self._decode)
+            self._t0 = time.perf_counter()
+            return
+        self.times.append(time.perf_counter() - self._t0)
+        self.decode.append(self._decode)
+        if self.window is not None:
+            self.window.after()
+
     def __exit__(self, *exc: Any) -> None:
-        del self.runner.submit  # drop the instance attribute: the class method shows through again
+        self.runner.on_submit.remove(self._observe)
 
 
 class DecodeWindow:

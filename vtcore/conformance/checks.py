@@ -20,6 +20,7 @@ from vtcore.family import ConformanceExample, ModelFamily
 from vtcore.outputs import CompletionOutput
 from vtcore.plugins.manager import Plugins
 from vtcore.sampling_params import SamplingParams
+from vtcore.testing.runner_probes import withhold_override
 
 BLOCK = 8
 PROMPT_LENGTHS = (1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK)
@@ -310,7 +311,7 @@ class FamilyGate(CudaChecks):
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}
         ref, _ = run_engine(self.engine("sync"), arrivals)
         withheld = self.engine("async")
-        withheld.runner.withhold_override = True
+        withhold_override(withheld.runner)
         try:
             b, _ = run_engine(withheld, arrivals)
         except Exception:  # noqa: BLE001 - B must raise (or differ): that is the poison biting

@@ -41,7 +41,7 @@ class CudaChecks:
         """Batches of ``GRAPH_BATCHES`` requests through ``engine``, each step recorded; fails unless
         every pure-decode step replayed a captured graph. Returns the cases and a summary."""
         runner = engine.runner
-        if not getattr(runner, "_graphs", None):
+        if not runner.captured_graphs:
             raise Failed("the engine captured no decode CUDA graphs: a module of the model without "
                          "supports_decode_graphs keeps it eager, so the served decode path is unchecked")
         decode_steps = 0

@@ -1,10 +1,8 @@
 """Driving one engine step by step, to compare sync and async runs batch for batch."""
 from __future__ import annotations
 
-import os
 import random
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from vtcore.engine.llm_engine import LLMEngine
 from vtcore.outputs import CompletionOutput
@@ -16,28 +14,13 @@ Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
 MODES = ("sync", "async", "mirror-off")
 
 
-@contextmanager
-def mirror_env(mode: str) -> Iterator[None]:
-    """Set VTCORE_ASYNC_DEVICE_MIRROR for building an engine in ``mode``, then restore it."""
-    old = os.environ.get("VTCORE_ASYNC_DEVICE_MIRROR")
-    os.environ["VTCORE_ASYNC_DEVICE_MIRROR"] = "0" if mode == "mirror-off" else "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VTCORE_ASYNC_DEVICE_MIRROR", None)
-        else:
-            os.environ["VTCORE_ASYNC_DEVICE_MIRROR"] = old
-
-
 def build_engine(path: str, mode: str, **knobs: Any) -> LLMEngine:
     """An engine over ``path``: 'sync', 'async' (device mirror on) or 'mirror-off' (host waits)."""
     from vtcore.engine.llm import LLM
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
-    with mirror_env(mode):
-        return LLM(path, async_scheduling=mode != "sync", **knobs).engine
+    return LLM(path, async_scheduling=mode != "sync", async_device_mirror=mode == "async", **knobs).engine
 
 
 def run_engine(engine: LLMEngine, arrivals: Arrivals, observe: Callable[[Batch], None] | None = None,

@@ -16,6 +16,7 @@ import threading
 from typing import Any, AsyncIterator
 
 from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.errors import EngineDeadError
 from vtcore.outputs import RequestOutput
@@ -24,7 +25,10 @@ from vtcore.sampling_params import SamplingParams
 log = logging.getLogger("vtcore")
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontEnd):
+    """``generate`` streams a request's outputs; the front-end methods (``tokenize``, ``limits``,
+    ``stats``, ...) come from ``EngineFrontEnd``."""
+
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model or DEFAULT_MODEL, **kwargs))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -37,8 +41,9 @@ class AsyncLLM:
         self._thread.start()
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def healthy(self) -> bool:
+        """True while the engine loop runs and takes requests (not dead, not shut down)."""
+        return self.dead is None and not self._stopping and self._thread.is_alive()
 
     # ------------------------------------------------------------------ caller side
     def _check_alive(self) -> None:

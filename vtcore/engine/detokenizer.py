@@ -27,6 +27,13 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a token's text; return the stop string that ends the output, if one now appears.
+
+        Of the stop strings in the new text, the one that ends first wins (of those ending at one
+        character, the longest): the text stops where it would have, had it come a character at a
+        time, whatever the tokens' boundaries. The text is cut before it (after it with
+        ``include_stop_str_in_output``): no stop string ends in what is left before it.
+        """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -37,12 +44,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if not check_stop:
             return None
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, before - len(stop) + 1))
-            if at >= 0:
-                self.text = self.text[:at + len(stop)] if self.include_stop else self.text[:at]
-                return stop
-        return None
+        found = [(at + len(stop), at, stop) for stop in self.stop
+                 if (at := self.text.find(stop, max(0, before - len(stop) + 1))) >= 0]
+        if not found:
+            return None
+        end, at, stop = min(found, key=lambda f: f[:2])
+        self.text = self.text[:end] if self.include_stop else self.text[:at]
+        return stop
 
     def flush(self) -> None:
         """At the end, take whatever is pending, an incomplete character included."""

@@ -7,13 +7,15 @@ import attrs
 from tqdm import tqdm
 
 from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.outputs import RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 
-class LLM:
-    """``LLM(model=PATH, device=..., dtype=..., **knobs)``; with no model, the embedded default."""
+class LLM(EngineFrontEnd):
+    """``LLM(model=PATH, device=..., dtype=..., **knobs)``; with no model, the embedded default. The
+    front-end methods (``tokenize``, ``limits``, ``stats``, ...) come from ``EngineFrontEnd``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         try:
@@ -24,12 +26,12 @@ class LLM:
         self._counter = 0
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json sampling values (vLLM's
         ``generation_config="auto"``); what ``generate`` uses when given none."""
-        return SamplingParams(**self.engine.default_sampling())
+        return SamplingParams(**self.default_sampling())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -87,5 +89,5 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (with the generation prompt) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.chat_prompt(c) for c in conversations]
+        prompts = [self.chat_prompt(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -14,6 +14,7 @@ import torch
 from vtcore.config import EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.detokenizer import IncrementalDetokenizer
+from vtcore.engine.capacity import EngineLimits, EngineStats
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.tokenizer import load_tokenizer
@@ -22,7 +23,8 @@ from vtcore.loading.model_loader import build_model
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.engine.scheduler import Batch
-from vtcore.worker.model_runner import ModelRunner, StepHandle, StepOutput
+from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
+from vtcore.worker.step import StepOutput
 
 log = logging.getLogger("vtcore")
 
@@ -72,10 +74,13 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
         log.info("vtcore: async scheduling off: family %r does not consume device token ids", family_name)
     if not enabled:
         return 1
-    mirror = os.environ.get("VTCORE_ASYNC_DEVICE_MIRROR", "1")
-    if mirror not in ("0", "1"):
-        raise ValueError(f"VTCORE_ASYNC_DEVICE_MIRROR={mirror!r}: expected 1 (default) or 0 (rollback)")
-    return 2 if mirror == "1" else 1
+    mirror = config.async_device_mirror
+    if mirror is None:
+        env = os.environ.get("VTCORE_ASYNC_DEVICE_MIRROR", "1")
+        if env not in ("0", "1"):
+            raise ValueError(f"VTCORE_ASYNC_DEVICE_MIRROR={env!r}: expected 1 (default) or 0 (rollback)")
+        mirror = env == "1"
+    return 2 if mirror else 1
 
 
 #: generation_config.json keys that are SamplingParams defaults (vLLM reads the same), and their fields
@@ -132,10 +137,10 @@ class LLMEngine:
         model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
-        self.runner = ModelRunner(model, self.family, self.vocab_size, self.device, self.dtype, config.block_size,
-                                  config.num_kv_blocks, config.gpu_memory_utilization, self.max_model_len,
-                                  config.max_num_seqs, self.eos_token_ids, config.seed, self.depth,
-                                  config.enforce_eager)
+        self.runner = ModelRunner(model, self.family, RunnerConfig(
+            self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
+            config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids, config.seed,
+            self.depth, config.enforce_eager))
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
@@ -289,7 +294,7 @@ class LLMEngine:
         touched = [r for r in self.requests.values() if r.is_finished]  # aborted, or max_tokens=0
         batch = self.scheduler.schedule()
         if batch:
-            step = self.runner._steps
+            step = self.runner.steps_submitted
             self._log("schedule", step)
             try:
                 self.inflight.append((batch, self.runner.submit(batch)))
@@ -421,3 +426,23 @@ class LLMEngine:
                                       req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, [completion],
                              finished)
+
+    # ------------------------------------------------------------------ front end (LLM, AsyncLLM)
+    def limits(self) -> EngineLimits:
+        """The fixed limits a request must fit (see ``Scheduler.add``)."""
+        return EngineLimits(self.max_model_len, self.vocab_size, self.scheduler.max_num_seqs,
+                            self.max_num_batched_tokens, self.pool.block_size, self.pool.num_blocks)
+
+    def stats(self) -> EngineStats:
+        """The load now; safe from another thread (it reads lengths and counters only)."""
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
+                           self.scheduler.num_preemptions)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept), the ids checked against the vocabulary."""
+        if self.tokenizer is None:
+            raise ValueError(f"detokenize: the checkpoint {self.config.model!r} has no tokenizer")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"token ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -19,25 +19,12 @@ from __future__ import annotations
 
 from collections import deque
 
-import attrs
-
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.request import Request, RequestStatus
 from vtcore.errors import RequestRejected
+from vtcore.worker.step import Batch, Scheduled
 
-
-@attrs.define
-class Scheduled:
-    """One request's share of a step: tokens ``[start, start + num_tokens)``; ``samples`` if its last row samples."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    samples: bool
-
-
-#: A step's work, in row order.
-Batch = list[Scheduled]
+__all__ = ["Batch", "Scheduled", "Scheduler"]
 
 
 class Scheduler:

@@ -1,9 +1,11 @@
 """SwiGLU ``silu(gate) * up`` on a fused [gate | up] projection, one launch, grid (tokens, I / BLOCK).
 
-Rounds as torch does in ``x.dtype``: ``silu`` in float32 as ``g / (1 + exp(-g))`` (IEEE division,
-``tl.div_rn``), rounded, then the product with ``up`` rounded. On CUDA ``exp`` is libdevice's
-``expf``, what torch's CUDA silu calls (``tl.exp`` would be a bare ``ex2.approx``), and FMA
-contraction is left on, as nvcc's default ``--fmad=true`` builds torch's kernel: both then fuse
+:func:`silu_and_mul_ref` is the torch reference (the CPU path of
+:func:`vtcore.layers.activation.silu_and_mul`). The kernel rounds as torch does in ``x.dtype``
+(:func:`vtcore.kernels.helpers.silu_mul`): ``silu`` in float32 as ``g / (1 + exp(-g))`` (IEEE
+division, ``tl.div_rn``), rounded, then the product with ``up`` rounded. On CUDA ``exp`` is
+libdevice's ``expf``, what torch's CUDA silu calls (``tl.exp`` would be a bare ``ex2.approx``), and
+FMA contraction is left on, as nvcc's default ``--fmad=true`` builds torch's kernel: both then fuse
 ``expf``'s last scaling into ``1 + e`` and should round the same float32 values (expected, not yet
 verified on a GPU). In the interpreter ``exp`` is numpy's, which may differ from torch's CPU (Sleef)
 ``exp`` in the last float32 bit.
@@ -16,30 +18,10 @@ import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
-from triton.language.extra import libdevice
 
-from vtcore.kernels.rmsnorm import INTERPRET, _cast
+from vtcore.kernels.helpers import INTERPRET, silu_mul
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
-
-
-@triton.jit
-def exp(x, INTERPRET: tl.constexpr):
-    """libdevice's ``expf`` on CUDA (what torch's CUDA kernels call; ``tl.exp`` is a bare
-    ``ex2.approx``), numpy's in the interpreter."""
-    if INTERPRET:
-        y = tl.exp(x)
-    else:
-        y = libdevice.exp(x)
-    return y
-
-
-@triton.jit
-def silu_mul(g, u, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """``silu(g) * u`` of float32 ``g``, ``u`` holding ``DT`` values, rounded to ``DT`` as torch
-    rounds each op (also the GEMV's SwiGLU prologue and the fused MoE's, so all paths round alike)."""
-    s = _cast(tl.div_rn(g, 1.0 + exp(-g, INTERPRET)), DT, INTERPRET).to(tl.float32)
-    return _cast(s * u, DT, INTERPRET)
 
 
 @triton.jit
@@ -72,7 +54,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference: :func:`vtcore.layers.activation.silu_and_mul`'s torch path, restated because
-    that function dispatches to this kernel on CUDA (the tests check the two agree on CPU)."""
+    """Torch reference of :func:`silu_and_mul`: ``F.silu(gate) * up`` in ``x.dtype``, any leading shape."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

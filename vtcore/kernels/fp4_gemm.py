@@ -1,37 +1,20 @@
 """W4A16 GEMM for FP4 (NVFP4 / MXFP4) packed weights: ``y = x @ W.T (+ bias)``.
 
-Semantics are those of :func:`vtcore.quant.fp4.fp4_linear_reference`; the weight is never
-materialized: each program loads packed uint8 bytes and the raw scale bytes of its tile and
-decodes them in registers with integer arithmetic and a bitcast to float32:
-
-* E2M1 code ``s e e m``: ``e > 0``: float32 bits ``s<<31 | (e + 126)<<23 | m<<22``
-  (``(1 + m/2) * 2^(e-1)``); ``e == 0``: ``m * 0.5`` (code 8 is -0.0).
-* e4m3 scale ``s eeee mmm``: ``e > 0``: bits ``s<<31 | (e + 120)<<23 | m<<20``; ``e == 0``:
-  ``±m * 2^-9`` (subnormals); ``0x7f``/``0xff``: NaN.
-* e8m0 scale ``b``: bits ``b<<23`` (``2^(b-127)``), ``b == 0``: ``0x00400000`` (``2^-127``);
-  ``b == 255`` gives +inf, as the reference (and compressed-tensors) does.
-* NVFP4 group scale = ``div_rn(e4m3, global[row])`` (IEEE division, the reference's op order), then
-  ``w = code * scale`` in float32: for float32 ``x`` the decoded weights equal the reference's bit
-  for bit and only the summation order differs. For bf16/fp16 ``x`` the weight tile is rounded to
-  ``x``'s dtype (for bf16 that is exactly compressed-tensors' bf16 decompressed weight) and fed to
-  ``tl.dot`` with float32 accumulation.
+Semantics are those of :func:`vtcore.kernels.fp4.fp4_linear_reference`; the weight is never
+materialized: each program loads packed uint8 bytes and the raw scale bytes of its tile and decodes
+them in registers (:mod:`vtcore.kernels.helpers`' ``e2m1_to_f32``, ``e4m3_to_f32``, ``e8m0_to_f32``:
+integer arithmetic and a bitcast to float32, bit-equal to the reference's decode). The NVFP4 group
+scale is ``div_rn(e4m3, global[row])`` (IEEE division, the reference's op order), then ``w = code *
+scale`` in float32: for float32 ``x`` the decoded weights equal the reference's bit for bit and only
+the summation order differs. For bf16/fp16 ``x`` the weight tile is rounded to ``x``'s dtype (for
+bf16 that is exactly compressed-tensors' bf16 decompressed weight) and fed to ``tl.dot`` with float32
+accumulation.
 
 Columns are split by parity rather than interleaved: the low nibbles of a ``[BLOCK_K/2, BLOCK_N]``
 byte tile multiply ``x``'s even columns and the high nibbles the odd ones (two ``tl.dot`` per step).
 
-Decode GEMVs (:mod:`vtcore.kernels.gemv` at one row, the fused MoE's decode path) use the group-
-factored form of the same product, cheap in integer work (they are integer-bound, not memory-bound,
-with a plain decode): ``y = (sum_g s_g * sum_{i in g} c_i x_i) / global`` in float32, the scale
-applied once per group and the global once per row, no weight rounded (more accurate than the
-bf16-decoded weight, equal to it up to float32 rounding). They read the packed bytes as int32 words
-of 8 codes, x's columns ``8 w + j`` beside code ``j`` of word ``w``. FP4 decode: nibble ``j`` shifted
-to the top of the word and arithmetic-shifted right by 6 puts a code ``s e e m`` as sign copies in
-bits 31..25 and ``e e m`` in bits 24..22; masked to ``0x81C00000`` that is the float32
-``s << 31 | eem << 22``, exactly ``c * 2^-126`` (``e == 0``: the subnormal ``m * 2^-127``): two
-integer ops a code plus a shift the compiler puts on the FMA pipe. x is taken times 2^64
-(``X_SCALE``) so each product ``(c * 2^-126) * (x * 2^64) = c * x * 2^-62`` is a normal float32,
-exact (2 and <= 24 significant bits), for any 2^-63 <= |x| < 2^64; the group scales are decoded
-times 2^62, which undoes both (e8m0 scales above 2^65, far beyond any real weight, saturate to inf).
+Decode sizes take :mod:`vtcore.kernels.gemv` instead (one row), summing group-factored with no weight
+rounded (:func:`vtcore.kernels.helpers.fp4_step`).
 """
 from __future__ import annotations
 
@@ -39,65 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vtcore.kernels.helpers import e2m1_to_f32, e4m3_to_f32, e8m0_to_f32
+
 __all__ = ["fp4_matmul"]
-
-#: The decode GEMVs' x scale: x times 2^64, codes as float32 ``c * 2^-126`` (FP4 decode above), so each
-#: product is ``c * x * 2^-62``; :func:`_group_scale_f32`'s factor 2^62 undoes it.
-X_SCALE: tl.constexpr = tl.constexpr(2.0 ** 64)
-
-
-@triton.jit
-def _e2m1_to_f32(code):
-    """int32 4-bit codes -> float32 values."""
-    sign = (code & 0x8) << 28
-    e = (code >> 1) & 0x3
-    m = code & 0x1
-    normal = ((e + 126) << 23) | (m << 22)
-    sub = m * 0x3F000000  # m * 0.5 as float32 bits (m is 0 or 1)
-    bits = sign | tl.where(e > 0, normal, sub)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_to_f32(b):
-    """int32 float8_e4m3fn bytes -> float32 values (subnormals, NaN at 0x7f/0xff)."""
-    e = (b >> 3) & 0xF
-    m = b & 0x7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9, exact
-    mag = tl.where(e > 0, normal, sub)
-    mag = tl.where((b & 0x7F) == 0x7F, (mag.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True), mag)
-    return tl.where((b & 0x80) != 0, -mag, mag)
-
-
-@triton.jit
-def _e8m0_to_f32(b):
-    """int32 E8M0 bytes -> float32 2^(b-127) (b=0: the subnormal 2^-127; b=255: +inf)."""
-    bits = tl.where(b == 0, 0x00400000, b << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _group_scale_f32(sb, SCALE_E8M0: tl.constexpr):
-    """int32 raw scale bytes -> float32 group scales times 2^62 (the decode GEMVs' unscaling, see
-    ``X_SCALE``). e4m3 through a bitcast: ``s << 31 | (b & 0x7f) << 20`` is the value times 2^-120,
-    subnormals included, then times 2^91 twice; NaN at 0x7f/0xff. e8m0 ``b``: ``2^(b - 65)`` as the
-    float32 bits ``(b + 62) << 23`` (b = 0, the reference's 2^-127, included), +inf from b = 193 on."""
-    if SCALE_E8M0:
-        s = tl.where(sb + 62 > 254, 0x7F800000, (sb + 62) << 23).to(tl.float32, bitcast=True)
-    else:
-        s = (((sb & 0x80) << 24) | ((sb & 0x7F) << 20)).to(tl.float32, bitcast=True)
-        s = s * 2.4758800785707605e27 * 2.4758800785707605e27  # 2^91 twice: exact, and 2^182 is no float32
-        s = tl.where((sb & 0x7F) == 0x7F, (s.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True), s)
-    return s
-
-
-@triton.jit
-def _word_scales(sb, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr, SCALE_E8M0: tl.constexpr):
-    """float32 ``[BLOCK_N, GROUPS * GROUP / 8]``: each group's scale (decoded once, from the int32 scale
-    bytes ``sb`` ``[BLOCK_N, GROUPS]``) repeated for the group's words."""
-    s = _group_scale_f32(sb, SCALE_E8M0)[:, :, None]
-    return tl.reshape(tl.broadcast_to(s, (BLOCK_N, GROUPS, GROUP // 8)), (BLOCK_N, GROUPS * (GROUP // 8)))
 
 
 @triton.jit
@@ -142,8 +69,8 @@ def _fp4_matmul_kernel(
             w_ptr + offs_n[None, :] * stride_wn + p[:, None] * stride_wk,
             mask=p_mask[:, None] & n_mask[None, :], other=0,
         ).to(tl.int32)
-        w_lo = _e2m1_to_f32(wb & 0xF)
-        w_hi = _e2m1_to_f32((wb >> 4) & 0xF)
+        w_lo = e2m1_to_f32(wb & 0xF)
+        w_hi = e2m1_to_f32((wb >> 4) & 0xF)
 
         # raw scale bytes of the tile's groups, [GROUPS, BLOCK_N]
         g = k0 // GROUP + offs_g
@@ -152,9 +79,9 @@ def _fp4_matmul_kernel(
             mask=(g < n_groups)[:, None] & n_mask[None, :], other=0,
         ).to(tl.int32)
         if SCALE_E8M0:
-            scale = _e8m0_to_f32(sb)
+            scale = e8m0_to_f32(sb)
         else:
-            scale = _e4m3_to_f32(sb)
+            scale = e4m3_to_f32(sb)
             if HAS_GLOBAL:
                 scale = tl.div_rn(scale, gs[None, :])
         w_lo = tl.reshape(tl.reshape(w_lo, (GROUPS, GROUP // 2, BLOCK_N)) * scale[:, None, :], (HALF_K, BLOCK_N))
@@ -179,10 +106,8 @@ def _fp4_matmul_kernel(
 
 
 def _default_blocks(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) by M, from a sweep on one H200 (N = K = 4096, bf16 x, NVFP4).
-
-    Decode (M <= 16): (16, 32, 256), more programs over N and longer K steps (0.046 ms vs 0.10 ms
-    for (16, 64, 128) at M = 1). Otherwise (min(64, next_pow2(M)) >= 32, 64, 128).
+    """(BLOCK_M, BLOCK_N, BLOCK_K) by M, from a sweep (docs/BENCHMARKS.md, issue 6): M <= 16: (16, 32,
+    256), more programs over N and longer K steps; otherwise (min(64, next_pow2(M)) >= 32, 64, 128).
     """
     if m <= 16:
         return 16, 32, 256

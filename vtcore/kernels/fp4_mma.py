@@ -28,22 +28,17 @@ Both layouts take 256 codes (32 int32 words) a row a K step, in Triton's registe
   costs 32 bytes a lane a step, as much as the weights. ``gemv`` takes it for whole-K launches of 4
   row repetitions (:func:`vtcore.kernels.gemv.narrow_layout`).
 
-The loop is bound by load latency through L1 (``ncu`` on gate_up, wide layout: L1 throughput ~81% of
-peak, of which x's loads are nearly all; stalls on the scoreboard of the loads, BENCHMARKS.md; the
-narrow kernel was not profiled), so what it loads
-counts more than its ~200 SASS instructions a step: the scale bytes are loaded once a lane by inline
-PTX (2 bytes wide, 1 narrow, instead of the row's 16), and the narrow layout halves x's bytes. x,
-scales and words share the tile's layout (scales and x follow the words' load: Triton changes no
-layout inside the loop; an earlier version loaded them otherwise and Triton 3.6 moved the tile
-through shared memory every step). The host only launches tiles where the layout holds
-(:func:`layout_ok`, and 16-byte aligned operands: with less, Triton picks another layout, found in
-review); the GPU tests pin every code to its row and column in both layouts and check the sums
-against the float64 reference. Measured on the H200 (docs/BENCHMARKS.md): NVFP4 Qwen3-4B gate_up
-at 62% of copy bandwidth (the float32 decode 34%). Left to choose, ptxas issues each step's loads
-late, whatever the source order, to save registers: the launch caps them
-(``vtcore.kernels.gemv._registers``). Tried and slower: L2 prefetch, Triton's shared-memory pipeline
-(``tl.range(num_stages=...)``, cp.async), loads two steps ahead. The interpreter cannot run inline
-PTX: CPU tests cover the plain decode GEMV and emulate the decode's PTX.
+The loop is bound by load latency through L1, x's loads most of it (design.md, "Decode launches";
+profiles and timings in docs/BENCHMARKS.md), so what it loads counts more than its instructions: the
+scale bytes are loaded once a lane by inline PTX (2 bytes wide, 1 narrow, instead of the row's 16),
+and the narrow layout halves x's bytes. x, scales and words share the tile's layout (scales and x
+follow the words' load: Triton changes no layout inside the loop; loaded in another layout, the tile
+would move through shared memory every step). The host only launches tiles where the layout holds
+(:func:`layout_ok`, and 16-byte aligned operands: with less, Triton picks another layout); the GPU
+tests pin every code to its row and column in both layouts and check the sums against the float64
+reference. Left to choose, ptxas issues each step's loads late, whatever the source order, to save
+registers: the launch caps them (``vtcore.kernels.gemv._registers``). The interpreter cannot run
+inline PTX: CPU tests cover the plain decode GEMV and emulate the decode's PTX.
 """
 from __future__ import annotations
 
@@ -221,7 +216,7 @@ def _mma_weights(w_words, sc, kw, NARROW: tl.constexpr):
     """The words and scale bytes of the step from word ``kw`` (a multiple of 32). The scales are
     loaded by inline PTX once a lane (``tl.load`` would load each element, and the bytes' repacking
     for the asm cost more PRMTs than the loads saved): 2 bytes (wide) or 1 (narrow) a row, not the
-    row's 16 of the step (16-byte loads of scales cost ~7% of gate_up's time, BENCHMARKS.md)."""
+    row's 16 of the step (docs/BENCHMARKS.md)."""
     sp = sc + kw // 2
     if NARROW:
         sb = tl.inline_asm_elementwise(_SCALES_NARROW, _LANE_CONSTRAINTS_NARROW, [sp], dtype=tl.int32, is_pure=True,

@@ -24,12 +24,13 @@ arrivals (the decode down launch) and the summation order is fixed: a call gives
 time (the decode and prefill paths differ from each other in the float32 summation order only).
 
 FP4 (W4A16, ``fp4=FP4Experts(...)``): packed E2M1 codes and raw scale bytes are decoded in
-registers with :mod:`vtcore.kernels.fp4_gemm`'s helpers (NVFP4 global scales: the gate's for gate
+registers with :mod:`vtcore.kernels.helpers`' FP4 decode (NVFP4 global scales: the gate's for gate
 rows, the up's for up rows; MXFP4: ``2^(b-127)``). No dense weight is ever materialised. The
 prefill path forms ``w = code * (e4m3 / global)`` in float32 rounded to ``dt`` for a 16-bit ``x``
 (compressed-tensors' bf16 decompressed weight), as ``fp4_gemm`` does; the decode path sums
 group-factored, ``(sum_g s_g sum_{i in g} c_i x_i) / global`` in float32, no weight rounded (the
-float32 decoded weight of ``fp4_linear_reference``, the model's CPU path, up to float32 rounding).
+float32 decoded weight of :func:`vtcore.kernels.fp4.fp4_linear_reference`, the model's CPU path,
+up to float32 rounding).
 
 Decode path (T <= 16 by default), two launches, each one grouped launch over the token's k experts:
 
@@ -54,7 +55,8 @@ ops (``_align``): gate_up (+ silu * up epilogue) writes ``act [T * k, I]``, down
 ``_slot_sum_kernel`` forms ``out[t]`` from ``y`` in slot order as the decode path does.
 
 Launch configs come from host ints only (shapes, dtypes, forced blocks): the decode path can be
-captured in a CUDA graph. Block sizes are untuned defaults (``_decode_blocks`` / ``_prefill_blocks``).
+captured in a CUDA graph. Block sizes: ``_decode_blocks`` (from a sweep) and ``_prefill_blocks``
+(untuned defaults).
 """
 from __future__ import annotations
 
@@ -67,13 +69,11 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from vtcore.kernels.activation import exp, silu_mul
-from vtcore.kernels.fp4_gemm import _e2m1_to_f32, _e4m3_to_f32, _e8m0_to_f32
 from vtcore.kernels.device import num_sms
-from vtcore.kernels.gemv import _fp4_step, _load
+from vtcore.kernels.fp4 import dequantize_fp4, group_scales
+from vtcore.kernels.helpers import (INTERPRET, cast, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32, exp, fp4_step, load,
+                                    silu_mul)
 from vtcore.kernels.workspace import arrival_counters
-from vtcore.kernels.rmsnorm import INTERPRET, _cast
-from vtcore.quant.fp4 import dequantize_fp4, group_scales
 
 __all__ = ["FP4Experts", "moe_route", "moe_route_ref", "fused_experts", "fused_experts_ref"]
 
@@ -172,9 +172,9 @@ def moe_route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
 def _group_scale(sb, gs_ptr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr):
     """Raw int32 scale bytes -> float32 group scales (NVFP4: divided by the global at ``gs_ptr``)."""
     if SCALE_E8M0:
-        scale = _e8m0_to_f32(sb)
+        scale = e8m0_to_f32(sb)
     else:
-        scale = _e4m3_to_f32(sb)
+        scale = e4m3_to_f32(sb)
         if HAS_GLOBAL:
             scale = tl.div_rn(scale, tl.load(gs_ptr))
     return scale
@@ -184,7 +184,7 @@ def _group_scale(sb, gs_ptr, SCALE_E8M0: tl.constexpr, HAS_GLOBAL: tl.constexpr)
 def _silu_mul(gate, up, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``gate``, ``up`` -> ``silu(gate) * up`` in ``DT``, rounded as ``silu_and_mul`` on
     ``DT`` tensors (rounding points 1 and 2 of the module docstring)."""
-    return silu_mul(_cast(gate, DT, INTERPRET).to(tl.float32), _cast(up, DT, INTERPRET).to(tl.float32), DT, INTERPRET)
+    return silu_mul(cast(gate, DT, INTERPRET).to(tl.float32), cast(up, DT, INTERPRET).to(tl.float32), DT, INTERPRET)
 
 
 @triton.jit
@@ -195,8 +195,8 @@ def _gemv(x_ptr, stride_xk, valid, w_ptr, rows, stride_wn, stride_wk, s_ptr, str
 
     Elementwise products into a float32 tile summed over K once, at the end. ``valid`` (a scalar)
     false makes the result 0: dense, every load is masked off (no byte read); FP4 with K a multiple
-    of BLOCK_K loads unmasked (masks kept the packed loads from being 16-byte vectors: ~18 scalar
-    loads a step in the sm_90 SASS), the caller's clamped expert 0, and discards it.
+    of BLOCK_K loads unmasked (so that the packed loads stay 16-byte vectors), the caller's clamped
+    expert 0, and discards it.
     """
     k_end = tl.where(valid, K, 0)  # (a scalar & vector mask trips the interpreter)
     if FP4:  # group-factored, ``w_ptr`` at int32 words of 8 codes (gemv's FP4 path); the global divides once
@@ -205,12 +205,12 @@ def _gemv(x_ptr, stride_xk, valid, w_ptr, rows, stride_wn, stride_wk, s_ptr, str
         offs_g = tl.arange(0, BLOCK_K // GROUP)
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            w = _load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk,
-                      (offs_w + k0 // 8 < K // 8)[None, :], EVEN)
+            w = load(w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :] * stride_wk,
+                     (offs_w + k0 // 8 < K // 8)[None, :], EVEN)
             g = k0 // GROUP + offs_g
-            sb = _load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg, (g < K // GROUP)[None, :],
-                       EVEN).to(tl.int32)
-            acc += _fp4_step(w, sb, x_ptr, k0, K, stride_xk, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, EVEN)
+            sb = load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg, (g < K // GROUP)[None, :],
+                      EVEN).to(tl.int32)
+            acc += fp4_step(w, sb, x_ptr, k0, K, stride_xk, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0, EVEN)
         y = tl.where(valid, tl.sum(acc, axis=1), 0.0)
         if HAS_GLOBAL:
             y = tl.div_rn(y, tl.load(gs_ptr))
@@ -250,16 +250,16 @@ def _gemm(x_ptr, x_off, m_mask, stride_xk, w_ptr, rows, stride_wn, stride_wk, s_
             sb = tl.load(s_ptr + rows[None, :] * stride_sn + g[:, None] * stride_sg, mask=(g < K // GROUP)[:, None],
                          other=0).to(tl.int32)
             scale = _group_scale(sb, gs_ptr, SCALE_E8M0, HAS_GLOBAL)[:, None, :]
-            w_lo = tl.reshape(tl.reshape(_e2m1_to_f32(wb & 0xF), (GROUPS, GROUP // 2, BLOCK_N)) * scale,
+            w_lo = tl.reshape(tl.reshape(e2m1_to_f32(wb & 0xF), (GROUPS, GROUP // 2, BLOCK_N)) * scale,
                               (HALF_K, BLOCK_N))
-            w_hi = tl.reshape(tl.reshape(_e2m1_to_f32((wb >> 4) & 0xF), (GROUPS, GROUP // 2, BLOCK_N)) * scale,
+            w_hi = tl.reshape(tl.reshape(e2m1_to_f32((wb >> 4) & 0xF), (GROUPS, GROUP // 2, BLOCK_N)) * scale,
                               (HALF_K, BLOCK_N))
             x_at = x_ptr + x_off[:, None] + (2 * p)[None, :] * stride_xk
             x_mask = m_mask[:, None] & p_mask[None, :]
             x_even = tl.load(x_at, mask=x_mask, other=0.0)
             x_odd = tl.load(x_at + stride_xk, mask=x_mask, other=0.0)
-            acc = tl.dot(x_even, _cast(w_lo, DT, INTERPRET), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(x_odd, _cast(w_hi, DT, INTERPRET), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_even, cast(w_lo, DT, INTERPRET), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_odd, cast(w_hi, DT, INTERPRET), acc, input_precision=DOT_PRECISION)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
@@ -339,7 +339,7 @@ def _decode_down_kernel(
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for jj in tl.static_range(TOP_K):
             acc += tl.load(ws + jj * H, mask=offs_n < H, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + t.to(tl.int64) * H + offs_n, _cast(acc, DT, INTERPRET), mask=offs_n < H)
+        tl.store(out_ptr + t.to(tl.int64) * H + offs_n, cast(acc, DT, INTERPRET), mask=offs_n < H)
 
 
 # ------------------------------------------------------------------------------------ prefill path
@@ -415,7 +415,7 @@ def _slot_sum_kernel(y_ptr, ids_ptr, weights_ptr, out_ptr, E: tl.constexpr, H: t
         _, valid = _expert(ids_ptr, row, E)
         weight = tl.where(valid, tl.load(weights_ptr + row).to(tl.float32), 0.0)
         acc += weight * tl.load(y_ptr + row.to(tl.int64) * H + offs, mask=offs < tl.where(valid, H, 0), other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, _cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def _align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -538,10 +538,8 @@ def _decode_blocks(n: int, k: int, itemsize: int, group: int, programs_per_tile:
     """(BLOCK_N, BLOCK_K) of a decode GEMV over ``n`` rows of length ``k`` (``programs_per_tile``
     programs share each n tile: T * top_k). Dense: 16 rows a program and ~8 KB of weight a step (bf16:
     256 columns). FP4 (``group`` > 0): 256 columns (128 bytes a row) and the widest of 32, 16, 8 rows
-    giving >= 3 programs an SM (the launches are latency-bound; the H200 sweep of
-    ``scripts/bench_gemv.py --fp4 --sweep``, 35B-A3B layer at T = 1: gate_up 8 rows 14.0 us vs 16 rows
-    16.0 us, down 32 rows 6.9 us vs 16 rows 8.2 us). K blocks stay within next_pow2(k) and, for FP4,
-    hold whole groups."""
+    giving >= 3 programs an SM (the launches are latency-bound; the sweep: docs/BENCHMARKS.md, issue
+    9). K blocks stay within next_pow2(k) and, for FP4, hold whole groups."""
     bk = 256 if group else _GEMV_TILE_BYTES // (16 * itemsize)
     bn = 16
     if group:

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from vtcore.kernels.device import num_sms
-from vtcore.kernels.rmsnorm import INTERPRET
+from vtcore.kernels.helpers import INTERPRET
 
 __all__ = ["gdn_decode_step", "chunk_gated_delta_rule"]
 

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vtcore.kernels.activation import exp
-from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
+from vtcore.kernels.helpers import INTERPRET, cast, exp, normalize
 
 __all__ = ["gated_rms_norm"]
 
@@ -26,14 +25,14 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, stride_x, stride_zt, st
     z_ptr += (row // HEADS) * stride_zt + (row % HEADS) * stride_zh
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    h = _cast(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32), DT, INTERPRET)
+    h = cast(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32), DT, INTERPRET)
     h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) * (1.0 / D) + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    n = _cast(_normalize(h, rstd, w, False, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
+    n = cast(normalize(h, rstd, w, False, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
     z = tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     silu = tl.div_rn(z, 1.0 + exp(-z, INTERPRET))
-    tl.store(out_ptr + row * D + cols, _cast(n * silu, DT, INTERPRET), mask=mask)
+    tl.store(out_ptr + row * D + cols, cast(n * silu, DT, INTERPRET), mask=mask)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

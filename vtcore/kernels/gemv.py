@@ -12,7 +12,7 @@ tile (contiguous along K: 16-byte vector loads) plus x's matching ``[M, BLOCK_K]
   padded to 16 with zeros; the weight is the dot's left operand, so BLOCK_N >= 16); ``num_stages``
   pipelines it through shared memory (cp.async).
 
-Split-K: when ``cdiv(N, BLOCK_N)`` is under 2x the SM count (the narrow-N / long-K shapes, e.g.
+Split-K: when ``cdiv(N, BLOCK_N)`` is under the SM count (the narrow-N / long-K shapes, e.g.
 o_proj and down_proj), the K tiles are also split over a second grid axis; each program writes its
 float32 partial to a ``[split, M, N]`` workspace and counts itself in its n tile's arrival counter
 (:mod:`vtcore.kernels.workspace`); the last of the tile's programs to arrive sums the partials in
@@ -30,15 +30,15 @@ weight) gives each program gate rows and their up rows and writes ``silu(gate) *
 the projection then ``silu_and_mul`` would; FP4 weights, which take no prologue, save the SwiGLU's
 launch with it.
 
-FP4 (W4A16) weights, an ``FP4Weight``, take the one-row path with no prologue: packed int32 words
-of 8 codes and their group scales are decoded in registers and summed group-factored (see
-:mod:`vtcore.kernels.fp4_gemm`), in 64-row x 256-code tiles, split-K as above. On CUDA with bf16 x
-and NVFP4 weights (:func:`use_fp4_mma`) the words are decoded to bf16 pairs in inline PTX and summed
-by ``mma`` instead (:mod:`vtcore.kernels.fp4_mma`; 32-row tiles where those still make 3x SMs
-tiles, registers capped so the grid is one wave: :func:`_registers`); the interpreter and the other
-formats keep the float32 decode. Both are bound by
-instruction issue and latency (~4 and ~6 SASS instructions a code), not by memory; a prologue's
-per-element work, redone in every program, would cost more than its own launch.
+FP4 (W4A16) weights, an :class:`~vtcore.kernels.fp4.FP4Weight`, take the one-row path with no
+prologue: packed int32 words of 8 codes and their group scales are decoded in registers and summed
+group-factored (:func:`vtcore.kernels.helpers.fp4_step`), in 64-row x 256-code tiles, split-K as
+above. On CUDA with bf16 x and NVFP4 weights (:func:`use_fp4_mma`) the words are decoded to bf16
+pairs in inline PTX and summed by ``mma`` instead (:mod:`vtcore.kernels.fp4_mma`; 32-row tiles where
+those still make 3x SMs tiles, registers capped so the grid is one wave: :func:`_registers`); the
+interpreter and the other formats keep the float32 decode. Both are bound by instruction issue and
+latency, not by memory (design.md, "Quantization"); a prologue's per-element work, redone in every
+program, would cost more than its own launch.
 
 Launch configs come from host ints only (M, N, K, dtype size, SM count), cached with
 ``functools.cache``; no autotuning, no sync, no data-dependent grid, so calls can be captured in a
@@ -50,16 +50,15 @@ Heuristic (``_config``; every field can be forced by keyword): aim for >= 3 prog
 ~8 KB weight tiles; M == 1 takes BLOCK_N in {16, 8, 4} (largest that gives >= 3x SMs tiles),
 ``BLOCK_K = 8 KB / (BLOCK_N * itemsize)`` (halved until it divides K, so the hot loop has no mask),
 4 warps, 3 stages; M > 1 takes BLOCK_N = 16 (M <= 4) or 32, same tile bytes. Split only when the
-tiles are fewer than the SMs: on the H200 (``scripts/bench_gemv.py --sweep``, M = 1) 256 unsplit
-tiles beat a 2-3 way split (0.6B o_proj 3.6 vs 4.4 us, down_proj 3.9 vs 4.8 us). A split is the
-smallest reaching 3x SMs programs, moved up to a divisor of the K-tile count when one is within 2x
-(balanced splits), capped so the partials' traffic (8 * split * M * N bytes) stays under a quarter
-of the weight bytes. The float32 FP4 decode, where its tiles outnumber the SMs but not by a
+tiles are fewer than the SMs (unsplit tiles that fill the SMs beat a split: docs/BENCHMARKS.md,
+issue 8). A split is the smallest reaching 3x SMs programs, moved up to a divisor of the K-tile
+count when one is within 2x (balanced splits), capped so the partials' traffic (8 * split * M * N
+bytes) stays under a quarter of the weight bytes. The float32 FP4 decode, where its tiles outnumber the SMs but not by a
 multiple, runs the first ``n_tiles // SMs * SMs`` tiles whole and cuts the rest into short K
 pieces launched last (a 1-D grid, ``FULL_TILES``): with one program a tile, the SMs holding one
-more tile than the others set the time (NVFP4 Qwen3-4B gate_up, 304 64-row tiles: 24.0 -> 19.6 us).
-The tensor-core path does not take it (11.97 -> 13.83 us: its pieces' start-up costs more than the
-imbalance); its whole-K launches of 4 row repetitions take the narrow layout (``narrow_layout``).
+more tile than the others set the time. The tensor-core path does not take it (its pieces' start-up
+costs more than the imbalance: docs/BENCHMARKS.md); its whole-K launches of 4 row repetitions take
+the narrow layout (``narrow_layout``).
 """
 from __future__ import annotations
 
@@ -70,15 +69,13 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from vtcore.kernels.activation import silu_mul
 from vtcore.kernels.device import num_sms
-from vtcore.kernels.fp4_gemm import X_SCALE, _word_scales
+from vtcore.kernels.fp4 import FP4Weight
 from vtcore.kernels.fp4_mma import fp4_mma_rows, layout_ok
+from vtcore.kernels.helpers import INTERPRET, cast, fp4_step, load, normalize, silu_mul
 from vtcore.kernels.pdl import pdl_launch, wait_prior
-from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
 from vtcore.kernels.rope import QKRope, head_epilogue
 from vtcore.kernels.workspace import arrival_counters
-from vtcore.quant.fp4 import FP4Weight
 
 __all__ = ["gemv", "gemv_silu_and_mul", "gemv_rms_norm", "gemv_swiglu", "gemv_qk_rope", "supports", "gemv_ref"]
 
@@ -109,9 +106,8 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, 
         return False
     if isinstance(weight, FP4Weight):
         g = weight.group_size
-        # No prologue: recomputed per x element in every program, it costs more than its own launch
-        # (an NVFP4 Qwen3-4B decode step took 4.1 ms with them; the GEMV streams codes at ~6 instructions
-        # a code, so x work per code counts).
+        # No prologue: recomputed per x element in every program, it costs the issue-bound FP4 loop
+        # more than its own launch (docs/BENCHMARKS.md, issue 9).
         ok = (x.shape[0] == 1 and fused in (None, "swiglu", "qk_rope") and weight.scale_kind in ("e4m3", "e8m0")
               and g >= 8 and not g & (g - 1)
               and weight.packed.storage_offset() % 4 == 0  # read as int32 words
@@ -137,22 +133,12 @@ def supports(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, 
 
 
 @triton.jit
-def _load(ptr, mask, EVEN: tl.constexpr):
-    """``ptr``'s values, unmasked when ``EVEN`` (keeps 16-byte vector loads), else 0 where masked."""
-    if EVEN:
-        v = tl.load(ptr)
-    else:
-        v = tl.load(ptr, mask=mask, other=0.0)
-    return v
-
-
-@triton.jit
 def _residual_sum(x_ptr, r_ptr, x_off, r_off, mask, EVEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                   DT: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``x`` (+ the residual, the sum rounded to ``DT`` as ``fused_add_rms_norm`` rounds it)."""
-    h = _load(x_ptr + x_off, mask, EVEN).to(tl.float32)
+    h = load(x_ptr + x_off, mask, EVEN).to(tl.float32)
     if HAS_RESIDUAL:
-        h = _cast(h + _load(r_ptr + r_off, mask, EVEN).to(tl.float32), DT, INTERPRET).to(tl.float32)
+        h = cast(h + load(r_ptr + r_off, mask, EVEN).to(tl.float32), DT, INTERPRET).to(tl.float32)
     return h
 
 
@@ -162,15 +148,15 @@ def _x_tile(x_ptr, r_ptr, nw_ptr, x_off, r_off, cols, mask, rstd, K: tl.constexp
     """The input tile at offsets ``x_off`` (columns ``cols``) after the prologue, in ``DT``:
     0: x itself; 1: ``silu(x[:, c]) * x[:, K + c]``; 2: ``rms_norm(x (+ residual))`` with ``rstd``."""
     if PROLOGUE == 1:
-        g = _load(x_ptr + x_off, mask, EVEN).to(tl.float32)
-        u = _load(x_ptr + x_off + K, mask, EVEN).to(tl.float32)
+        g = load(x_ptr + x_off, mask, EVEN).to(tl.float32)
+        u = load(x_ptr + x_off + K, mask, EVEN).to(tl.float32)
         v = silu_mul(g, u, DT, INTERPRET)
     elif PROLOGUE == 2:
         h = _residual_sum(x_ptr, r_ptr, x_off, r_off, mask, EVEN, HAS_RESIDUAL, DT, INTERPRET)
-        w = _load(nw_ptr + cols, mask, EVEN).to(tl.float32)
-        v = _cast(_normalize(h, rstd, w, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
+        w = load(nw_ptr + cols, mask, EVEN).to(tl.float32)
+        v = cast(normalize(h, rstd, w, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
     else:
-        v = _load(x_ptr + x_off, mask, EVEN)
+        v = load(x_ptr + x_off, mask, EVEN)
     return v
 
 
@@ -182,29 +168,7 @@ def _fp4_loads(w_ptrs, s_ptrs, kw, kg, K: tl.constexpr, BLOCK_K: tl.constexpr, G
     dividing, so the compiler sees their alignment and issues 16-byte loads)."""
     wm = tl.arange(0, BLOCK_K // 8) + kw < K // 8
     gm = tl.arange(0, BLOCK_K // GROUP) + kg < K // GROUP
-    return _load(w_ptrs + kw, wm[None, :], EVEN), _load(s_ptrs + kg, gm[None, :], EVEN).to(tl.int32)
-
-
-@triton.jit
-def _fp4_step(w, sb, x_ptr, k0, k_lim, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-              SCALE_E8M0: tl.constexpr, EVEN: tl.constexpr):
-    """float32 ``[BLOCK_N, BLOCK_K / 8]``: one K step (from column ``k0``) of packed words ``w``, each
-    word's ``sum_j c_j x_j * 2^-62`` times its group's scale (times 2^62) (bytes ``sb`` ``[BLOCK_N, BLOCK_K / GROUP]``);
-    x's column ``8 w + j`` (columns at or past ``k_lim`` read as 0) meets code ``j`` of word ``w``. No
-    reduction inside the K loop: a per-group sum here cost a shared-memory layout change a step. See
-    :mod:`vtcore.kernels.fp4_gemm`."""
-    cols = 8 * tl.arange(0, BLOCK_K // 8) + k0
-    for j in tl.static_range(8):
-        xj = _load(x_ptr + (cols + j) * stride_xk, cols < k_lim, EVEN).to(tl.float32) * X_SCALE
-        # code j as float32 c * 2^-126 (vtcore.kernels.fp4_gemm: FP4 decode; inlined, as the
-        # interpreter pays per helper call): to the top of the word, arithmetic >> 6, mask
-        t = w if j == 7 else w << (28 - 4 * j)
-        code = ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000 as an int32
-        if j == 0:
-            prod = code * xj[None, :]
-        else:
-            prod += code * xj[None, :]
-    return prod * _word_scales(sb, BLOCK_N, BLOCK_K // GROUP, GROUP, SCALE_E8M0)
+    return load(w_ptrs + kw, wm[None, :], EVEN), load(s_ptrs + kg, gm[None, :], EVEN).to(tl.int32)
 
 
 @triton.jit
@@ -233,7 +197,7 @@ def _gemv_kernel(
     launched last, so the short pieces even out the SMs' loads (see :func:`_config`).
     ``SWIGLU`` (one row, a [gate | up] weight of N = 2I rows): an n tile is BLOCK_N / 2 gate rows and
     the same up rows (I further on); its epilogue rounds the sums as the projection's output would be
-    and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.activation.silu_mul`).
+    and writes ``silu(gate) * up`` [I] (rounded as :func:`vtcore.kernels.helpers.silu_mul`).
     ``ROPE`` (one row of a [q | k | v] projection, BLOCK_N = head_dim): an n tile is a head, which
     its epilogue norms, rotates and writes to the KV cache (:func:`vtcore.kernels.rope.head_epilogue`).
     """
@@ -282,7 +246,7 @@ def _gemv_kernel(
     # PDL: the one-row paths request their first K step's weights (no kernel's output) before waiting
     # on the kernel before, so that load's latency overlaps its end; the rest waits first.
     if BLOCK_M == 1 and not FP4:
-        w = _load(w_ptrs + k_start, (m_ok if EVEN_K else offs_k + k_start < K)[None, :], EVEN_K)
+        w = load(w_ptrs + k_start, (m_ok if EVEN_K else offs_k + k_start < K)[None, :], EVEN_K)
     if not FP4:
         wait_prior(PDL)
     rstd = 0.0
@@ -317,11 +281,11 @@ def _gemv_kernel(
             for i in range(1, steps):
                 w_next, sb_next = _fp4_loads(w_words, sc_ptrs, kw + i * (BLOCK_K // 8), kg + i * (BLOCK_K // GROUP), K,
                                              BLOCK_K, GROUP, EVEN_K)
-                acc += _fp4_step(w, sb, x_ptr, k_start + (i - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
-                                 EVEN_K)
+                acc += fp4_step(w, sb, x_ptr, k_start + (i - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
+                                EVEN_K)
                 w, sb = w_next, sb_next
-            acc += _fp4_step(w, sb, x_ptr, k_start + (steps - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
-                             EVEN_K)
+            acc += fp4_step(w, sb, x_ptr, k_start + (steps - 1) * BLOCK_K, K, 1, BLOCK_N, BLOCK_K, GROUP, SCALE_E8M0,
+                            EVEN_K)
             y = tl.sum(acc, axis=1)
         if HAS_GLOBAL:
             y = tl.div_rn(y, tl.load(g_ptr + rows))
@@ -338,7 +302,7 @@ def _gemv_kernel(
                      EVEN_K, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             xm = m_ok if EVEN_K else offs_k + k0 < K
-            w_next = _load(w_ptrs + k0, xm[None, :], EVEN_K)
+            w_next = load(w_ptrs + k0, xm[None, :], EVEN_K)
             x_next = _x_tile(x_ptr, r_ptr, nw_ptr, x_base + k0, r_base + k0, cols0 + k0, xm, rstd, K,
                              EVEN_K, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
             acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
@@ -352,7 +316,7 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             xm = m_ok & (cols0 + k0 < K)
-            w = _load(w_ptrs + k0, (offs_k + k0 < K)[None, :], EVEN_K)
+            w = load(w_ptrs + k0, (offs_k + k0 < K)[None, :], EVEN_K)
             xt = _x_tile(x_ptr, r_ptr, nw_ptr, x_base + k0, r_base + k0, cols0 + k0, xm, rstd, K,
                          False, PROLOGUE, HAS_RESIDUAL, ZERO_CENTERED, DT, INTERPRET)
             acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
@@ -375,11 +339,11 @@ def _gemv_kernel(
         head_epilogue(y, pid_n, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_ptr, kw_ptr, kc_ptr, vc_ptr,
                       slot_ptr, stride_ct, stride_ch, qk_eps, NQ, NKV, BLOCK_N, QK_NORM, QK_ZERO_CENTERED, DT)
     elif SWIGLU:
-        gate, up = tl.split(tl.permute(tl.reshape(_cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
+        gate, up = tl.split(tl.permute(tl.reshape(cast(y, DT, INTERPRET).to(tl.float32), (2, HALF)), (1, 0)))
         cols = pid_n * HALF + tl.arange(0, HALF)
         tl.store(out_ptr + cols, silu_mul(gate, up, DT, INTERPRET), mask=cols < N // 2)
     else:
-        tl.store(out_ptr + dst, _cast(y, DT, INTERPRET), mask=out_mask)
+        tl.store(out_ptr + dst, cast(y, DT, INTERPRET), mask=out_mask)
 
 
 def _pick_block_k(k: int, target: int, floor: int) -> int:
@@ -401,10 +365,8 @@ def _config(m: int, n: int, k: int, bits: int, sms: int, block_n: int | None, bl
     target = _PROGRAMS_PER_SM * sms
     if m == 1:
         block_m = 1
-        # FP4: 64 rows x 256 codes (8 KB), split-K below the SM count: within ~10% of the best of a
-        # 96-config sweep on each NVFP4 Qwen3-4B shape (scripts/bench_gemv.py --fp4 --sweep, H200); on
-        # tensor cores (bits 4 with ``fp4_mma``) 32 rows where that still makes 3x SMs tiles (~5%
-        # better on gate_up, worse below)
+        # FP4: 64 rows x 256 codes (8 KB), split-K below the SM count; on tensor cores (bits 4 with
+        # ``fp4_mma``) 32 rows where that still makes 3x SMs tiles (both from sweeps: docs/BENCHMARKS.md)
         bn = block_n or ((32 if triton.cdiv(n, 32) >= target else 64) if fp4_mma
                          else 64 if bits == 4 else next((b for b in (16, 8) if triton.cdiv(n, b) >= target), 4))
     else:
@@ -505,12 +467,10 @@ def _registers(programs: int, sms: int, num_warps: int) -> int | None:
     most (a multiple of 8, at most 128) that keeps the whole grid resident at once, or None (ptxas's
     choice) where under 64 would be needed.
 
-    Why: the loop is latency-bound (docs/BENCHMARKS.md) and ptxas, left to itself, keeps registers
-    low by issuing each K step's weight loads just before their use. sm_90 SASS from Triton 3.6's
-    ptxas (``scripts/sass_fp4_mma.py``), NVFP4 Qwen3-4B: gate_up (608 programs, 5 an SM, the narrow
-    layout) 72 registers and loads a median 0.20 of a step ahead uncapped, 96 and 0.91 steps capped;
-    qkv 71 -> 98 registers, down and o_proj about as before; no spills. Measured: gate_up 15.2 us
-    uncapped, 10.9 us capped (BENCHMARKS.md).
+    Why: the loop is latency-bound and ptxas, left to itself, keeps registers low by issuing each K
+    step's weight loads just before their use; capped, it issues them most of a step ahead
+    (``scripts/sass_fp4_mma.py`` reads it off the sm_90 SASS; registers, load distances and timings
+    in docs/BENCHMARKS.md).
     """
     per_sm = triton.cdiv(programs, sms)
     regs = _REGISTERS_PER_SM // (per_sm * num_warps * 32) // 8 * 8
@@ -532,9 +492,8 @@ def use_fp4_mma(x: torch.Tensor, weight: FP4Weight) -> bool:
 
 def narrow_layout(block_n: int, split: int, num_warps: int) -> bool:
     """Whether a tensor-core FP4 launch takes the narrow layout (:mod:`vtcore.kernels.fp4_mma`: 2 words
-    a lane, 4 rows a thread sharing x): for whole-K programs of 4 row repetitions, where it was
-    measured faster (NVFP4 Qwen3-4B gate_up, 32 x 256 tiles: 11.5 -> 10.9 us, BENCHMARKS.md); the
-    split-K launches (2-5 steps a program) were slower with it (down 7.1 -> 8.1 us)."""
+    a lane, 4 rows a thread sharing x): for whole-K programs of 4 row repetitions, where it is the
+    faster; the split-K launches (2-5 steps a program) keep the wide one (docs/BENCHMARKS.md)."""
     return split == 1 and block_n == 8 * num_warps
 
 
@@ -561,8 +520,8 @@ def gemv(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, **co
     prologue variants) force parts of the launch config (powers of two; ``block_n`` >= 16 when M > 1;
     ``split_k`` is capped at the number of K tiles); by default :func:`_config` picks them.
 
-    ``weight`` may be an :class:`~vtcore.kernels.fp4_gemm.FP4Weight` (W4A16, one row only): the codes
-    and scales are decoded in registers (see :mod:`vtcore.kernels.fp4_gemm`), ``block_k`` then a
+    ``weight`` may be an :class:`~vtcore.kernels.fp4.FP4Weight` (W4A16, one row only): the codes
+    and scales are decoded in registers (:func:`vtcore.kernels.helpers.fp4_step`), ``block_k`` then a
     multiple of the group size; NVFP4 with bf16 x on CUDA is summed on tensor cores where
     :func:`use_fp4_mma` and :func:`fp4_mma_tile` allow (keyword ``fp4_mma``: 0 keeps the float32
     decode, 1 requires the tensor cores and raises ValueError where they do not apply; ``maxnreg``
@@ -584,7 +543,7 @@ def gemv_silu_and_mul(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def gemv_swiglu(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, **config: int) -> torch.Tensor:
     """``silu(gate) * up`` for ``[gate | up] = F.linear(x, weight, bias)``, ``x`` [1, K] and ``weight``
-    [2I, K] (dense or :class:`~vtcore.quant.fp4.FP4Weight`): [1, I], equal to
+    [2I, K] (dense or :class:`~vtcore.kernels.fp4.FP4Weight`): [1, I], equal to
     ``silu_and_mul(gemv(x, weight, bias))`` (the projection rounded to x's dtype, then SwiGLU rounded
     as :func:`vtcore.kernels.activation.silu_and_mul`) in one launch: the SwiGLU is the GEMV's
     epilogue (for FP4 weights, which take no prologue, this saves the SwiGLU launch)."""

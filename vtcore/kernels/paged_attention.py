@@ -37,9 +37,9 @@ _BLOCK_N = 64  # decode key tile (positions)
 _PREFILL_BLOCK_M = 64  # prefill query rows a program
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
 _MAX_SPLITS = 32  # ... but no more splits than this (programs past the context still cost their start)
-# Early reads (paged_decode_attention's early_reads) only for grids of at most this many programs an SM: the
-# kernel holds ~200 registers a thread, two programs an SM. On the H200 (scripts/bench_attention.py,
-# 2026-12-01) batch 1 (256 programs) went 7.8 -> 6.2 us a call at a 1088 context, batch 8 (1024) 17.1 -> 20.2.
+# Early reads (paged_decode_attention's early_reads) only for grids of at most this many programs an SM (one
+# wave: the kernel holds ~200 registers a thread, two programs an SM); beyond, they cost more than they
+# overlap (docs/BENCHMARKS.md).
 _EARLY_PROGRAMS_PER_SM = 2
 _COMBINE_VALUES = 8192  # partial values (heads x splits x head_dim) the last-arriving program loads at once
 
@@ -300,10 +300,10 @@ def _decode_kernel(
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int = _BLOCK_N) -> int:
     """Decode splits per (seq, kv head): enough for ``_TARGET_PROGRAMS`` programs, at most one per tile.
 
-    At most ``_MAX_SPLITS``: batch 1 with 8 kv heads gets 32 (in a graph sized for 40960 positions,
-    128 splits left 111 of each kv head's programs with no tile at a 1k context, and their start-up
-    cost: 9.1 vs 7.7 us a call on the H200, ``scripts/bench_attention.py --sweep``, 2026-12-01); batch
-    8 gets 16, batch 32 gets 4; batch 128 and up one, the single-kernel path.
+    At most ``_MAX_SPLITS``: in a graph sized for a long context, more splits would leave most of a
+    kv head's programs with no tile at a short one, paying their start-up (docs/BENCHMARKS.md). Batch 1
+    with 8 kv heads gets 32; batch 8 gets 16, batch 32 gets 4; batch 128 and up one, the
+    single-kernel path.
     """
     per_seq = _TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)
     return max(1, min(triton.cdiv(max_context_len, block_n), per_seq, _MAX_SPLITS))
@@ -456,8 +456,8 @@ def paged_prefill_attention(
     ``max_context_len`` is only needed by the reference (the kernel reads lengths on the device).
     Returns ``out`` [tokens, heads, head_dim] in q's dtype; rows past ``query_start_loc[-1]`` are
     left unwritten. ``block_m`` defaults to 64 whatever the batch, so that no batch shape makes
-    Triton compile another variant mid-run (a ~1 s stall seen at concurrency 32 when a 20-token
-    chunk asked for 32); ``block_m``/``block_n`` must be powers of two >= 16.
+    Triton compile another variant mid-run (docs/BENCHMARKS.md); ``block_m``/``block_n`` must be
+    powers of two >= 16.
     """
     tokens, heads, head_dim = q.shape
     seqs = query_start_loc.shape[0] - 1

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL, sm_90 and later) for the decode-path kernels.
 
-A batch-1 decode step is ~300 short launches back to back (an NVFP4 Qwen3-4B step: 145 GEMVs of
-6-14 us, attention, norms), so each launch's start-up (program scheduling, index math, the first
-memory round trip) is a visible share of it. Launched with PDL (Triton's ``launch_pdl``), a kernel's
+A batch-1 decode step is a chain of short launches back to back (GEMVs, attention, norms: design.md,
+"Decode launches"), so each launch's start-up (program scheduling, index math, the first memory
+round trip) is a visible share of it. Launched with PDL (Triton's ``launch_pdl``), a kernel's
 programs may be scheduled while the kernel before it on the stream is still finishing.
 
 Correctness does not depend on it: every kernel launched so calls :func:`wait_prior` before it
@@ -15,7 +15,7 @@ launched without PDL (a torch op, or PDL off) starts only after the one before h
 usual; both instructions are no-ops then. CUDA graph capture keeps the programmatic edges.
 
 On by default on CUDA devices of compute capability 9.0 and later; ``VTCORE_PDL=0`` turns it off
-(the peer in ``scripts/bench_pdl.sh``); the interpreter never uses it.
+(the peer in ``scripts/gpu_pdl_check.sh``); the interpreter never uses it.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """RMSNorm, optionally with the residual add fused in: one program per row, one launch per call.
 
-Rounding follows :func:`vtcore.layers.norm.rms_norm` step by step: float32 statistics, ``h``
-rounded to the activation dtype before a (non-zero-centred) weight multiplies it, each product
-or sum of two bf16/fp16 values formed in float32 and rounded once, as torch does. What differs:
+:func:`rms_norm_ref` and :func:`fused_add_rms_norm_ref` are the torch references (HF's RMSNorm, the
+CPU path of :class:`vtcore.layers.norm.RMSNorm`). The kernels round as they do step by step: float32
+statistics, ``h`` rounded to the activation dtype before a (non-zero-centred) weight multiplies it,
+each product or sum of two bf16/fp16 values formed in float32 and rounded once, as torch does. What
+differs:
 
 * the order of the float32 sum of squares (a tree here), so ``rsqrt``'s argument can differ from
   torch's in the last bit; it is bit-identical when the sum is exact (e.g. inputs on a coarse grid);
@@ -13,11 +15,9 @@ or sum of two bf16/fp16 values formed in float32 and rounded once, as torch does
   ``rsqrt``).
 
 FMA contraction is switched off at launch (``enable_fp_fusion=False``) so that no product is fused
-into a following add, which would skip a rounding torch performs.
-
-Shared with the other elementwise kernels (``rope``, ``activation``): ``_normalize`` (the norm's
-elementwise tail) and ``_cast``, which works around the interpreter's float32 -> bfloat16
-conversion (it truncates; CUDA rounds to nearest even) when ``INTERPRET`` is set.
+into a following add, which would skip a rounding torch performs. The elementwise tail and the
+rounding are :mod:`vtcore.kernels.helpers`' ``normalize`` and ``cast``, shared with the other kernels
+that fuse a norm.
 """
 from __future__ import annotations
 
@@ -27,36 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vtcore.kernels.helpers import INTERPRET, cast, normalize
 from vtcore.kernels.pdl import pdl_launch, wait_prior
-from vtcore.layers.norm import rms_norm as rms_norm_ref
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]
-
-INTERPRET: bool = bool(triton.knobs.runtime.interpret)  # read when @triton.jit is, so the two agree
-
-
-@triton.jit
-def _cast(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 ``x`` -> ``DTYPE``, rounding to nearest even (the interpreter truncates to bf16)."""
-    if INTERPRET and DTYPE == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        y = b.to(tl.float32, bitcast=True).to(DTYPE)
-    else:
-        y = x.to(DTYPE)
-    return y
-
-
-@triton.jit
-def _normalize(x, rstd, w, ZERO_CENTERED: tl.constexpr, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """RMSNorm's elementwise tail in float32 (``x``, ``w`` float32; ``DTYPE``: the activation dtype):
-    ``(h * (1 + w))`` zero-centred, else ``h`` rounded to ``DTYPE`` times ``w``; the caller rounds."""
-    h = x * rstd
-    if ZERO_CENTERED:
-        y = h * (1.0 + w)
-    else:
-        y = _cast(h, DTYPE, INTERPRET).to(tl.float32) * w
-    return y
 
 
 @triton.jit
@@ -77,13 +51,13 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        s = _cast(r + x, r_out_ptr.dtype.element_ty, INTERPRET)
+        s = cast(r + x, r_out_ptr.dtype.element_ty, INTERPRET)
         tl.store(r_out_ptr + row * N + cols, s, mask=mask)
         x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) * (1.0 / N) + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _normalize(x, rstd, w, ZERO_CENTERED, x_ptr.dtype.element_ty, INTERPRET)
-    tl.store(out_ptr + row * N + cols, _cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    y = normalize(x, rstd, w, ZERO_CENTERED, x_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + row * N + cols, cast(y, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @functools.cache
@@ -114,7 +88,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, new_residual: torch.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """:func:`vtcore.layers.norm.rms_norm` of ``x`` [tokens, hidden] (rows may be strided, the last
+    """:func:`rms_norm_ref` of ``x`` [tokens, hidden] (rows may be strided, the last
     dim must be contiguous) into a new contiguous tensor."""
     return _launch(x, None, None, weight, eps, zero_centered)
 
@@ -130,6 +104,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """
     new_residual = torch.empty((x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
     return _launch(x, residual, new_residual, weight, eps, zero_centered), new_residual
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """HF's RMSNorm over the last dim: ``h = x.float() * rsqrt(mean(h^2) + eps)``, then
+    ``weight * h.to(x.dtype)`` (the cast first: a bf16 weight gives a bf16 product), or zero-centred
+    ``(h * (1 + weight.float())).to(x.dtype)``. Pure torch, any shape: the reference of
+    :func:`rms_norm` and of the norms fused into other kernels (``rope``, ``gemv``)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)
 
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -1,17 +1,18 @@
 """Per-head q/k RMSNorm (optional) then rotate-half RoPE, in place in q and k, one launch for both.
 
-Program ``(t, 0)`` owns token ``t``'s q heads and ``(t, 1)`` its k heads, each as a [heads, half]
-tile pair plus the pass-through rest (a few programs per token: a prefill of 32k tokens is 64k
-programs, not a million; a program per head cost 630 us per layer there). It normalises each head with one float32 ``rstd`` (rounding as
-:mod:`vtcore.kernels.rmsnorm`, whose caveats apply: only the float32 sum of squares is ordered
-differently from torch), and rotates the first ``rotary_dim``
-channels as :class:`vtcore.layers.rotary.RotaryEmbedding` does in ``x.dtype``: ``cos``/``sin``
-rounded to it, then ``rnd(rnd(x1*c) - rnd(x2*s))`` and ``rnd(rnd(x2*c) + rnd(x1*s))``, each
-product of two activation-dtype values exact in float32 and rounded once, as torch rounds each op.
-With no norm weights the result is bit-identical to torch's. The pass-through channels are
-rewritten only when they are normalised. Given the paged cache, the same program also writes the
-token's rotated k (program 1) and its v (program 2) to the token's slot (the decode step's KV
-write, without a launch of its own).
+:func:`qk_norm_rope_ref` is the torch reference (new tensors; the CPU path of
+:class:`vtcore.layers.rotary.RotaryEmbedding`). Program ``(t, 0)`` owns token ``t``'s q heads and
+``(t, 1)`` its k heads, each as a [heads, half] tile pair plus the pass-through rest (a few programs
+per token: a prefill of 32k tokens is 64k programs, not a million). It normalises each head with one
+float32 ``rstd`` (rounding as :mod:`vtcore.kernels.rmsnorm`, whose caveats apply: only the float32
+sum of squares is ordered differently from torch), and rotates the first ``rotary_dim`` channels as
+the reference does in ``x.dtype``: ``cos``/``sin`` rounded to it, then ``rnd(rnd(x1*c) - rnd(x2*s))``
+and ``rnd(rnd(x2*c) + rnd(x1*s))``, each product of two activation-dtype values exact in float32 and
+rounded once, as torch rounds each op. With no norm weights the result is bit-identical to torch's.
+The pass-through channels are rewritten only when they are normalised. Given the paged cache, the
+same program also writes the token's rotated k (program 1) and its v (program 2) to the token's slot
+(the decode step's KV write, without a launch of its own). :func:`head_epilogue` is the same work for
+one head, as the qkv GEMV's epilogue.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from vtcore.kernels.helpers import INTERPRET, cast, normalize
 from vtcore.kernels.pdl import pdl_launch, wait_prior
-from vtcore.kernels.rmsnorm import INTERPRET, _cast, _normalize
-from vtcore.layers.rotary import qk_norm_rope_torch
+from vtcore.kernels.rmsnorm import rms_norm_ref
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref", "QKRope"]
 
@@ -70,21 +71,21 @@ class QKRope:
 def _rotate(x1, x2, c1, c2, s1, s2, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``, every op rounded to ``DT``
     (float32 halves in, ``DT`` halves out)."""
-    a1 = _cast(x1 * c1, DT, INTERPRET).to(tl.float32)
-    b1 = _cast(x2 * s1, DT, INTERPRET).to(tl.float32)
-    a2 = _cast(x2 * c2, DT, INTERPRET).to(tl.float32)
-    b2 = _cast(x1 * s2, DT, INTERPRET).to(tl.float32)
-    return _cast(a1 - b1, DT, INTERPRET), _cast(a2 + b2, DT, INTERPRET)
+    a1 = cast(x1 * c1, DT, INTERPRET).to(tl.float32)
+    b1 = cast(x2 * s1, DT, INTERPRET).to(tl.float32)
+    a2 = cast(x2 * c2, DT, INTERPRET).to(tl.float32)
+    b2 = cast(x1 * s2, DT, INTERPRET).to(tl.float32)
+    return cast(a1 - b1, DT, INTERPRET), cast(a2 + b2, DT, INTERPRET)
 
 
 @triton.jit
 def _cos_sin(cos_ptr, sin_ptr, cs, j, jm, HALF: tl.constexpr, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """The cos and sin halves at row offset ``cs`` of the float32 caches, rounded to ``DT`` (as
-    :class:`vtcore.layers.rotary.RotaryEmbedding` rounds them), as float32."""
-    c1 = _cast(tl.load(cos_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
-    c2 = _cast(tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
-    s1 = _cast(tl.load(sin_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
-    s2 = _cast(tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    :func:`qk_norm_rope_ref` rounds them), as float32."""
+    c1 = cast(tl.load(cos_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    c2 = cast(tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    s1 = cast(tl.load(sin_ptr + cs + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
+    s2 = cast(tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0), DT, INTERPRET).to(tl.float32)
     return c1, c2, s1, s2
 
 
@@ -98,13 +99,13 @@ def head_epilogue(y, head, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_pt
     the float32 sum of squares may be summed in another order) and written to ``out_ptr``'s head; k
     and v heads also go to cache slot ``slot_ptr[0]`` (skipped when negative).
 
-    Every rounding here is done with integer ops (``_cast``'s interpreter path, ``RNE``): the GEMV
-    compiles with FP contraction, under which the float conversions' rounding was not kept (H200:
-    ~19% of the rotated values one bf16 ulp off the standalone kernel's, with and without the norm)."""
+    Every rounding here is done with integer ops (``cast``'s interpreter path, ``RNE``): the GEMV
+    compiles with FP contraction, under which the float conversions' rounding is not kept
+    (docs/BENCHMARKS.md, the qkv epilogue)."""
     RNE: tl.constexpr = True
     HALF: tl.constexpr = HEAD_DIM // 2
     j = tl.arange(0, HALF)
-    x1, x2 = tl.split(tl.permute(tl.reshape(_cast(y, DT, RNE).to(tl.float32), (2, HALF)), (1, 0)))
+    x1, x2 = tl.split(tl.permute(tl.reshape(cast(y, DT, RNE).to(tl.float32), (2, HALF)), (1, 0)))
     dst = out_ptr + head * HEAD_DIM
     slot = tl.load(slot_ptr).to(tl.int64)
     if head < NQ + NKV:
@@ -114,8 +115,8 @@ def head_epilogue(y, head, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_pt
             w1 = tl.where(q_head, tl.load(qw_ptr + j), tl.load(kw_ptr + j)).to(tl.float32)
             w2 = tl.where(q_head, tl.load(qw_ptr + HALF + j), tl.load(kw_ptr + HALF + j)).to(tl.float32)
             rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * (1.0 / HEAD_DIM) + eps)
-            x1 = _cast(_normalize(x1, rstd, w1, ZERO_CENTERED, DT, RNE), DT, RNE).to(tl.float32)
-            x2 = _cast(_normalize(x2, rstd, w2, ZERO_CENTERED, DT, RNE), DT, RNE).to(tl.float32)
+            x1 = cast(normalize(x1, rstd, w1, ZERO_CENTERED, DT, RNE), DT, RNE).to(tl.float32)
+            x2 = cast(normalize(x2, rstd, w2, ZERO_CENTERED, DT, RNE), DT, RNE).to(tl.float32)
         o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, RNE)
         cache = kc_ptr + slot * stride_ct + (head - NQ) * stride_ch
     else:
@@ -154,11 +155,11 @@ def _norm_rope_heads(x_ptr, stride_h, w_ptr, c1, c2, s1, s2, eps,
         rstd = tl.rsqrt(ss * (1.0 / HEAD_DIM) + eps)[:, None]
         w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = _cast(_normalize(x1, rstd, w1, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
-        x2 = _cast(_normalize(x2, rstd, w2, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
+        x1 = cast(normalize(x1, rstd, w1, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
+        x2 = cast(normalize(x2, rstd, w2, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET).to(tl.float32)
         if REST > 0:
             wr = tl.load(w_ptr + r, mask=r < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
-            xr = _cast(_normalize(xr.to(tl.float32), rstd, wr, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
+            xr = cast(normalize(xr.to(tl.float32), rstd, wr, ZERO_CENTERED, DT, INTERPRET), DT, INTERPRET)
             tl.store(rows + r[None, :], xr, mask=rm)
     o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, DT, INTERPRET)
     tl.store(rows + j[None, :], o1, mask=jm)
@@ -273,4 +274,27 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
     return q, k
 
 
-qk_norm_rope_ref = qk_norm_rope_torch
+
+def qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
+                     rotary_dim: int, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`qk_norm_rope` without the cache write (new tensors, any head
+    layout): per-head RMSNorm (when weights are given), then HF's rotate-half RoPE in ``q.dtype``."""
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps, zero_centered), rms_norm_ref(k, k_weight, eps, zero_centered)
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return _apply_rotary(q, cos, sin, rotary_dim), _apply_rotary(k, cos, sin, rotary_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
+    """HF's rotate-half RoPE on the first ``d`` channels of each head (``cos``/``sin`` in ``x``'s dtype)."""
+    if d == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :d], x[..., d:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)

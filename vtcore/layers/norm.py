@@ -1,20 +1,17 @@
-"""RMSNorm, with the residual add fused in, as HF computes it (float32 statistics)."""
+"""RMSNorm, with the residual add fused in, as HF computes it (float32 statistics).
+
+``rms_norm`` is the torch RMSNorm (:func:`vtcore.kernels.rmsnorm.rms_norm_ref`), for a family that
+norms by hand; ``RMSNorm`` runs it on CPU and :mod:`vtcore.kernels.rmsnorm`'s kernels on CUDA.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from vtcore.kernels import rmsnorm
+from vtcore.kernels.rmsnorm import rms_norm_ref as rms_norm
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
-    """HF's RMSNorm over the last dim: ``h = x.float() * rsqrt(mean(h^2) + eps)``, then
-    ``weight * h.to(x.dtype)`` (the cast first: a bf16 weight gives a bf16 product), or zero-centred
-    ``(h * (1 + weight.float())).to(x.dtype)``. Pure torch: the reference of ``vtcore.kernels.rmsnorm``
-    and ``vtcore.kernels.rope``, so it must not dispatch to those kernels."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if zero_centered:
-        return (h * (1.0 + weight.float())).to(x.dtype)
-    return weight * h.to(x.dtype)
+__all__ = ["RMSNorm", "rms_norm"]
 
 
 class RMSNorm(nn.Module):
@@ -34,8 +31,6 @@ class RMSNorm(nn.Module):
         """Normalise ``x``; with ``residual``, first add it and return (normed, new residual).
         On CUDA one Triton kernel does each (the add and the norm fused)."""
         if x.is_cuda:
-            from vtcore.kernels import rmsnorm
-
             flat = x.reshape(-1, x.shape[-1])
             if residual is None:
                 return rmsnorm.rms_norm(flat, self.weight, self.eps, self.zero_centered).view(x.shape)

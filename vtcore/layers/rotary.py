@@ -12,14 +12,10 @@ import torch
 from torch import nn
 
 from vtcore.errors import NotSupportedError
-from vtcore.layers.norm import rms_norm
+from vtcore.kernels import rope
+from vtcore.kernels.paged_attention import write_kv_cache_ref
 
 ROPE_TYPES = ("default", "llama3")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def inverse_frequencies(rotary_dim: int, theta: float, rope_parameters: dict[str, Any] | None = None) -> torch.Tensor:
@@ -63,39 +59,18 @@ class RotaryEmbedding(nn.Module):
         (per-head ``RMSNorm``, Qwen3's q/k norm) run first. ``kv_cache`` = ``(v, k_cache, v_cache,
         slot_mapping)`` also writes the rotated k and v into the paged cache (as ``write_kv_cache``).
         On CUDA one fused Triton kernel does all of it, in place in ``q`` and ``k`` (views into the
-        fused qkv projection)."""
+        fused qkv projection); elsewhere its torch reference and ``write_kv_cache_ref``."""
         weights = (q_norm.weight if q_norm else None, k_norm.weight if k_norm else None)
         norm = q_norm or k_norm
         eps, zero_centered = (norm.eps, bool(norm.zero_centered)) if norm else (0.0, False)
         if q.is_cuda:
-            from vtcore.kernels.rope import qk_norm_rope
             v, k_cache, v_cache, slots = kv_cache or (None,) * 4
-            return qk_norm_rope(q, k, *weights, eps, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
-                                zero_centered, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
-        q, k = qk_norm_rope_torch(q, k, *weights, eps, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
-                                  zero_centered)
+            return rope.qk_norm_rope(q, k, *weights, eps, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
+                                     zero_centered, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+        q, k = rope.qk_norm_rope_ref(q, k, *weights, eps, self.cos_cache, self.sin_cache, positions, self.rotary_dim,
+                                     zero_centered)
         if kv_cache is not None:
-            from vtcore.kernels.paged_attention import write_kv_cache_ref
             v, k_cache, v_cache, slots = kv_cache
             write_kv_cache_ref(k, v, k_cache, v_cache, slots)
         return q, k
 
-
-def qk_norm_rope_torch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                       eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
-                       rotary_dim: int, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm (when weights are given), then RoPE, in torch (new tensors). The CPU path and
-    the reference of ``vtcore.kernels.rope.qk_norm_rope``."""
-    if q_weight is not None:
-        q, k = rms_norm(q, q_weight, eps, zero_centered), rms_norm(k, k_weight, eps, zero_centered)
-    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
-    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
-    return apply_rotary(q, cos, sin, rotary_dim), apply_rotary(k, cos, sin, rotary_dim)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, d: int) -> torch.Tensor:
-    """HF's rotate-half RoPE on the first ``d`` channels of each head (``cos``/``sin`` in ``x``'s dtype)."""
-    if d == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    rot, rest = x[..., :d], x[..., d:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)

@@ -80,6 +80,14 @@ def _call(impl: pluggy.HookImpl) -> Any:
         raise PluginError(f"{impl.function.__name__} raised {type(exc).__name__}: {exc}") from exc
 
 
+def _own_version() -> str | None:
+    """vtcore's installed version (the built-in plugin's), None when run from a tree never installed."""
+    try:
+        return md.version("vtcore")
+    except md.PackageNotFoundError:
+        return None
+
+
 class Plugins:
     """The plugin manager and the registries (families, quant methods, loaders) it fills."""
 
@@ -92,7 +100,8 @@ class Plugins:
         self.conflicts: dict[str, list[str]] = {}  # architecture -> plugins that both registered it
         self.quant_methods: dict[str, tuple[str, str]] = {}  # format -> (plugin, ref)
         self.loaders: dict[str, tuple[str, str]] = {}  # load_format -> (plugin, ref)
-        self._register(BUILTIN_NAME, lambda: importlib.import_module("vtcore.plugins.builtin"))
+        self._register(BUILTIN_NAME, lambda: importlib.import_module("vtcore.plugins.builtin"), dist="vtcore",
+                       version=_own_version())
         if entry_points is None:
             entry_points = md.entry_points(group=ENTRY_POINT_GROUP)
         allow = _allow_list()

@@ -25,5 +25,5 @@ class QuantMethod(abc.ABC):
 
     def gemv_weight(self, layer: nn.Module) -> object | None:
         """The operand :func:`vtcore.kernels.gemv.gemv` takes for ``layer``'s weight at decode sizes
-        (e.g. a :class:`~vtcore.kernels.fp4_gemm.FP4Weight`), or None to run ``apply`` instead."""
+        (e.g. a :class:`~vtcore.kernels.fp4.FP4Weight`), or None to run ``apply`` instead."""
         return None

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from vtcore.errors import CheckpointError, NotSupportedError
-from vtcore.quant.fp4 import FP4Weight
+from vtcore.kernels.fp4 import FP4Weight, dequantize_fp4, fp4_linear_reference, group_scales
 from vtcore.layers.linear import Linear
 from vtcore.quant.base import QuantMethod
 from vtcore.quant.fp4_activations import fake_quantize_mxfp4_input, fake_quantize_nvfp4_input
@@ -197,8 +197,6 @@ class FP4Method(QuantMethod):
         """The float32 dense weight of one Linear's checkpoint tensors (``weight_packed``,
         ``weight_scale`` and, for NVFP4, ``weight_global_scale``): the conformance gate holds this to
         compressed-tensors' own decompress."""
-        from vtcore.quant.fp4 import dequantize_fp4, group_scales
-
         glob = tensors["weight_global_scale"].float() if self.has_global_scale else None
         scales = group_scales(tensors["weight_scale"], self.scale_kind, glob)
         return dequantize_fp4(tensors["weight_packed"], scales, self.group_size)
@@ -231,8 +229,6 @@ class FP4Method(QuantMethod):
             from vtcore.kernels.fp4_gemm import fp4_matmul
 
             return fp4_matmul(x, w.packed, w.scale, self.scale_kind, w.row_global, self.group_size, layer.bias)
-        from vtcore.quant.fp4 import fp4_linear_reference
-
         return fp4_linear_reference(x, w.packed, w.scale, self.scale_kind, w.row_global, self.group_size,
                                     layer.bias)
 

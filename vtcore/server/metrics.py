@@ -1,13 +1,16 @@
 """Prometheus metrics of the server, in the text exposition format (0.0.4), written by hand.
 
 Names follow vLLM's (``vtcore:`` instead of ``vllm:``) so dashboards carry over. Counters and
-histograms are updated from the server's event loop; gauges are read from the engine at scrape time.
+histograms are updated from the server's event loop; the engine's load (``EngineStats``) is read
+once a scrape.
 """
 from __future__ import annotations
 
 import bisect
 import threading
-from typing import Any, Callable
+from typing import Callable, Literal
+
+from vtcore.engine.capacity import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -87,26 +90,26 @@ class Histogram:
         return lines
 
 
-class Gauge:
-    def __init__(self, name: str, help: str, read: Callable[[], float]) -> None:
-        self.name, self.help, self.read = name, help, read
+class Reading:
+    """A value read from the engine's stats at scrape time: a gauge, or a counter the engine keeps."""
 
-    def render(self, base: dict[str, str]) -> list[str]:
-        try:
-            value = float(self.read())
-        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is gone
-            value = float("nan")
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
+    def __init__(self, name: str, kind: Literal["gauge", "counter"], help: str,
+                 read: Callable[[EngineStats], float]) -> None:
+        self.name, self.kind, self.help, self.read = name, kind, help, read
+
+    def render(self, base: dict[str, str], stats: EngineStats | None) -> list[str]:
+        value = float("nan") if stats is None else float(self.read(stats))
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
                 f"{self.name}{_labels(base)} {_num(value)}"]
 
 
 class ServerMetrics:
     """Every metric the server exports; ``render()`` is the /metrics body."""
 
-    def __init__(self, model_name: str, engine: Any) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self.base = {"model_name": model_name}
         self._lock = threading.Lock()
-        core = engine.engine
+        self.stats = stats
         self.http_requests = Counter("vtcore:http_requests_total", "HTTP requests answered, by endpoint and status.")
         self.requests = Counter("vtcore:request_success_total",
                                 "Generation requests (one per prompt and choice) finished, by finish reason.")
@@ -118,13 +121,15 @@ class ServerMetrics:
                               "Mean time between a request's generated tokens after the first.", TPOT_BUCKETS)
         self.e2e = Histogram("vtcore:e2e_request_latency_seconds", "Time from a request's arrival to its end.",
                              E2E_BUCKETS)
-        self.gauges = [
-            Gauge("vtcore:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                  lambda: core.pool.usage),
-            Gauge("vtcore:num_requests_running", "Requests the scheduler is running.",
-                  lambda: len(core.scheduler.running)),
-            Gauge("vtcore:num_requests_waiting", "Requests waiting to be scheduled.",
-                  lambda: len(core.scheduler.waiting)),
+        self.readings = [
+            Reading("vtcore:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (1 = full).",
+                    lambda s: s.kv_cache_usage),
+            Reading("vtcore:num_requests_running", "gauge", "Requests the scheduler is running.",
+                    lambda s: s.num_running),
+            Reading("vtcore:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+                    lambda s: s.num_waiting),
+            Reading("vtcore:num_preemptions_total", "counter", "Requests preempted (to be recomputed) so far.",
+                    lambda s: s.num_preemptions),
         ]
 
     def http(self, endpoint: str, status: int) -> None:
@@ -151,6 +156,10 @@ class ServerMetrics:
                 lines += c.render(self.base)
             for h in (self.ttft, self.tpot, self.e2e):
                 lines += h.render(self.base)
-        for g in self.gauges:
-            lines += g.render(self.base)
+        try:
+            stats: EngineStats | None = self.stats()
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is gone
+            stats = None
+        for reading in self.readings:
+            lines += reading.render(self.base, stats)
         return "\n".join(lines) + "\n"

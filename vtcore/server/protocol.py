@@ -1,22 +1,27 @@
-"""Request bodies of the OpenAI-compatible server (OpenAI's field names, plus vLLM's sampling extras).
+"""Request and response bodies of the server (OpenAI's field names, plus vLLM's sampling extras and its
+``/tokenize`` and ``/detokenize``).
 
-Only the shapes are checked here; values are checked by ``SamplingParams`` and the server, so every
-bad value is answered with a 400 that names its field. Unknown fields are ignored (as vLLM does),
-but for vLLM's own extensions that this server does not implement and that would change the output
-(``UNSUPPORTED_EXTENSIONS``): answering those with unconstrained text would be silently wrong.
+What a field's shape and range can say is said here, so validation and ``/openapi.json`` agree:
+every such value is answered with a 400 naming its field. Values that depend on each other or on
+the model are checked by ``SamplingParams`` and the endpoints. Unknown fields are ignored (as vLLM
+does), but for vLLM's own extensions that this server does not implement and that would change the
+output (``UNSUPPORTED_EXTENSIONS``): answering those with unconstrained text would be silently wrong.
+``bounded`` fits a model's token-id fields to one engine's vocabulary and context.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
 
+from vtcore.engine.capacity import EngineLimits
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    include_usage: bool | None = False
-
+#: The most choices a prompt may ask for (OpenAI's limit for ``n``).
+MAX_N = 128
+#: The most alternatives per position: OpenAI's limits (completions 5, chat 20).
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
 
 #: vLLM request fields this server does not implement, each with the value that asks for nothing
 #: (sent with any other value, the request is refused with a 400 naming the field)
@@ -29,13 +34,81 @@ UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
 }
 
 
+#: pydantic's "string_unicode" error, as the server words it: JSON's "\ud800" decodes to such a string
+NOT_UNICODE = "not valid Unicode text: it holds a lone surrogate, which has no UTF-8 form"
+
+
+def _encodable(text: str) -> str:
+    """Text a tokenizer can take: a lone surrogate (JSON's ``"\\ud800"``) has no UTF-8 form. (pydantic
+    refuses one itself in a constrained string, with the same error type.)"""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("string_unicode", NOT_UNICODE) from None
+    return text
+
+
+#: Text that goes to the tokenizer (a prompt, a message).
+Text = Annotated[str, AfterValidator(_encodable)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+
+
+def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
+    token = Annotated[int, Field(ge=0, lt=None if limits is None else limits.vocab_size)]
+    return Annotated[list[token], Field(min_length=min_length)]
+
+
+def _prompt(limits: EngineLimits | None) -> Any:
+    """A completions prompt: text, token ids, or a batch of either (each its own choice). How many
+    tokens fit is the endpoint's check, which names both lengths."""
+    ids = _token_ids(limits, 1)
+    return (NonEmptyText | ids | Annotated[list[NonEmptyText], Field(min_length=1)]
+            | Annotated[list[ids], Field(min_length=1)])
+
+
+def _prompt_description(limits: EngineLimits | None) -> str:
+    where = "" if limits is None else (f" Token ids are in [0, {limits.vocab_size}); a prompt has fewer than "
+                                       f"{limits.max_model_len} tokens, and its tokens plus max_tokens are at "
+                                       f"most {limits.max_model_len}.")
+    return "Text, token ids, or a batch of either (each prompt its own choices)." + where
+
+
+#: The unbounded forms, as the models declare them; ``bounded`` swaps in an engine's
+PromptField = _prompt(None)
+TokenIds = _token_ids(None, 0)
+ModelT = TypeVar("ModelT", bound="BoundedModel")
+
+
+class BoundedModel(BaseModel):
+    """A request model with fields whose bounds are one engine's (see ``bounded``)."""
+
+    @classmethod
+    def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
+        """``{name: (annotation, FieldInfo)}`` of the fields whose bounds are ``limits``'."""
+        return {}
+
+
+def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:
+    """``model`` with its token-id fields bounded by ``limits`` (ids below the vocabulary size, and
+    the context named in the prompt's description), so that validation and the OpenAPI document agree."""
+    return create_model(model.__name__, __base__=model, __doc__=model.__doc__, **model.engine_fields(limits))
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = Field(
+        False, description="vLLM's: with include_usage, every chunk carries its choice's usage so far.")
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: str
 
 
-class _Sampling(BaseModel):
+class GenerationRequest(BoundedModel):
     """Fields that completions and chat share (other fields are kept in ``model_extra``)."""
 
     model_config = ConfigDict(extra="allow")
@@ -44,13 +117,14 @@ class _Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_N, description=f"Choices per prompt, at most {MAX_N} (OpenAI's limit).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
+        None, description="Token id (a string of an integer) -> a finite bias, clamped to [-100, 100].")
     seed: int | None = None
     user: str | None = None
     # vLLM's extras
@@ -67,40 +141,95 @@ class _Sampling(BaseModel):
     response_format: ResponseFormat | None = None  # only type "text" is served (vLLM takes it on both routes)
 
 
-#: A completions prompt: text, token ids, or a batch of either (each its own choice).
-PromptField = str | list[int] | list[str] | list[list[int]]
-
-
-class CompletionRequest(_Sampling):
-    prompt: PromptField
+class CompletionRequest(GenerationRequest):
+    prompt: PromptField = Field(description=_prompt_description(None))
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
+
+    @classmethod
+    def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
+        return {"prompt": (_prompt(limits), Field(description=_prompt_description(limits)))}
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] = Field(description="Text, or a list of text parts (the only kind served).")
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(
+        min_length=1, description="The conversation; rendered by the chat template, it must leave room for "
+                                  "max_completion_tokens within the model's context.")
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+
+
+# ------------------------------------------------------------------------------ vLLM's tokenization
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` (the ids ``/v1/completions`` generates from) or ``messages``
+    (those of ``/v1/chat/completions``), one of the two."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: Literal[False] = Field(
+        False, description="vLLM's default is true for a prompt; this server adds no special tokens to a "
+                           "prompt, as in /v1/completions.")
+    add_generation_prompt: Literal[True] = True
+    continue_final_message: Literal[False] = False
+    chat_template: None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BoundedModel):
+    model: str | None = None
+    tokens: TokenIds
+
+    @classmethod
+    def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
+        return {"tokens": (_token_ids(limits, 0), ...)}
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ------------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every error the server answers has it."""
+
+    error: ErrorInfo

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from vtcore.quant.fp4 import dequantize_fp4, mxfp4_group_scales, nvfp4_group_scales
+from vtcore.kernels.fp4 import dequantize_fp4, mxfp4_group_scales, nvfp4_group_scales
 
 
 def decoded_weights(path: str) -> dict[str, torch.Tensor]:

@@ -1,10 +1,14 @@
 """The model runner: owns the model, its KV cache and the async device mirror.
 
 One runner serves the sync and the async engine; they differ only in how many submitted steps
-may be in flight (the engine's queue depth). ``submit`` prepares a step on the host and enqueues
-its device work; ``StepHandle.result`` waits for that step's tokens on the host.
+may be in flight (the engine's queue depth). A step runs in four phases, as the methods of that
+name: ``prepare_inputs`` (host: the batch's ids, positions, KV slots and tables, staged for one
+upload), ``run_model`` (device: upload, combine, forward under the override scope), ``sample``
+(device: tokens into the mirror, copies to the host started) and ``publish`` (host: wait for the
+copies, hand back a ``StepOutput``). ``submit`` does the first and enqueues the next two;
+``StepHandle.result`` does the last.
 
-The async device mirror (see ../shared/ARCHITECTURE.md):
+The async device mirror:
 1. the sampler writes each sampling request's token into ``last_sampled_tokens[mirror_slot]``,
    a device tensor with one stable slot per running request;
 2. a decode row whose token is still in flight carries the host placeholder -1; before the
@@ -14,14 +18,18 @@ The async device mirror (see ../shared/ARCHITECTURE.md):
    device ids; the scope is told the host ids are stale, so a model that bypasses the override
    fails instead of embedding placeholders;
 4. sampled tokens reach the host by non-blocking copies into pinned memory completed on an event;
-   the engine waits on it only when it processes that step, one step later.
-5. host staging: each in-flight step owns one of ``depth`` pinned staging buffers; a buffer is
-   refilled only after the step that used it has retired (its result was taken), so preparing
-   N+1 never rewrites memory that N's upload may still read.
+   the engine waits on it only when it processes that step, one step later;
+5. host staging (:mod:`vtcore.worker.staging`): each in-flight step owns one of ``depth`` pinned
+   buffers, refilled only after its step retired.
+Pure-decode steps take the padded path of :mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
+
+``on_submit`` callbacks see every batch before its preparation and after its enqueue (host time
+measurements: ``vtcore bench``); ``scope`` (the device-token override scope, after the plugins'
+``vtcore_device_token_scope``) and ``decode_graphs`` (None: every step eager) are the seams the
+conformance gate's probes use (:mod:`vtcore.testing.runner_probes`).
 """
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -29,31 +37,55 @@ import attrs
 import torch
 from torch import nn
 
-from vtcore.engine.scheduler import Batch
 from vtcore.family import ModelFamily
 from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_metadata
 from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
+from vtcore.worker.decode_graphs import GRAPH_MAX, GRAPH_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
+from vtcore.worker.staging import Staged, Staging
+from vtcore.worker.step import Batch, StepOutput
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
-PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
-DECODE_GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
-DECODE_GRAPH_MAX = 256  # larger decode batches run eagerly
+DECODE_GRAPH_SIZES, DECODE_GRAPH_MAX = GRAPH_SIZES, GRAPH_MAX
+
+__all__ = ["ModelRunner", "RunnerConfig", "StepHandle", "StepOutput", "PLACEHOLDER", "DECODE_GRAPH_SIZES"]
 
 
 @attrs.define
-class StepOutput:
-    """One step's results on the host, in the order of the step's sampling requests."""
+class RunnerConfig:
+    """What the runner needs of the engine's configuration (resolved: a device, a dtype, lengths)."""
 
-    token_ids: list[int]
-    logprobs: list[float] | None
-    ranks: list[int] | None
-    top_ids: list[list[int]] | None
-    top_logprobs: list[list[float]] | None
-    prompt_logprobs: dict[str, list]  # request_id -> per-position {id: (logprob, rank)}
-    override_consumed: bool
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_kv_blocks: int | None
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    eos_token_ids: Sequence[int]
+    seed: int
+    depth: int = 1
+    enforce_eager: bool = False
+
+
+@attrs.define
+class StepInputs:
+    """A prepared general step (any mix of prefill chunks and decode rows) on the host."""
+
+    staged: Staged
+    metas: list[SampleMeta]
+    sampling: Any
+    plp: list[tuple[Any, int, int, int]]  # (request, first row, first position, count) of prompt logprobs
+    max_blocks: int
+    max_query_len: int
+    max_context_len: int
+    seq_rows: list[tuple[int, int]]
+    state_slots: list[int]  # read at preparation: by the time the device work runs, the host may have moved on
+    has_state: list[bool]
+    stale: bool
 
 
 class StepHandle:
@@ -68,7 +100,7 @@ class StepHandle:
             try:
                 self._result = self._wait()
             finally:  # a step that failed holds its staging buffer no longer
-                self.runner._retire(self)
+                self.runner.staging.retire(self.staging_index)
         return self._result
 
     def discard(self) -> None:
@@ -80,46 +112,61 @@ class StepHandle:
             except Exception:  # noqa: BLE001 - it read the tokens of the step that failed; its outcome is moot
                 pass
             finally:
-                self.runner._retire(self)
+                self.runner.staging.retire(self.staging_index)
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, family: ModelFamily, vocab_size: int, device: torch.device,
-                 dtype: torch.dtype, block_size: int, num_kv_blocks: int | None, gpu_memory_utilization: float,
-                 max_model_len: int, max_num_seqs: int, eos_token_ids: Sequence[int], seed: int,
-                 depth: int = 1, enforce_eager: bool = False) -> None:
-        self.model, self.family, self.device, self.dtype = model, family, device, dtype
-        self.block_size = block_size
-        self.vocab_size = vocab_size
-        self.depth = depth
+    def __init__(self, model: nn.Module, family: ModelFamily, config: RunnerConfig) -> None:
+        self.model, self.family, self.config = model, family, config
+        self.device, self.dtype, self.block_size, self.vocab_size = (config.device, config.dtype, config.block_size,
+                                                                      config.vocab_size)
+        self.depth = config.depth
+        self.cuda = self.device.type == "cuda"
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.stateful_layers = [m for m in model.modules() if isinstance(m, StatefulLayer)]
         for layer in self.stateful_layers:  # a state slot per running request (its mirror slot), and the dummy
-            layer.allocate_state(max_num_seqs + 1, device)
-        self.num_kv_blocks = num_kv_blocks or self._auto_blocks(gpu_memory_utilization, max_model_len * max_num_seqs)
+            layer.allocate_state(config.max_num_seqs + 1, self.device)
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_blocks(config.gpu_memory_utilization,
+                                                                       config.max_model_len * config.max_num_seqs)
         self._allocate_kv_cache()
-        self.sampler = Sampler(vocab_size, device, eos_token_ids, seed)
+        self.sampler = Sampler(self.vocab_size, self.device, config.eos_token_ids, config.seed)
         self.scope = get_plugins().pm.hook.vtcore_device_token_scope(family=family, scope=device_token_scope) \
             or device_token_scope
         # one slot per running request, and a dummy slot (the last) that padded decode rows name
-        self.dummy_slot = max_num_seqs
-        self.last_sampled_tokens = torch.full((max_num_seqs + 1,), PLACEHOLDER, dtype=torch.int64, device=device)
-        self.cuda = device.type == "cuda"
-        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
-        self._staging_owner: list[int | None] = [None] * depth
-        self._worker = ThreadPoolExecutor(1, "vtcore-forward") if depth > 1 and not self.cuda else None
-        self._steps = 0
+        self.dummy_slot = config.max_num_seqs
+        self.last_sampled_tokens = torch.full((config.max_num_seqs + 1,), PLACEHOLDER, dtype=torch.int64,
+                                              device=self.device)
+        self.staging = Staging(self.depth, self.device)
+        self._worker = ThreadPoolExecutor(1, "vtcore-forward") if self.depth > 1 and not self.cuda else None
+        self.steps_submitted = 0
         self.consuming_forwards = 0  # forwards in which EmbedInto consumed the device-token override
         self.stale_forwards = 0  # forwards whose host ids held placeholders (each must consume the override)
-        self.withhold_override = False  # test hook: the conformance B arm
-        self.debug_poison = os.environ.get("VTCORE_DEBUG_STAGING_POISON", "")  # "guard" | "early" (GPU race tests)
-        self.debug_sleep_cycles = int(os.environ.get("VTCORE_DEBUG_SAMPLER_SLEEP", "0"))
-        self.graph_sizes: list[int] = []
-        self.padded_decode_steps = self.graph_replays = 0
+        self.on_submit: list[Callable[[Batch, bool], None]] = []  # (batch, done): before, then after each submit
+        self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
         # decode, W4A4 experts) keeps the model eager
-        if not enforce_eager and all(getattr(m, "supports_decode_graphs", True) for m in model.modules()):
-            self._setup_decode_graphs(max_model_len, max_num_seqs, capture=self.cuda)
+        if not config.enforce_eager and all(getattr(m, "supports_decode_graphs", True) for m in model.modules()):
+            self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
+                                              config.max_model_len, config.max_num_seqs, self.dummy_slot,
+                                              capture=self.cuda)
+
+    # ------------------------------------------------------------------ padded decode counters
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The padded decode batch sizes (empty: every step eager)."""
+        return self.decode_graphs.sizes if self.decode_graphs else []
+
+    @property
+    def padded_decode_steps(self) -> int:
+        return self.decode_graphs.steps if self.decode_graphs else 0
+
+    @property
+    def graph_replays(self) -> int:
+        return self.decode_graphs.replays if self.decode_graphs else 0
+
+    @property
+    def captured_graphs(self) -> int:
+        return len(self.decode_graphs.graphs) if self.decode_graphs else 0
 
     # ------------------------------------------------------------------ memory
     def _bytes_per_block(self) -> int:
@@ -146,50 +193,6 @@ class ModelRunner:
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.block_size = self.block_size
 
-    # ------------------------------------------------------------------ staging
-    def _stage(self, sections: list[list[int]], align: int = 2) -> tuple[int, torch.Tensor, list[tuple[int, int]]]:
-        """Pack int sections into this step's pinned staging buffer; returns (index, host slice, bounds).
-
-        Each section starts at a multiple of ``align`` int64s, 16 bytes by default: Triton specialises
-        a kernel on its pointers' alignment, so a view at an odd offset would compile another variant
-        mid-run (a ~1 s stall). The padded decode path packs densely (``align=1``): its layout is
-        the one its graphs captured."""
-        index = self._steps % self.depth
-        owner = self._staging_owner[index]
-        if owner is not None:
-            raise RuntimeError(f"staging buffer {index} is still owned by step {owner}: "
-                               f"more than depth={self.depth} steps in flight")
-        flat: list[int] = []
-        bounds = []
-        for s in sections:
-            bounds.append((len(flat), len(flat) + len(s)))
-            flat += s
-            flat += [0] * (-len(flat) % align)
-        host = self._staging[index]
-        if host.numel() < len(flat):
-            host = torch.empty(max(len(flat), 2 * host.numel()), dtype=torch.int64, pin_memory=self.cuda)
-            self._staging[index] = host
-        host[:len(flat)] = torch.tensor(flat, dtype=torch.int64)
-        self._staging_owner[index] = self._steps
-        return index, host[:len(flat)], bounds
-
-    def _upload(self, host: torch.Tensor, bounds: list[tuple[int, int]], dest: torch.Tensor | None = None
-                ) -> list[torch.Tensor]:
-        """Device views of the staged sections: one non-blocking copy on CUDA, into ``dest`` (a
-        persistent buffer) when given, else into a new tensor (on CPU without ``dest``: the host views)."""
-        if dest is not None:
-            dev = dest[:host.numel()].copy_(host, non_blocking=True)
-        else:
-            dev = host.to(self.device, non_blocking=True) if self.cuda else host
-        if self.debug_poison == "early":
-            host.fill_(PLACEHOLDER)  # control arm: reuse without the guard
-        return [dev[a:b] for a, b in bounds]
-
-    def _retire(self, handle: StepHandle) -> None:
-        self._staging_owner[handle.staging_index] = None
-        if self.debug_poison == "guard":
-            self._staging[handle.staging_index].fill_(PLACEHOLDER)  # the first moment the guard allows
-
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
             return t
@@ -201,17 +204,44 @@ class ModelRunner:
     def submit(self, batch: Batch) -> StepHandle:
         """Prepare ``batch`` on the host and enqueue its device work; returns without waiting for it.
         If that raises, the step holds no staging buffer."""
-        step = self._steps
+        for callback in self.on_submit:
+            callback(batch, False)
+        step = self.steps_submitted
         try:
-            return self._submit(batch)
+            if self.decode_graphs is not None and self.decode_graphs.takes(batch):
+                handle = self._submit_decode(batch, step)
+            else:
+                handle = self._submit_general(batch, step)
         except BaseException:
-            self._staging_owner = [None if owner == step else owner for owner in self._staging_owner]
+            self.staging.release(step)
             raise
+        finally:
+            for callback in self.on_submit:
+                callback(batch, True)
+        return handle
 
-    def _submit(self, batch: Batch) -> StepHandle:
-        if self.graph_sizes and len(batch) <= self.graph_sizes[-1] and not self.withhold_override \
-                and all(s.num_tokens == 1 and s.samples for s in batch):
-            return self._submit_decode(batch)
+    def _submit_general(self, batch: Batch, step: int) -> StepHandle:
+        inputs = self.prepare_inputs(batch, step)
+        self.steps_submitted += 1
+
+        def device_work() -> dict[str, Any]:
+            hidden, input_ids, consumed, (srows, sslots) = self.run_model(inputs)
+            out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
+            with torch.inference_mode():
+                if inputs.metas:
+                    logits = self.model.compute_logits(hidden[srows]).float()
+                    self.sample(out, logits, inputs.sampling, input_ids[srows], sslots)
+                for req, row0, start, count in inputs.plp:
+                    logits = self.model.compute_logits(hidden[row0:row0 + count])
+                    targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
+                    out["plp"][req.request_id] = {k: self._to_host(v) for k, v in prompt_logprobs(
+                        logits, targets, req.params.prompt_logprobs).items()}
+            return out
+
+        return self._enqueue(step, inputs.staged.index, device_work)
+
+    def prepare_inputs(self, batch: Batch, step: int) -> StepInputs:
+        """Phase 1 (host): the flat rows of every scheduled request, staged for one upload."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -220,8 +250,7 @@ class ModelRunner:
         combine_slots: list[int] = []
         sample_rows: list[int] = []
         metas: list[SampleMeta] = []
-        plp: list[tuple[Any, int, int, int]] = []  # (request, first row, first position, count)
-        max_q = max(s.num_tokens for s in batch)
+        plp: list[tuple[Any, int, int, int]] = []
         max_ctx = max(s.start + s.num_tokens for s in batch)
         max_blocks = -(-max_ctx // bs)
         block_table: list[int] = []
@@ -257,100 +286,77 @@ class ModelRunner:
                     plp.append((req, row0 + first - start, first, last - first))
                     req.prompt_logprobs_scheduled = last + 1
         sample_slots = [m.request.mirror_slot for m in metas]
-        state_slots = [s.request.mirror_slot for s in batch]
-        has_state = [s.start > 0 for s in batch]
-        index, host, bounds = self._stage([ids, positions, slots, block_table, context_lens, query_start,
-                                            combine_rows, combine_slots, sample_rows, sample_slots])
-        sampling = self.sampler.prepare(metas)
-        stale = bool(combine_rows)
-        step = self._steps
-        self._steps += 1
+        staged = self.staging.stage(step, [ids, positions, slots, block_table, context_lens, query_start,
+                                           combine_rows, combine_slots, sample_rows, sample_slots])
+        return StepInputs(staged, metas, self.sampler.prepare(metas), plp, max_blocks,
+                          max(s.num_tokens for s in batch), max_ctx, seq_rows, [s.request.mirror_slot for s in batch],
+                          [s.start > 0 for s in batch], bool(combine_rows))
 
-        def device_work() -> dict[str, Any]:
-            (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
-             d_sslots) = self._upload(host, bounds)
-            input_ids = d_ids
-            if stale:
-                input_ids = d_ids.clone()
-                input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
-            set_attention_metadata(AttentionMetadata(
-                slot_mapping=d_slots, block_tables=d_table.view(len(batch), max_blocks), context_lens=d_ctx,
-                query_start_loc=d_qstart, max_query_len=max_q, max_context_len=max_ctx, seq_rows=seq_rows,
-                state_slots=state_slots, has_state=has_state))
-            try:
-                override_ids = input_ids if stale and not self.withhold_override else None
-                with torch.inference_mode(), self.scope(override_ids, stale) as override:
-                    hidden = self.model(d_ids, d_pos)
-                consumed = bool(override is not None and override.consumed)
-            finally:
-                set_attention_metadata(None)
-            out: dict[str, Any] = {"consumed": consumed, "stale": stale, "plp": {}}
-            with torch.inference_mode():
-                if metas:
-                    logits = self.model.compute_logits(hidden[d_srows]).float()
-                    self._sample(out, logits, sampling, input_ids[d_srows], d_sslots)
-                for req, row0, start, count in plp:
-                    logits = self.model.compute_logits(hidden[row0:row0 + count])
-                    targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
-                    out["plp"][req.request_id] = {k: self._to_host(v) for k, v in prompt_logprobs(
-                        logits, targets, req.params.prompt_logprobs).items()}
-            return out
+    def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, torch.Tensor]]:
+        """Phase 2 (device): upload, combine the in-flight tokens into the input ids, forward under
+        the override scope; reads nothing of the requests (the host may have rescheduled them). Returns (hidden, fed input ids, whether EmbedInto consumed the override,
+        (sample rows, their mirror slots))."""
+        (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
+         d_sslots) = self.staging.upload(inputs.staged)
+        input_ids = d_ids
+        if inputs.stale:
+            input_ids = d_ids.clone()
+            input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
+        set_attention_metadata(AttentionMetadata(
+            slot_mapping=d_slots, block_tables=d_table.view(len(inputs.seq_rows), inputs.max_blocks), context_lens=d_ctx,
+            query_start_loc=d_qstart, max_query_len=inputs.max_query_len, max_context_len=inputs.max_context_len,
+            seq_rows=inputs.seq_rows, state_slots=inputs.state_slots, has_state=inputs.has_state))
+        try:
+            with torch.inference_mode(), self.scope(input_ids if inputs.stale else None, inputs.stale) as override:
+                hidden = self.model(d_ids, d_pos)
+            consumed = bool(override is not None and override.consumed)
+        finally:
+            set_attention_metadata(None)
+        return hidden, input_ids, consumed, (d_srows, d_sslots)
 
-        return self._enqueue(step, index, device_work)
-
-    def _sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
-                mirror_slots: torch.Tensor) -> None:
-        """Sample, write the tokens into the device mirror, and start their copies to the host."""
-        if self.debug_sleep_cycles and self.cuda:
-            torch.cuda._sleep(self.debug_sleep_cycles)
+    def sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
+               mirror_slots: torch.Tensor) -> None:
+        """Phase 3 (device): sample, write the tokens into the device mirror, start their copies to the host."""
         sampled = self.sampler.sample(logits, sampling, fed)
         self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
         out.update({k: self._to_host(v) for k, v in sampled.items()})
+
+    def publish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:
+        """Phase 4 (host): wait for the step's copies and hand back its results."""
+        if event is not None:
+            event.synchronize()
+        self.stale_forwards += out["stale"]
+        if out["consumed"] and out["stale"]:
+            self.consuming_forwards += 1
+        plp = {rid: _plp_entries(t) for rid, t in out["plp"].items()}
+        if "tokens" not in out:
+            return StepOutput([], None, None, None, None, plp)
+        lp = "logprobs" in out
+        return StepOutput(out["tokens"].tolist(), out["logprobs"].tolist() if lp else None,
+                          out["ranks"].tolist() if lp else None, out["top_ids"].tolist() if lp else None,
+                          out["top_logprobs"].tolist() if lp else None, plp)
 
     def _enqueue(self, step: int, index: int, device_work: Callable[[], dict[str, Any]]) -> StepHandle:
         """Run ``device_work`` (on the worker thread on CPU at depth > 1) and hand back its handle."""
         if self._worker is not None:
             future: Future = self._worker.submit(device_work)
-            return StepHandle(self, step, index, lambda: self._finish(future.result(), None))
+            return StepHandle(self, step, index, lambda: self.publish(future.result(), None))
         out = device_work()
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return StepHandle(self, step, index, lambda: self._finish(out, event))
+        return StepHandle(self, step, index, lambda: self.publish(out, event))
 
-    # ------------------------------------------------------------------ padded decode (CUDA graphs)
-    def _setup_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool) -> None:
-        """Persistent inputs for pure-decode steps, padded to a batch size of ``graph_sizes``.
-
-        One flat int64 buffer holds, for padded size P, six sections of P rows (ids, positions,
-        KV slots, context lengths, combine slots, mirror slots), then the real rows' block table;
-        a step uploads into it with one copy. The block table is then copied into the persistent
-        ``[P, max_blocks]`` table the kernels read. The combine (-1: the host id is current) runs
-        inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context 1, no
-        combine, the dummy mirror slot; their samples are never written to ``last_sampled_tokens``.
-        """
-        self._padding = [0, 0, -1, 1, -1, self.dummy_slot]
-        largest = min(max_num_seqs, DECODE_GRAPH_MAX)
-        self.graph_sizes = [p for p in DECODE_GRAPH_SIZES if p < largest] + [largest]
-        self.max_table = -(-max_model_len // self.block_size)
-        self._dec_buf = torch.zeros(6 * largest + largest * self.max_table, dtype=torch.int64, device=self.device)
-        self._dec_tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=self.device)
-        self._dec_qstart = torch.arange(largest + 1, dtype=torch.int32, device=self.device)
-        # the six sections of padded size p: views fixed once, as the graphs read them
-        self._dec_views = {p: [self._dec_buf[i * p:(i + 1) * p] for i in range(6)] for p in self.graph_sizes}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], bool]] = {}
-        if capture:
-            self._capture_graphs(max_model_len)
-
-    def _decode_forward(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The padded decode forward of size ``p``: combine, model, logits. Captured on CUDA."""
-        ids, pos, slots, ctx, combine, mirror = self._dec_views[p]
+    # ------------------------------------------------------------------ padded decode
+    def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
+                        combine: torch.Tensor, mirror: torch.Tensor, tables: torch.Tensor, qstart: torch.Tensor,
+                        max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The padded decode forward: combine, model, logits (captured in a graph on CUDA)."""
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
         set_attention_metadata(AttentionMetadata(
-            slot_mapping=slots, block_tables=self._dec_tables[:p], context_lens=ctx,
-            query_start_loc=self._dec_qstart[:p + 1], max_query_len=1, max_context_len=max_context_len,
-            state_index=mirror, state_continues=pos > 0))
+            slot_mapping=slots, block_tables=tables, context_lens=ctx, query_start_loc=qstart, max_query_len=1,
+            max_context_len=max_context_len, state_index=mirror, state_continues=pos > 0))
         try:
             with self.scope(fed, True) as override:
                 hidden = self.model(ids, pos)
@@ -359,81 +365,24 @@ class ModelRunner:
             set_attention_metadata(None)
         return fed, self.model.compute_logits(hidden).float(), consumed
 
-    def _capture_graphs(self, max_model_len: int) -> None:
-        pool = None
-        with torch.inference_mode():
-            for p in reversed(self.graph_sizes):  # largest first: the others reuse its memory pool
-                padding = torch.tensor(self._padding, device=self.device)[:, None]
-                self._dec_buf[:6 * p].view(6, p).copy_(padding)  # all rows padded: the capture writes no KV
-                self._decode_forward(p, max_model_len)  # warm-up: compiles kernels, sizes workspaces
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    fed, logits, consumed = self._decode_forward(p, max_model_len)
-                pool = graph.pool()
-                self._graphs[p] = (graph, (fed, logits), consumed)
-        torch.cuda.synchronize(self.device)
-
-    def _submit_decode(self, batch: Batch) -> StepHandle:
-        bs, n = self.block_size, len(batch)
-        p = next(size for size in self.graph_sizes if size >= n)
-        pad = p - n
-        cols: list[list[int]] = [[] for _ in range(6)]
-        metas: list[SampleMeta] = []
-        width = max(len(s.request.block_ids) for s in batch)
-        table: list[int] = []
-        stale = False
-        for s in batch:
-            req, pos = s.request, s.start
-            known = pos < len(req.token_ids)
-            stale |= not known
-            for col, v in zip(cols, (req.token_ids[pos] if known else PLACEHOLDER, pos,
-                                     req.block_ids[pos // bs] * bs + pos % bs, pos + 1,
-                                     -1 if known else req.mirror_slot, req.mirror_slot)):
-                col.append(v)
-            table += req.block_ids + [0] * (width - len(req.block_ids))
-            metas.append(SampleMeta(req, req.token_ids[:pos], pos + 1 - req.num_prompt_tokens))
-        for col, v in zip(cols, self._padding):
-            col += [v] * pad
-        index, host, bounds = self._stage(cols + [table], align=1)
+    def _submit_decode(self, batch: Batch, step: int) -> StepHandle:
+        graphs = self.decode_graphs
+        inputs: DecodeInputs = graphs.prepare(batch)
+        staged = self.staging.stage(step, inputs.sections, align=1)
+        metas = [SampleMeta(s.request, s.request.token_ids[:s.start], s.start + 1 - s.request.num_prompt_tokens)
+                 for s in batch]
         sampling = self.sampler.prepare(metas)
-        step = self._steps
-        self._steps += 1
-        graph = self._graphs.get(p)
-        max_ctx = max(s.start for s in batch) + 1
-        self.padded_decode_steps += 1
+        self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            table_rows = self._upload(host, bounds, self._dec_buf)[6]
-            self._dec_tables[:n, :width].copy_(table_rows.view(n, width))
+            table_rows = self.staging.upload(staged, graphs.buffer)[6]
             with torch.inference_mode():
-                if graph is not None:
-                    graph[0].replay()
-                    (fed, logits), consumed = graph[1], graph[2]
-                    self.graph_replays += 1
-                else:
-                    fed, logits, consumed = self._decode_forward(p, max_ctx)
-                out: dict[str, Any] = {"consumed": consumed, "stale": stale, "plp": {}}
-                self._sample(out, logits[:n], sampling, fed[:n], self._dec_views[p][5][:n])
+                fed, logits, consumed = graphs.run(inputs, table_rows)
+                out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
+                self.sample(out, logits, sampling, fed, graphs.mirror_slots(inputs))
             return out
 
-        return self._enqueue(step, index, device_work)
-
-    def _finish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:
-        if event is not None:
-            event.synchronize()
-        self.stale_forwards += out["stale"]
-        if out["consumed"] and out["stale"]:
-            self.consuming_forwards += 1
-        plp = {}
-        for rid, t in out["plp"].items():
-            plp[rid] = _plp_entries(t)
-        if "tokens" not in out:
-            return StepOutput([], None, None, None, None, plp, out["consumed"])
-        lp = "logprobs" in out
-        return StepOutput(out["tokens"].tolist(), out["logprobs"].tolist() if lp else None,
-                          out["ranks"].tolist() if lp else None, out["top_ids"].tolist() if lp else None,
-                          out["top_logprobs"].tolist() if lp else None, plp, out["consumed"])
+        return self._enqueue(step, staged.index, device_work)
 
     def shutdown(self) -> None:
         if self._worker is not None:

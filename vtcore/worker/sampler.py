@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from vtcore.engine.request import Request
+from vtcore.worker.step import StepRequest
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -33,7 +33,7 @@ def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 class SampleMeta:
     """A sampling row: its request, the tokens before the fed one (host), outputs in the fed sequence."""
 
-    request: Request
+    request: StepRequest
     prior_tokens: list[int]
     num_outputs: int
 

@@ -160,7 +160,7 @@ def test_loaded_experts_hold_no_dense_weight_and_land_bit_for_bit(store, scheme:
 def test_expert_forward_uses_each_shards_global_scale(store) -> None:
     """vtcore quantize gives gate and up one shared global scale, so the tokens cannot tell them
     apart: give them different ones here and check the forward against the decoded weights."""
-    from vtcore.quant.fp4 import dequantize_fp4, nvfp4_group_scales
+    from vtcore.kernels.fp4 import dequantize_fp4, nvfp4_group_scales
     from vtcore.layers.activation import silu_and_mul
 
     x = experts_of(_llm(store("moe", "NVFP4A16")["path"]))[2]
@@ -268,7 +268,7 @@ def test_experts_left_dense_beside_packed_linears(store, tmp_path: Any) -> None:
 # ---------------------------------------------------------------------------- 3. dummy weights, async
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_dummy_load_of_a_quantized_moe_config(store, tmp_path: Any, scheme: str) -> None:
-    from vtcore.quant.fp4 import dequantize_fp4, mxfp4_group_scales, nvfp4_group_scales
+    from vtcore.kernels.fp4 import dequantize_fp4, mxfp4_group_scales, nvfp4_group_scales
 
     shutil.copy(os.path.join(store("moe", scheme)["path"], "config.json"), tmp_path)
     assert os.listdir(tmp_path) == ["config.json"]

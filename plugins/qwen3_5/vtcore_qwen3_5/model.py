@@ -169,7 +169,7 @@ class Experts(nn.Module):
             from vtcore.kernels.fp4_gemm import fp4_matmul
 
             return fp4_matmul(x, packed, scale.view(torch.uint8), method.scale_kind, row_global, method.group_size)
-        from vtcore.quant.fp4 import fp4_linear_reference
+        from vtcore.kernels.fp4 import fp4_linear_reference
 
         return fp4_linear_reference(x, packed, scale, method.scale_kind, row_global, method.group_size)
 

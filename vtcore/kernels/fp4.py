@@ -1,4 +1,6 @@
-"""FP4 (NVFP4 / MXFP4) weight decode: the float32 torch reference.
+"""FP4 (NVFP4 / MXFP4) packed weights as the kernels take them (``FP4Weight``), and their float32
+torch decode: the reference of ``fp4_gemm``, the FP4 GEMV and the fused MoE's FP4 path, and the CPU
+path of the FP4 quant methods. Pure torch: importing it imports no Triton.
 
 Checkpoint layout (compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``):
 
@@ -52,6 +54,7 @@ __all__ = [
     "fp4_linear_reference",
 ]
 
+
 @attrs.frozen
 class FP4Weight:
     """One Linear's FP4 weight as the decode GEMV takes it: ``packed`` uint8 ``[N, K/2]`` (low nibble =
@@ -71,6 +74,7 @@ class FP4Weight:
 
     @property
     def device(self) -> torch.device:
+        """The device the packed weight is on."""
         return self.packed.device
 
 

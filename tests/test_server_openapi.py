@@ -1,0 +1,121 @@
+"""``/openapi.json`` is served and true: what it says of a request body, the server enforces (a body
+the document's schema refuses gets a 400 naming the field, one it accepts is served), its errors are
+400s (FastAPI documents 422s, which the server never answers) in OpenAI's error shape, and
+``/metrics`` is text/plain."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from server_harness import MODEL, ServerThread, engine, httpx, needs_default_model, post_json, server  # noqa: F401
+
+from vtcore import AsyncLLM
+
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = needs_default_model
+
+
+@pytest.fixture(scope="module")
+def doc(server: ServerThread) -> dict[str, Any]:
+    r = httpx.get(server.url + "/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    return r.json()
+
+
+def validator(doc: dict[str, Any], ref: str) -> Any:
+    """A JSON Schema validator of the document's ``ref`` (its $refs resolved in the document)."""
+    return jsonschema.Draft202012Validator({"$ref": ref, "components": doc["components"]})
+
+
+def request_schema(doc: dict[str, Any], path: str) -> str:
+    return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+
+
+def test_errors_are_documented_as_openai_shaped_400s(doc: dict[str, Any]) -> None:
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            assert "422" not in op["responses"], (method, path)
+            for status, response in op["responses"].items():
+                if status.startswith(("4", "5")):
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorResponse"}, (method, path, status)
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        assert "400" in doc["paths"][path]["post"]["responses"], path
+    error = validator(doc, "#/components/schemas/ErrorResponse")
+    assert error.is_valid({"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": None}})
+    assert not error.is_valid({"detail": [{"loc": ["body", "n"], "msg": "bad"}]})  # FastAPI's shape
+
+
+def test_metrics_are_documented_as_text(doc: dict[str, Any], server: ServerThread) -> None:
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
+    streamed = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert set(streamed) == {"application/json", "text/event-stream"}
+
+
+def test_the_prompt_schema_has_this_engines_bounds(doc: dict[str, Any], engine: AsyncLLM) -> None:
+    limits = engine.limits()
+    prompt = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    ids = [m for m in prompt["anyOf"] if m.get("items", {}).get("type") == "integer"]
+    assert ids and all(m["items"]["minimum"] == 0 and m["items"]["exclusiveMaximum"] == limits.vocab_size
+                       and m["minItems"] == 1 for m in ids)
+    assert f"fewer than {limits.max_model_len} tokens" in prompt["description"]
+    detokenize = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert detokenize["exclusiveMaximum"] == limits.vocab_size
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "Hi", "max_tokens": 1, **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
+
+
+#: (path, body, the field a refusal must name, or None where the document accepts the body)
+BODIES = [
+    ("/v1/completions", _completion(), None),
+    ("/v1/completions", _completion(prompt=[5, 6]), None),
+    ("/v1/completions", _completion(prompt=["a", "b"]), None),
+    ("/v1/completions", _completion(prompt=[[5], [6, 7]]), None),
+    ("/v1/completions", _completion(n=128), None),
+    ("/v1/completions", _completion(logprobs=5), None),
+    ("/v1/completions", _completion(prompt=""), "prompt"),
+    ("/v1/completions", _completion(prompt=[]), "prompt"),
+    ("/v1/completions", _completion(prompt=[-1]), "prompt"),
+    ("/v1/completions", _completion(prompt="vocab"), "prompt"),  # [vocab_size], filled in below
+    ("/v1/completions", _completion(prompt=[[5], []]), "prompt"),
+    ("/v1/completions", _completion(prompt=["a", ""]), "prompt"),
+    ("/v1/completions", _completion(prompt=[1, "a"]), "prompt"),
+    ("/v1/completions", _completion(n=129), "n"),
+    ("/v1/completions", _completion(n=0), "n"),
+    ("/v1/completions", _completion(logprobs=6), "logprobs"),
+    ("/v1/completions", _completion(logit_bias={"5": "big"}), "logit_bias"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+    ("/v1/chat/completions", _chat(), None),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]), None),
+    ("/v1/chat/completions", _chat(messages=[]), "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user"}]), "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"content": "hi"}]), "messages"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", _chat(n=129), "n"),
+    ("/tokenize", {"prompt": "hi"}, None),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [5]}, None),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, refused", BODIES)
+def test_the_server_enforces_what_the_document_says(doc: dict[str, Any], server: ServerThread, engine: AsyncLLM,
+                                                    path: str, body: dict[str, Any], refused: str | None) -> None:
+    if body.get("prompt") == "vocab":
+        body = {**body, "prompt": [engine.limits().vocab_size]}
+    assert validator(doc, request_schema(doc, path)).is_valid(body) == (refused is None)
+    r = post_json(server.url + path, body)
+    if refused is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == refused, r.text
+        validator(doc, "#/components/schemas/ErrorResponse").validate(r.json())

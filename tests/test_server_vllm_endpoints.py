@@ -1,0 +1,96 @@
+"""vLLM's additions a client of a vLLM server relies on: ``stream_options.continuous_usage_stats``
+(usage in every streamed chunk) and ``POST /tokenize`` / ``POST /detokenize`` (vLLM's field names)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from server_harness import (API_KEY, MODEL, PROMPTS, ServerThread, client, engine, httpx,  # noqa: F401
+                            keyed_server, needs_default_model, server)
+
+from vtcore import AsyncLLM
+
+pytestmark = needs_default_model
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A quote?"}]
+
+
+def _usages(chunks: list[Any]) -> dict[int, list[tuple[int, int, int]]]:
+    """Each choice's (prompt, completion, total) tokens, chunk by chunk."""
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for c in chunks:
+        if c.choices:
+            u = c.usage
+            seen.setdefault(c.choices[0].index, []).append((u.prompt_tokens, u.completion_tokens, u.total_tokens))
+    return seen
+
+
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(client: Any, engine: AsyncLLM) -> None:
+    kw = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=2, n=2, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(prompt=PROMPTS[:2], stream=True, stream_options=CONTINUOUS, **kw))
+    n_prompt = [len(engine.tokenize(p)[1]) for p in PROMPTS[:2]]
+    per_choice = _usages(chunks)
+    assert sorted(per_choice) == [0, 1, 2, 3]
+    for index, usages in per_choice.items():
+        completion = [u[1] for u in usages]
+        assert all(u[0] == n_prompt[index // 2] and u[2] == u[0] + u[1] for u in usages)
+        assert completion == sorted(completion) and completion[-1] == 6, usages
+    final = chunks[-1]
+    assert final.choices == [] and (final.usage.prompt_tokens, final.usage.completion_tokens) == (sum(n_prompt), 24)
+
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, stream_options=CONTINUOUS, **kw))
+    n_prompt = len(engine.chat_prompt(MESSAGES)["prompt_token_ids"])
+    for usages in _usages(chunks).values():
+        assert usages[0] == (n_prompt, 0, n_prompt)  # the role chunk: nothing generated yet
+        assert usages[-1] == (n_prompt, 6, n_prompt + 6)
+    # as vLLM: without include_usage, continuous_usage_stats adds nothing
+    plain = list(client.completions.create(prompt=PROMPTS[0], stream=True,
+                                           stream_options={"continuous_usage_stats": True}, **kw))
+    assert all(c.usage is None for c in plain)
+
+
+def test_tokenize_gives_the_ids_generation_takes(server: ServerThread, client: Any, engine: AsyncLLM) -> None:
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = engine.tokenize(PROMPTS[0])[1]
+    assert body == {"count": len(ids), "max_model_len": engine.limits().max_model_len, "tokens": ids,
+                    "token_strs": engine.tokenizer.convert_ids_to_tokens(ids)}
+    used = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1).usage.prompt_tokens
+    assert body["count"] == used
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES})
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert r.json()["count"] == chat.usage.prompt_tokens and r.json()["token_strs"] is None
+    assert r.json()["tokens"] == engine.chat_prompt(MESSAGES)["prompt_token_ids"]
+
+
+def test_detokenize_inverts_tokenize(server: ServerThread) -> None:
+    text = "Grüße, 日本語 and plain words."
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    r = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": text}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"model": "gpt-nope", "prompt": "hi"}, 404, "model"),
+    ("/tokenize", {"model": MODEL}, 400, "prompt"),  # neither prompt nor messages
+    ("/tokenize", {"prompt": "hi", "messages": MESSAGES}, 400, "prompt"),  # both
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, 400, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/detokenize", {"tokens": [5, 10 ** 9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "5"}, 400, "tokens"),
+])
+def test_bad_tokenization_requests_name_the_field(server: ServerThread, path: str, body: dict, status: int,
+                                                  param: str) -> None:
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_api_key_guards_tokenization_too(keyed_server: ServerThread) -> None:
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(keyed_server.url + path, json=body).status_code == 401
+        r = httpx.post(keyed_server.url + path, json=body, headers={"authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200, r.text

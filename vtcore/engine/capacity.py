@@ -1,0 +1,30 @@
+"""What an engine reports about itself: its fixed limits and its load (``LLMEngine.limits``, ``stats``)."""
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class EngineLimits:
+    """The engine's fixed limits: a request beyond them is refused at ``add_request``."""
+
+    max_model_len: int  # prompt + output tokens of one request
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_num_seqs: int  # requests running at once
+    max_num_batched_tokens: int  # tokens one step computes
+    block_size: int  # tokens a KV block holds
+    num_kv_blocks: int  # KV blocks in the pool, shared by every running request
+
+    def kv_blocks_needed(self, num_tokens: int) -> int:
+        """KV blocks a request of ``num_tokens`` tokens (prompt + output) holds at its longest."""
+        return -(-num_tokens // self.block_size)
+
+
+@attrs.frozen
+class EngineStats:
+    """A snapshot of the engine's load, for metrics (read from any thread)."""
+
+    num_running: int  # requests the scheduler is running
+    num_waiting: int  # requests queued to be scheduled (preempted ones included)
+    kv_cache_usage: float  # fraction of the KV blocks in use, 0 to 1
+    num_preemptions: int  # preemptions since the engine started (a counter)

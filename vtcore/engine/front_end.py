@@ -1,0 +1,62 @@
+"""What a front end (the HTTP server, a command line) needs of an engine besides ``generate``.
+
+``LLM`` and ``AsyncLLM`` both offer it through ``EngineFrontEnd``: tokenizing prompts and chats the
+way ``generate`` will, the engine's fixed limits (to refuse a request before it is queued), the
+checkpoint's default sampling values and the live counts a metrics endpoint exports. A front end
+that uses only these never depends on the scheduler, the block pool or the runner.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vtcore.engine.capacity import EngineLimits, EngineStats
+
+if TYPE_CHECKING:
+    from vtcore.engine.llm_engine import LLMEngine, Prompt
+
+
+class EngineFrontEnd:
+    """The front-end half of ``LLM`` and ``AsyncLLM``, over their ``engine`` (an ``LLMEngine``).
+
+    Tokenizing may run on any thread while the engine steps: it reads only the tokenizer.
+    """
+
+    engine: LLMEngine
+
+    @property
+    def model(self) -> str:
+        """The checkpoint folder served."""
+        return self.engine.config.model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's Hugging Face tokenizer, or None when it has none."""
+        return self.engine.tokenizer
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt exactly as ``generate`` would take it (no special tokens
+        added); a ``ValueError`` names what is wrong (ids outside the vocabulary, no tokenizer)."""
+        return self.engine.tokenize(prompt)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included; a ``ValueError`` names ids outside the
+        vocabulary, or says the checkpoint has no tokenizer."""
+        return self.engine.detokenize(token_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]], **template_kwargs: Any) -> dict[str, Any]:
+        """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat template,
+        with the generation prompt; ``template_kwargs`` are extra template variables."""
+        return self.engine.chat_prompt(messages, **template_kwargs)
+
+    def limits(self) -> EngineLimits:
+        """The fixed limits a request must fit: context, vocabulary, KV pool, batch."""
+        return self.engine.limits()
+
+    def default_sampling(self) -> dict[str, Any]:
+        """The ``SamplingParams`` fields the checkpoint's generation_config.json sets (vLLM's
+        ``generation_config="auto"``), or {} with ``generation_config="vllm"``."""
+        return self.engine.default_sampling()
+
+    def stats(self) -> EngineStats:
+        """The engine's load now (safe from any thread): running, waiting, KV usage, preemptions."""
+        return self.engine.stats()

@@ -1,0 +1,99 @@
+"""``POST /v1/completions``: text or token-id prompts (a batch is a choice each, times ``n``),
+``echo`` (the prompt, with its logprobs when asked for, before the text) and OpenAI's logprobs form."""
+from __future__ import annotations
+
+from typing import Any
+
+from vtcore.outputs import PositionLogprobs
+from vtcore.server.errors import APIError
+from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Prompts, finite
+from vtcore.server.protocol import CompletionRequest
+
+#: (token, its logprobs) a position; a prompt's first position has none
+Entries = list[tuple[int, PositionLogprobs | None]]
+
+
+class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
+    id_prefix = "cmpl"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def check(self, body: CompletionRequest) -> None:
+        if body.suffix:
+            raise APIError(400, "suffix: insertion (a non-empty suffix) is not supported", "suffix", "unsupported")
+
+    def sampling(self, body: CompletionRequest) -> tuple[dict[str, Any], dict[str, str]]:
+        kw: dict[str, Any] = {"max_tokens": body.max_tokens}
+        if body.logprobs is not None:
+            kw["logprobs"] = body.logprobs
+            if body.echo:
+                kw["prompt_logprobs"] = body.logprobs
+        return kw, {"prompt_logprobs": "logprobs"}
+
+    def prompts(self, body: CompletionRequest) -> Prompts:
+        prompt = body.prompt
+        batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        items = []
+        for p in batch:
+            try:
+                text, ids = self.engine.tokenize(p if isinstance(p, str) else {"prompt_token_ids": list(p)})
+            except ValueError as exc:
+                raise APIError(400, f"prompt: {exc}", "prompt") from None
+            items.append((text if text is not None else self.serving.decode(ids), ids))
+        return Prompts(items, "prompt")
+
+    def response_choice(self, body: CompletionRequest, choice: Choice) -> dict[str, Any]:
+        text = choice.text
+        entries: Entries = [(t, choice.logprobs[i] if i < len(choice.logprobs) else None)
+                            for i, t in enumerate(choice.token_ids)]
+        if body.echo:
+            text = choice.prompt.text + text
+            entries = choice.prompt_entries() + entries
+        logprobs = None if body.logprobs is None else self.logprobs(entries, 0)[0]
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
+
+    def stream(self, body: CompletionRequest) -> _CompletionChunks:
+        return _CompletionChunks(self, body)
+
+    def logprobs(self, entries: Entries, offset: int) -> tuple[dict[str, Any], int]:
+        """OpenAI's completions logprobs of ``entries`` whose text starts at character ``offset``,
+        and the offset after them."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, pos in entries:
+            chosen = pos.get(tid) if pos else None
+            tok = self.piece(tid, chosen)
+            tokens.append(tok)
+            token_lps.append(None if chosen is None else finite(chosen.logprob))
+            tops.append(None if pos is None else {self.piece(t, lp): finite(lp.logprob) for t, lp in pos.items()})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+class _CompletionChunks:
+    """A streamed completion: a choice's echo waits for all of its prompt's logprobs (prefill may
+    come in chunks); logprobs' text offsets run on across chunks."""
+
+    def __init__(self, endpoint: CompletionsEndpoint, body: CompletionRequest) -> None:
+        self.endpoint = endpoint
+        self.body = body
+        self.echoed: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:
+        text = delta.text
+        entries: Entries = list(zip(delta.token_ids, delta.logprobs or [None] * len(delta.token_ids)))
+        if self.body.echo and choice.index not in self.echoed:
+            if not choice.prompt_logprobs_ready:
+                return []
+            self.echoed.add(choice.index)
+            text = choice.prompt.text + text
+            entries = choice.prompt_entries() + entries
+        if not text and not entries and delta.finish_reason is None:
+            return []
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs, self.offsets[choice.index] = self.endpoint.logprobs(entries, self.offsets.get(choice.index, 0))
+        return [({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                  "stop_reason": delta.stop_reason}, delta.num_tokens)]

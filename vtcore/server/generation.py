@@ -1,0 +1,360 @@
+"""The skeleton that both generation endpoints (completions, chat) share.
+
+A request is prepared off the event loop (the checks every endpoint makes, the endpoint's own,
+tokenizing, ``SamplingParams``), then each of its prompts runs as one engine request whose ``n``
+samples (the engine's parallel sampling) are that prompt's choices: choice ``prompt * n + sample``.
+The answer is one JSON body, or an SSE stream of chunks that the endpoint formats. A client that
+goes away, streaming or not, aborts the engine requests, which frees their KV blocks. An endpoint
+fills in the hooks: ``check``, ``sampling``, ``prompts``, ``response_choice`` and ``stream``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any, AsyncIterator, ClassVar, Generic, Protocol, TypeVar
+
+import attrs
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vtcore.outputs import CompletionOutput, Logprob, PositionLogprobs
+from vtcore.sampling_params import RequestOutputKind, SamplingParams
+from vtcore.server.errors import APIError, to_api_error
+from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, GenerationRequest
+from vtcore.server.serving import Serving
+from vtcore.server.sse import DONE, EventStream, sse, unless_disconnected
+
+Body = TypeVar("Body", bound=GenerationRequest)
+#: the logprob shown for -inf (JSON has no infinities; OpenAI shows -9999.0)
+NO_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else NO_LOGPROB
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@attrs.frozen
+class Delta:
+    """What one engine output adds to a choice; ``num_tokens``: the choice's tokens with it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_tokens: int
+
+
+class EnginePrompt:
+    """One prompt of a request: one engine request, whose samples are ``choices``."""
+
+    def __init__(self, rid: str, text: str, ids: list[int], params: SamplingParams, first_index: int) -> None:
+        self.rid = rid
+        self.text = text
+        self.ids = ids
+        self.params = params
+        self.choices = [Choice(first_index + j, self) for j in range(params.n)]
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.arrival = time.monotonic()
+
+
+class Choice:
+    """One choice of the response: what its engine sample has generated so far."""
+
+    def __init__(self, index: int, prompt: EnginePrompt) -> None:
+        self.index = index
+        self.prompt = prompt
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.first_token: float | None = None
+        self.end: float | None = None
+
+    def update(self, out: CompletionOutput) -> Delta:
+        """Add one (delta) engine output of this choice's sample."""
+        self.text += out.text
+        if out.token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        self.token_ids += out.token_ids
+        logprobs = list(out.logprobs or [])
+        self.logprobs += logprobs
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.end = out.finish_reason, out.stop_reason, time.monotonic()
+        return Delta(out.text, list(out.token_ids), logprobs, out.finish_reason, out.stop_reason, len(self.token_ids))
+
+    @property
+    def prompt_logprobs_ready(self) -> bool:
+        """Whether the prompt's logprobs (asked for with echo) are all in, or this choice is over."""
+        p = self.prompt
+        return p.params.prompt_logprobs is None or self.finish_reason is not None or (
+            p.prompt_logprobs is not None and len(p.prompt_logprobs) >= len(p.ids))
+
+    def prompt_entries(self) -> list[tuple[int, PositionLogprobs | None]]:
+        """(token, its logprobs) of each prompt position (the first has none)."""
+        plp = self.prompt.prompt_logprobs or []
+        return [(t, plp[i] if i < len(plp) else None) for i, t in enumerate(self.prompt.ids)]
+
+
+@attrs.frozen
+class Job:
+    """A prepared request: its id, its prompts and how SamplingParams' field names map to its own."""
+
+    id: str
+    created: int
+    prompts: list[EnginePrompt]
+    renames: dict[str, str]
+
+    @property
+    def choices(self) -> list[Choice]:
+        return [c for p in self.prompts for c in p.choices]
+
+    def usage(self) -> dict[str, int]:
+        """A prompt's tokens count once, whatever its ``n``."""
+        return usage(sum(len(p.ids) for p in self.prompts), sum(len(c.token_ids) for c in self.choices))
+
+
+@attrs.frozen
+class Prompts:
+    """What a request generates from: each prompt's (text, token ids), and the field that holds them."""
+
+    items: list[tuple[str, list[int]]]
+    field: str
+
+
+class ChoiceStream(Protocol):
+    """One streamed response's formatting, with whatever it must remember between chunks."""
+
+    def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:
+        """The chunk choices ``delta`` makes (none while there is nothing to send), each with the
+        choice's completion tokens at that chunk (for ``continuous_usage_stats``)."""
+
+
+class GenerationEndpoint(ABC, Generic[Body]):
+    """``await endpoint(body, request)`` answers one request; subclasses fill in the hooks."""
+
+    id_prefix: ClassVar[str]  # of the response id: "cmpl", "chatcmpl"
+    object: ClassVar[str]  # the response's "object"
+    chunk_object: ClassVar[str]  # a streamed chunk's "object"
+    #: vLLM extensions refused unless sent at the value that asks for nothing
+    refused_extensions: ClassVar[dict[str, Any]] = UNSUPPORTED_EXTENSIONS
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.engine = serving.engine
+
+    # ------------------------------------------------------------------ hooks
+    def check(self, body: Body) -> None:
+        """Refuse what this endpoint does not serve (APIError)."""
+
+    @abstractmethod
+    def sampling(self, body: Body) -> tuple[dict[str, Any], dict[str, str]]:
+        """This endpoint's SamplingParams fields (``max_tokens`` always), and the request's names
+        of SamplingParams fields (``{"max_tokens": "max_completion_tokens"}``) for error messages."""
+
+    @abstractmethod
+    def prompts(self, body: Body) -> Prompts:
+        """The request's prompts, tokenized (a bad one: APIError naming the field)."""
+
+    @abstractmethod
+    def response_choice(self, body: Body, choice: Choice) -> dict[str, Any]:
+        """A finished choice as the non-streaming response shows it."""
+
+    @abstractmethod
+    def stream(self, body: Body) -> ChoiceStream:
+        """The formatting of one streamed response."""
+
+    # ------------------------------------------------------------------ the skeleton
+    async def __call__(self, body: Body, request: Request) -> Response:
+        job = await self.serving.off_loop(self.prepare, body)
+        if body.stream:
+            return EventStream(self.events(body, job))
+        if not await self.run_to_end(job, request):
+            return Response(status_code=499)
+        return JSONResponse({"id": job.id, "object": self.object, "created": job.created, "model": self.serving.name,
+                             "choices": [self.response_choice(body, c) for c in job.choices], "usage": job.usage()})
+
+    def prepare(self, body: Body) -> Job:
+        """Check, tokenize and turn into SamplingParams (on a preparing thread)."""
+        self.serving.check_serving()
+        self.serving.check_model(body.model)
+        self.check_unsupported(body)
+        self.check(body)
+        endpoint_kw, renames = self.sampling(body)
+        kw = {**self.sampling_kwargs(body), **endpoint_kw, "n": body.n or 1}
+        self.make_params(kw, renames)  # every value checked as the client sent it
+        prompts = self.prompts(body)
+        tokens_field = renames.get("max_tokens", "max_tokens")
+        job_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        engine_prompts = []
+        for i, (text, ids) in enumerate(prompts.items):
+            max_tokens = self.check_length(len(ids), kw["max_tokens"], prompts.field, tokens_field)
+            params = self.make_params({**kw, "max_tokens": max_tokens}, renames)
+            engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n))
+        return Job(job_id, int(time.time()), engine_prompts, renames)
+
+    async def events(self, body: Body, job: Job) -> AsyncIterator[str]:
+        """The SSE events of a streamed response: chunks, the usage chunk if asked for, [DONE]."""
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)
+        head = {"id": job.id, "object": self.chunk_object, "created": job.created, "model": self.serving.name}
+        stream = self.stream(body)
+        async with contextlib.aclosing(self.merged(job)) as it:
+            async for choice, delta in it:
+                for entry, completion_tokens in stream.chunks(choice, delta):
+                    chunk = {**head, "choices": [entry]}
+                    if include_usage:
+                        chunk["usage"] = usage(len(choice.prompt.ids), completion_tokens) if continuous else None
+                    yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": job.usage()})
+        yield DONE
+
+    async def merged(self, job: Job) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Run every prompt of ``job`` at once; yield (choice, delta) as they come. Leaving aborts them."""
+        queue: asyncio.Queue[tuple[Choice, Delta] | BaseException | None] = asyncio.Queue()
+
+        async def pump(prompt: EnginePrompt) -> None:
+            failed = False
+            self.serving.live.add(prompt.rid)
+            try:
+                async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
+                                                      prompt.params, prompt.rid):
+                    if out.prompt_logprobs is not None:
+                        prompt.prompt_logprobs = out.prompt_logprobs
+                    for completion in out.outputs:
+                        choice = prompt.choices[completion.index]
+                        queue.put_nowait((choice, choice.update(completion)))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                failed = True
+                queue.put_nowait(exc)
+            finally:
+                self.serving.live.discard(prompt.rid)
+                if not failed:
+                    for c in prompt.choices:
+                        self.serving.metrics.finished(c.finish_reason or "abort", len(prompt.ids), len(c.token_ids),
+                                                      prompt.arrival, c.first_token, c.end or time.monotonic())
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(p)) for p in job.prompts]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run_to_end(self, job: Job, request: Request) -> bool:
+        """Run a non-streaming request; False if the client went away first (its requests are aborted)."""
+        async def run() -> None:
+            async with contextlib.aclosing(self.merged(job)) as it:
+                async for _ in it:
+                    pass
+
+        work = await unless_disconnected(run(), request.receive)
+        if work.cancelled():
+            return False
+        if work.exception() is not None:
+            raise to_api_error(work.exception(), job.renames)
+        return True
+
+    # ------------------------------------------------------------------ checks every endpoint makes
+    def check_unsupported(self, body: Body) -> None:
+        if body.best_of not in (None, 1):
+            raise APIError(400, f"best_of={body.best_of}: only best_of=1 is supported", "best_of", "unsupported")
+        if body.use_beam_search:
+            raise APIError(400, "use_beam_search=true: beam search is not supported", "use_beam_search",
+                           "unsupported")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, f"response_format type {body.response_format.type!r}: only 'text' is supported",
+                           "response_format", "unsupported")
+        for field, harmless in self.refused_extensions.items():
+            value = (body.model_extra or {}).get(field, harmless)
+            if value is not None and value != harmless:
+                raise APIError(400, f"{field}={value!r}: this vLLM extension is not supported here; leave it out",
+                               field, "unsupported")
+
+    def sampling_kwargs(self, body: Body) -> dict[str, Any]:
+        """SamplingParams fields both endpoints take alike; the checkpoint's generation_config.json
+        sampling values stand in for fields the client left out."""
+        defaults = {k: v for k, v in self.engine.default_sampling().items() if k != "max_tokens"}
+        kw: dict[str, Any] = {**defaults, "output_kind": RequestOutputKind.DELTA}
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+                     "repetition_penalty", "min_tokens", "stop", "stop_token_ids"):
+            value = getattr(body, name)
+            if value is not None:
+                kw[name] = value
+        kw["ignore_eos"] = bool(body.ignore_eos)
+        kw["include_stop_str_in_output"] = bool(body.include_stop_str_in_output)
+        kw["skip_special_tokens"] = body.skip_special_tokens is not False
+        if body.logit_bias:
+            bias: dict[int, float] = {}
+            for key, value in body.logit_bias.items():  # values are finite (the protocol says so)
+                try:
+                    tid = int(key)
+                except ValueError:
+                    raise APIError(400, f"logit_bias key {key!r}: expected a token id (a string of an integer)",
+                                   "logit_bias") from None
+                bias[tid] = max(-100.0, min(100.0, value))
+            kw["logit_bias"] = bias
+        return kw
+
+    def make_params(self, kw: dict[str, Any], renames: dict[str, str]) -> SamplingParams:
+        try:
+            params = SamplingParams(**kw)
+            params.check_vocab(self.serving.limits.vocab_size)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            raise to_api_error(exc, renames) from None
+        return params
+
+    def check_length(self, n_prompt: int, max_tokens: int | None, field: str, tokens_field: str) -> int | None:
+        """Reject a prompt (and max_tokens) that cannot fit; return the max_tokens to ask the engine for
+        (when the client gave none and the KV pool holds less than the context, what the pool holds)."""
+        limits = self.serving.limits
+        limit = limits.max_model_len
+        if n_prompt == 0:
+            raise APIError(400, f"{field}: the prompt is empty; expected at least one token", field)
+        if n_prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the {field} has "
+                                f"{n_prompt} tokens, which leaves no room to generate; shorten the {field}",
+                           field, "context_length_exceeded")
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {field}, {max_tokens} in "
+                                f"the completion). Reduce the length of the {field} or {tokens_field}.",
+                           tokens_field, "context_length_exceeded")
+        capacity = limits.num_kv_blocks * limits.block_size
+        if max_tokens is None and capacity < limit and n_prompt < capacity:
+            return capacity - n_prompt
+        longest = n_prompt + (limit - n_prompt if max_tokens is None else max_tokens)
+        need = limits.kv_blocks_needed(longest)
+        if need > limits.num_kv_blocks:
+            raise APIError(400, f"up to {longest} tokens ({n_prompt} in the {field}) need {need} KV blocks, but "
+                                f"the pool holds {limits.num_kv_blocks}; lower {tokens_field}", tokens_field,
+                           "context_length_exceeded")
+        return max_tokens
+
+    def piece(self, token: int, logprob: Logprob | None = None) -> str:
+        """A token's text, as its logprob entry decoded it if it did."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.serving.decode([token])

@@ -1,0 +1,49 @@
+"""``/openapi.json`` as the server really answers: errors are 400s (never FastAPI's 422) in OpenAI's
+shape, the generation endpoints answer JSON or an SSE stream, ``/metrics`` is text/plain, and the
+request schemas carry the bounds of this engine (see ``protocol.bounded``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from vtcore.server.protocol import ErrorResponse
+
+_ERRORS = {
+    400: "A bad request: the message says what is wrong and `param` names the field.",
+    401: "No valid API key (`Authorization: Bearer <key>`); only when the server has one.",
+    404: "An unknown model (`param`: model) or path.",
+    413: "The body is over the server's size limit.",
+    500: "The engine failed (`code`: engine_dead when its loop died).",
+    503: "The server is shutting down.",
+}
+#: FastAPI documents its own validation error, which the server answers as a 400 instead
+_FASTAPI_VALIDATION = ("HTTPValidationError", "ValidationError")
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses`` of a route for these error statuses, each in OpenAI's error shape."""
+    return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+
+
+def json_or_stream(description: str) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a generation endpoint: a JSON body, or with ``"stream": true`` server-sent events."""
+    return {200: {"description": description, "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "text/event-stream": {"schema": {"type": "string", "description": "`data: <chunk JSON>` events, then "
+                                                                          "`data: [DONE]`"}}}}}
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """The app's OpenAPI document, built once: FastAPI's, less the 422 it never answers."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operations in doc.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in _FASTAPI_VALIDATION:
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema

@@ -1,0 +1,68 @@
+"""``Serving``: what every endpoint of one app shares."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from vtcore.server.errors import APIError
+from vtcore.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from vtcore.engine.async_llm import AsyncLLM
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class Serving:
+    """The engine (only its front end: ``generate``, ``abort``, ``tokenize``, ``limits``, ``stats``,
+    ...), the served model name, metrics, the engine requests in flight, the draining flag, and the
+    threads that prepare requests off the event loop."""
+
+    def __init__(self, engine: AsyncLLM, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.created = int(time.time())
+        self.limits = engine.limits()
+        self.metrics = ServerMetrics(name, engine.stats)
+        self.live: set[str] = set()  # engine request ids in flight
+        self.draining = False  # shutting down: new requests get 503
+        # Requests are validated and tokenized on these threads, off the event loop: a large prompt
+        # takes seconds and would stall every stream. Several, so one large prompt holds up no other
+        # request (fast tokenizers encode concurrently; the engine thread decodes meanwhile already).
+        self.preparer = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="vtcore-prepare")
+
+    async def off_loop(self, fn: Callable[[In], Out], arg: In) -> Out:
+        """``fn(arg)`` on a preparing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.preparer, fn, arg)
+
+    async def abort_all(self) -> int:
+        """Abort every engine request in flight: streams end with finish_reason "abort" and [DONE],
+        non-streaming requests answer with what they have. Returns how many were aborted."""
+        ids = list(self.live)
+        for rid in ids:
+            await self.engine.abort(rid)
+        return len(ids)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.draining and self.engine.healthy
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.name!r} "
+                                "(see GET /v1/models)", "model", "model_not_found")
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "vtcore",
+                "root": self.engine.model, "parent": None, "max_model_len": self.limits.max_model_len}
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of generated or prompt ids ("" without a tokenizer)."""
+        return "" if self.engine.tokenizer is None else self.engine.detokenize(token_ids)

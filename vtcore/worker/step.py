@@ -1,0 +1,50 @@
+"""What a step is to the runner: the scheduled rows it gets and the results it hands back.
+
+The scheduler (vtcore.engine) builds ``Batch``es of ``Scheduled`` rows over its requests; the runner
+sees a request only through ``StepRequest``, the attributes it reads and the two it writes, so the
+worker package needs nothing from the engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+
+class StepRequest(Protocol):
+    """A request as the runner and the sampler see it."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, then the outputs the host knows
+    num_prompt_tokens: int
+    block_ids: list[int]  # its KV blocks, in position order
+    mirror_slot: int  # its stable row of the device mirror and of the state caches while it runs
+    params: Any  # its SamplingParams
+    prompt_logprobs: Any  # None, or the prompt logprobs collected so far
+    prompt_logprobs_scheduled: int  # prompt positions whose logprobs a step already asked for (the runner advances it)
+
+
+@attrs.define
+class Scheduled:
+    """One request's share of a step: tokens ``[start, start + num_tokens)``; ``samples`` if its last row samples."""
+
+    request: StepRequest
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+#: A step's work, in row order.
+Batch = list[Scheduled]
+
+
+@attrs.define
+class StepOutput:
+    """One step's results on the host, in the order of the step's sampling requests."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    ranks: list[int] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+    prompt_logprobs: dict[str, list]  # request_id -> per-position {id: (logprob, rank)}
