@@ -41,6 +41,7 @@ class CudaChecks:
         """Batches of ``GRAPH_BATCHES`` requests through ``engine``, each step recorded; fails unless
         every pure-decode step replayed a captured graph. Returns the cases and a summary."""
         runner = engine.runner
+        graphs = runner.decode_graphs
         if not runner.captured_graphs:
             raise Failed("the engine captured no decode CUDA graphs: a module of the model without "
                          "supports_decode_graphs keeps it eager, so the served decode path is unchecked")
@@ -49,9 +50,9 @@ class CudaChecks:
 
         def observe(batch: list) -> None:
             nonlocal decode_steps
-            if len(batch) <= runner.graph_sizes[-1] and all(s.num_tokens == 1 and s.samples for s in batch):
+            if graphs.takes(batch):
                 decode_steps += 1
-                sizes.add(next(p for p in runner.graph_sizes if p >= len(batch)))
+                sizes.add(graphs.padded_size(len(batch)))
 
         cases = []
         prompts = self.prompts()

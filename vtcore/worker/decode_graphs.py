@@ -59,6 +59,10 @@ class DecodeGraphs:
         """A pure-decode batch (one sampled token a row) that fits the largest padded size."""
         return len(batch) <= self.sizes[-1] and all(s.num_tokens == 1 and s.samples for s in batch)
 
+    def padded_size(self, rows: int) -> int:
+        """The padded batch size a decode step of ``rows`` rows runs at."""
+        return next(size for size in self.sizes if size >= rows)
+
     def _run(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         return self.forward(*self.views[p], self.tables[:p], self.qstart[:p + 1], max_context_len)
 
@@ -80,7 +84,7 @@ class DecodeGraphs:
     def prepare(self, batch: Batch) -> DecodeInputs:
         """The host side of a padded decode step of ``batch``."""
         bs, n = self.block_size, len(batch)
-        p = next(size for size in self.sizes if size >= n)
+        p = self.padded_size(n)
         cols: list[list[int]] = [[] for _ in range(6)]
         width = max(len(s.request.block_ids) for s in batch)
         table: list[int] = []

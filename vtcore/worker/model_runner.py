@@ -42,15 +42,14 @@ from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_
 from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
-from vtcore.worker.decode_graphs import GRAPH_MAX, GRAPH_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
+from vtcore.worker.decode_graphs import PLACEHOLDER, DecodeGraphs, DecodeInputs
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import Batch, StepOutput
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
-DECODE_GRAPH_SIZES, DECODE_GRAPH_MAX = GRAPH_SIZES, GRAPH_MAX
 
-__all__ = ["ModelRunner", "RunnerConfig", "StepHandle", "StepOutput", "PLACEHOLDER", "DECODE_GRAPH_SIZES"]
+__all__ = ["ModelRunner", "RunnerConfig", "StepHandle", "StepOutput", "PLACEHOLDER"]
 
 
 @attrs.define
