@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The conformance gate on the GPU: every family with --device cuda (the decode CUDA graphs in float32
-# and bfloat16 included), then each family again under compute-sanitizer memcheck, and the async checks
-# under racecheck. Results and logs under $OUT (default /tmp/vtcore-gpu-conformance).
+# and bfloat16 included), then every check of each family again under compute-sanitizer memcheck, and
+# the async checks under racecheck, one process per check (PARALLEL, JOB_S, DEADLINE_S as in
+# scripts/gpu_sanitize.sh). Results and logs under $OUT (default /tmp/vtcore-gpu-conformance).
 # Usage (device machine): [STAGES="gate memcheck racecheck"] bash scripts/gpu_conformance.sh [FAMILY ...]
 set -uo pipefail
 OUT=${OUT:-/tmp/vtcore-gpu-conformance}
@@ -18,19 +19,11 @@ if [[ $stages == *gate* ]]; then
     python3 -m vtcore.cli.main conformance "${args[@]}" --json "$OUT/conformance_cuda.json" > "$OUT/conformance_cuda.txt" 2>&1
     echo "gate rc=$? in $(( $(date +%s) - start )) s"; grep -v '^\[transformers\]' "$OUT/conformance_cuda.txt" | tail -n 12
 fi
-san=(compute-sanitizer --error-exitcode 9 --print-limit 20)
-[[ $stages == *memcheck* ]] && for f in "${families[@]}"; do
-    start=$(date +%s)
-    timeout "${MEMCHECK_S:-240}" "${san[@]}" --tool memcheck python3 -m vtcore.cli.main conformance --device cuda --no-quant --family "$f" \
-        > "$OUT/memcheck_$f.txt" 2>&1
-    echo "memcheck $f rc=$? in $(( $(date +%s) - start )) s: $(grep -h 'ERROR SUMMARY' "$OUT/memcheck_$f.txt" | tail -n 1)"
-    grep -h '^PASSED\|^FAILED' "$OUT/memcheck_$f.txt"
+# the sanitizers: one process per (tool, family, check), side by side (scripts/gpu_sanitize.sh)
+checks=$(python3 -c "from vtcore.conformance import CHECKS; from vtcore.conformance.checks import PREREQUISITES as P; print(' '.join(c for c in CHECKS if c not in P))")
+jobs=""
+for f in "${families[@]}"; do
+    [[ $stages == *memcheck* ]] && for c in $checks; do jobs="$jobs memcheck:$f:$c"; done
+    [[ $stages == *racecheck* ]] && for c in $checks; do [[ $c == async-* ]] && jobs="$jobs racecheck:$f:$c"; done
 done
-[[ $stages == *racecheck* ]] && for f in "${families[@]}"; do
-    start=$(date +%s)
-    timeout "${RACECHECK_S:-240}" "${san[@]}" --tool racecheck python3 -m vtcore.cli.main conformance --device cuda --no-quant --family "$f" \
-        --check async-abc --check async-batch1-x5 --check async-concurrency --check async-max-tokens \
-        > "$OUT/racecheck_$f.txt" 2>&1
-    echo "racecheck $f rc=$? in $(( $(date +%s) - start )) s: $(grep -h 'RACECHECK SUMMARY\|ERROR SUMMARY' "$OUT/racecheck_$f.txt" | tail -n 1)"
-    grep -h '^PASSED\|^FAILED' "$OUT/racecheck_$f.txt"
-done
+[ -n "$jobs" ] && JOBS="$jobs" bash "$(dirname "$0")/gpu_sanitize.sh" "$OUT/sanitizer"

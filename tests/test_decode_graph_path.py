@@ -95,3 +95,29 @@ def test_step_inputs_are_16_byte_aligned(tiny_checkpoint) -> None:
     eng.runner.staging.upload = spy
     run(eng, {0: [("a", [5, 6, 7], greedy(3)), ("b", [8], greedy(3)), ("c", [1, 2, 3, 4, 5], greedy(3))]})
     assert len(views) > 20 and all(v.data_ptr() % 16 == 0 for v in views if v.numel())
+
+
+def test_no_collection_while_capturing() -> None:
+    """A dead engine's graphs must not be destroyed mid-capture (it invalidates the capture, seen on an
+    H200): garbage is collected before, and no collection runs inside."""
+    import gc
+
+    from vtcore.worker.decode_graphs import _no_collection
+
+    freed = []
+
+    class Node:
+        def __del__(self) -> None:
+            freed.append(self)
+
+    def garbage() -> None:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle: only the cyclic collector frees it
+
+    garbage()
+    with _no_collection():
+        assert len(freed) == 2 and not gc.isenabled()
+        garbage()
+    assert gc.isenabled() and len(freed) == 2
+    gc.collect()
+    assert len(freed) == 4

@@ -9,7 +9,9 @@ are never written to the mirror. On CPU the same padded forward runs eagerly (no
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import gc
+from typing import Callable, Iterator
 
 import attrs
 import torch
@@ -68,7 +70,7 @@ class DecodeGraphs:
 
     def _capture(self, max_model_len: int) -> None:
         pool = None
-        with torch.inference_mode():
+        with torch.inference_mode(), _no_collection():
             for p in reversed(self.sizes):  # largest first: the others reuse its memory pool
                 padding = torch.tensor(self.padding, device=self.device)[:, None]
                 self.buffer[:6 * p].view(6, p).copy_(padding)  # all rows padded: the capture writes no KV
@@ -119,3 +121,18 @@ class DecodeGraphs:
 
     def mirror_slots(self, inputs: DecodeInputs) -> torch.Tensor:
         return self.views[inputs.size][5][:inputs.rows]
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No cyclic garbage collection while graphs are captured: a collection could free a dead engine's
+    graphs, and destroying a graph while a stream captures (global capture mode) invalidates the capture.
+    What is already garbage is collected first."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
