@@ -10,8 +10,8 @@ common=(--load-format dummy --dtype bfloat16 --input-len 1024 --output-len 128 -
 b() { local name=$1; shift; echo "== $name: vtcore bench $*"; vtcore bench "$@" --json "$out/$name.json" 2>&1 \
       | grep -v -i -e warn -e "^ *$" -e External; }
 b qwen3-0.6b-async --model "$shapes/qwen3-0.6b" "${common[@]}" --concurrency 1,2,4,8,16,32 --peer hf
-b qwen3-0.6b-sync --model "$shapes/qwen3-0.6b" "${common[@]}" --concurrency 1,2,4,8,16,32 --async-scheduling off
+b qwen3-0.6b-sync --model "$shapes/qwen3-0.6b" "${common[@]}" --concurrency 1,2,4,8,16,32 --no-async-scheduling
 b qwen3-0.6b-eager --model "$shapes/qwen3-0.6b" "${common[@]}" --concurrency 1 --enforce-eager
 b qwen3-4b-async --model "$shapes/qwen3-4b" "${common[@]}" --concurrency 1 --peer hf
-b qwen3-4b-sync --model "$shapes/qwen3-4b" "${common[@]}" --concurrency 1 --async-scheduling off
+b qwen3-4b-sync --model "$shapes/qwen3-4b" "${common[@]}" --concurrency 1 --no-async-scheduling
 b qwen3-0.6b-offline --model "$shapes/qwen3-0.6b" --load-format dummy --dtype bfloat16 --offline --no-progress

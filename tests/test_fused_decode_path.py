@@ -44,7 +44,7 @@ def checkpoint(request, tiny_checkpoint, tmp_path_factory) -> str:
     if request.param is None:
         return tiny_checkpoint[0]
     pytest.importorskip("compressed_tensors")
-    from vtcore.quant.quantize import quantize_checkpoint
+    from vtcore.tools.quantize import quantize_checkpoint
 
     dst = str(tmp_path_factory.mktemp(request.param))
     quantize_checkpoint(tiny_checkpoint[0], dst, request.param)

@@ -331,14 +331,17 @@ def test_linear_fp4_weight_follows_reloaded_global_scales():
         format, group_size, scale_dtype, scale_kind, has_global_scale = "nv", 16, torch.float8_e4m3fn, "e4m3", True
 
     cfg = {"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}
+    from vtcore.layers.quantized import take_over
+
     layer = Linear(32, [("q", 16), ("k", 8)])
-    NV(cfg).prepare(layer)
+    take_over(layer, NV(cfg))
+    weights = layer.quant_weights["weight"]
     layer.weight_global_scale.data.copy_(torch.tensor([2.0, 3.0]))
-    first = layer.quant.fp4_weight(layer)
+    first = layer.quant.fp4_weight(weights)
     assert first.row_global.tolist() == [2.0] * 16 + [3.0] * 8
-    assert layer.quant.fp4_weight(layer) is first  # cached: no gather per call
+    assert layer.quant.fp4_weight(weights) is first  # cached: no gather per call
     layer.weight_global_scale.weight_loader(layer.weight_global_scale, torch.tensor([5.0]), "k")  # as the loader calls it
-    assert layer.quant.fp4_weight(layer).row_global.tolist() == [2.0] * 16 + [5.0] * 8
+    assert layer.quant.fp4_weight(weights).row_global.tolist() == [2.0] * 16 + [5.0] * 8
 
 
 def _bf16_bits(x: float) -> int:

@@ -17,7 +17,7 @@ PROMPTS = [[1], [5, 9, 2, 7, 11, 3, 8], list(range(40, 57))]
 
 @pytest.fixture(scope="module", params=["NVFP4A16", "MXFP4A16"])
 def quantized(request, tiny_checkpoint, tmp_path_factory):
-    from vtcore.quant.quantize import quantize_checkpoint
+    from vtcore.tools.quantize import quantize_checkpoint
 
     src, hf = tiny_checkpoint
     dst = str(tmp_path_factory.mktemp(request.param))

@@ -120,7 +120,7 @@ def test_runtime_modules_do_not_import_compressed_tensors() -> None:
 
 @pytest.fixture(scope="module", params=["NVFP4", "MXFP4"])
 def w4a4(request, tiny_checkpoint, tmp_path_factory):
-    from vtcore.quant.quantize import quantize_checkpoint
+    from vtcore.tools.quantize import quantize_checkpoint
 
     src, hf = tiny_checkpoint
     dst = str(tmp_path_factory.mktemp(request.param))

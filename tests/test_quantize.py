@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 pytest.importorskip("compressed_tensors")
 
-from vtcore.quant.quantize import SCHEMES, add_quantize_parser, quantize_checkpoint  # noqa: E402
+from vtcore.plugins.manager import get_plugins  # noqa: E402
+from vtcore.tools.quantize import SCHEMES, add_quantize_parser, quantize_checkpoint  # noqa: E402
 
 GROUP = {"NVFP4A16": 16, "NVFP4": 16, "MXFP4A16": 32, "MXFP4": 32}
 FORMAT = {"NVFP4A16": "nvfp4-pack-quantized", "NVFP4": "nvfp4-pack-quantized",
@@ -145,12 +146,22 @@ def test_quantized_checkpoint(name: str, scheme: str, sources, quantized) -> Non
             t = tensors[f"{prefix}.{extra}"]
             assert t.dtype == torch.float32 and t.shape == (1,) and bool(torch.isfinite(t).all() and (t > 0).all())
 
-    # every Linear but lm_head is packed, or (in_features not a multiple of the group) dense and ignored
+    # every Linear but lm_head is packed, or dense and ignored: in_features not a multiple of the group, or
+    # a module the family declares a quantizer must leave alone (its pattern in the ignore list)
+    declared = get_plugins().family_for(src_config["architectures"][0]).quant_ignore
+    assert bool(declared) == name.startswith("qwen3_5")
+
+    def family_ignored(n: str) -> bool:
+        hit = [p for p in declared if re.match(p[3:], n)]
+        assert all(p in qc["ignore"] for p in hit), (n, hit)
+        return bool(hit)
+
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     packed = set()
     for n, m in linears.items():
-        if m.in_features % group:
-            assert n in qc["ignore"] and torch.equal(tensors[f"{n}.weight"], original[f"{n}.weight"]), n
+        if m.in_features % group or family_ignored(n):
+            assert (n in qc["ignore"] or family_ignored(n)) and torch.equal(tensors[f"{n}.weight"],
+                                                                            original[f"{n}.weight"]), n
         else:
             check_packed(n, m.out_features, m.in_features)
             packed.add(n)
@@ -174,10 +185,10 @@ def test_quantized_checkpoint(name: str, scheme: str, sources, quantized) -> Non
                 assert torch.equal(tensors[f"{n}.{e}.gate_proj.weight_global_scale"],
                                    tensors[f"{n}.{e}.up_proj.weight_global_scale"])
         assert f"{n}.{num}.gate_proj.weight_packed" not in tensors
-    if moe:
-        assert "model.layers.0.mlp.shared_expert_gate" in packed  # a [1, H] Linear
-        assert tensors["model.layers.0.mlp.shared_expert_gate.weight_packed"].shape == (1, 32)
-        assert "model.layers.0.mlp.gate" in qc["ignore"]  # the router is not a Linear
+    if moe:  # the router and the shared expert's gate stay dense, as the family declares
+        assert "model.layers.0.mlp.shared_expert_gate" not in packed and family_ignored("model.layers.0.mlp.gate")
+        assert torch.equal(tensors["model.layers.0.mlp.shared_expert_gate.weight"],
+                           original["model.layers.0.mlp.shared_expert_gate.weight"])
         assert torch.equal(tensors["model.layers.0.mlp.gate.weight"], original["model.layers.0.mlp.gate.weight"])
 
     # every other tensor is SRC's, byte for byte (MTP too, ignored by prefix as compressed-tensors does)

@@ -599,9 +599,9 @@ def test_serve_parser_defaults_are_safe() -> None:
     parser = argparse.ArgumentParser(prog="vtcore")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve"])
-    assert (args.host, args.port, args.api_key, args.model, args.func) == ("127.0.0.1", 8000, None, None, cmd_serve)
-    assert args.max_request_bytes > 0
-    args = parser.parse_args(["serve", "--model", "/m", "--served-model-name", "n", "--api-key", "k", "--device",
+    assert (args.host, args.port, args.api_key, args.func) == ("127.0.0.1", 8000, None, cmd_serve)
+    assert "model" not in vars(args) and args.max_request_bytes > 0  # no MODEL: the embedded default
+    args = parser.parse_args(["serve", "/m", "--served-model-name", "n", "--api-key", "k", "--device",
                               "cpu", "--max-request-bytes", "100", "--port", "9", "--host", "127.0.0.2"])
     assert (args.model, args.served_model_name, args.api_key, args.device, args.max_request_bytes, args.port,
             args.host) == ("/m", "n", "k", "cpu", 100, 9, "127.0.0.2")

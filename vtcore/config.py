@@ -35,7 +35,7 @@ class HFConfig:
     def from_path(cls, model: str) -> "HFConfig":
         path = os.path.join(model, "config.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"model={model!r}: expected a checkpoint folder with config.json, found none")
+            raise missing_checkpoint(model)
         try:
             with open(path) as f:
                 return cls(json.load(f))
@@ -107,14 +107,33 @@ class HFConfig:
         return [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+def missing_checkpoint(model: str) -> FileNotFoundError:
+    """The error for a ``model`` that names no checkpoint folder (and no hub id)."""
+    return FileNotFoundError(f"model={model!r}: expected a checkpoint folder with config.json, found none")
+
+
+#: the ``dtype`` names the engine takes ("auto": the checkpoint's on CUDA, float32 on CPU); each but
+#: "auto" is a torch attribute name (torch.half is torch.float16)
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """attrs validator: None or a positive int (a bool is not one)."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{attribute.name}={value!r}: expected a positive integer")
 
 
-def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+def fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    """attrs validator: a number in (0, 1]."""
     if not 0.0 < value <= 1.0:
         raise ValueError(f"{attribute.name}={value!r}: expected a fraction in (0, 1]")
+
+
+def _dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    name = value if isinstance(value, str) else str(value).removeprefix("torch.")  # torch.bfloat16 is fine too
+    if name not in DTYPES:
+        raise ValueError(f"{attribute.name}={value!r}: expected 'auto' or one of "
+                         f"{sorted(d for d in DTYPES if d != 'auto')}")
 
 
 def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -124,33 +143,60 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value not in ("auto", "vllm"):
+    if value not in ("auto", "vllm") and not (isinstance(value, str) and os.path.isfile(
+            os.path.join(value, "generation_config.json"))):
         raise ValueError(f"{attribute.name}={value!r}: expected 'auto' (the checkpoint's generation_config.json "
-                         "sampling defaults) or 'vllm' (SamplingParams' own)")
+                         "sampling defaults), 'vllm' (SamplingParams' own) or a folder holding a "
+                         "generation_config.json")
 
 
 @attrs.define(kw_only=True)
 class EngineConfig:
-    """The engine's knobs (vLLM's names). ``None`` means "derive from the checkpoint or device"."""
+    """The engine's knobs (vLLM's names). ``None`` means "derive from the checkpoint or device".
 
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    device: str | None = None
-    dtype: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = attrs.field(default=None, validator=_positive)
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
-    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)
-    block_size: int = attrs.field(default=16, validator=_positive)
-    num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
-    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
-    enforce_eager: bool = attrs.field(default=False, validator=_bool)
-    async_scheduling: bool | None = attrs.field(default=None, validator=_bool)  # None: on for families that consume
-    # device tokens
-    #: async scheduling with the device mirror (two steps in flight), or the rollback (False: the host
-    #: waits for each step's tokens); None reads VTCORE_ASYNC_DEVICE_MIRROR (default 1: on)
-    async_device_mirror: bool | None = attrs.field(default=None, validator=_bool)
-    #: "auto": the checkpoint's generation_config.json sampling values are the defaults of requests
-    #: that leave them unset (vLLM's default); "vllm": SamplingParams' own defaults
-    generation_config: str = attrs.field(default="auto", validator=_generation_config)
+    Each field's metadata describes it for the command line (``vtcore.engine.arg_utils`` makes one flag
+    a field from it): ``help``; ``default_help``, what the default means where the value alone does
+    not say; ``choices``; ``flag=False`` for a field with no flag.
+    """
+
+    model: str = attrs.field(default=DEFAULT_MODEL, metadata={
+        "help": "the checkpoint: a folder, or a Hugging Face hub id (found in, or downloaded to, "
+                "huggingface_hub's cache)", "default_help": "the embedded default model"})
+    tokenizer: str | None = attrs.field(default=None, metadata={
+        "help": "the tokenizer's folder or hub id", "default_help": "the model's"})
+    device: str | None = attrs.field(default=None, metadata={
+        "help": "cpu, cuda or cuda:N", "default_help": "cuda when available, else cpu"})
+    dtype: str = attrs.field(default="auto", validator=_dtype, metadata={
+        "help": "the weights' and activations' dtype; auto: the checkpoint's on CUDA (float32 promoted to "
+                "bfloat16), float32 on CPU", "choices": DTYPES})
+    load_format: str = attrs.field(default="auto", metadata={
+        "help": "the weight loader: auto (the checkpoint's safetensors), dummy (random weights from "
+                "config.json), or one a plugin registers"})
+    seed: int = attrs.field(default=0, metadata={
+        "help": "the engine's random seed (requests without their own seed sample from it; dummy weights)"})
+    max_model_len: int | None = attrs.field(default=None, validator=positive, metadata={
+        "help": "the longest sequence, prompt and output, in tokens",
+        "default_help": "the checkpoint's max_position_embeddings"})
+    max_num_seqs: int = attrs.field(default=256, validator=positive, metadata={
+        "help": "the most sequences in one step, and the largest padded decode batch (one CUDA graph each)"})
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=positive, metadata={
+        "help": "the most tokens in one step (prefill chunks included)",
+        "default_help": "max(max_model_len, 2048)"})
+    block_size: int = attrs.field(default=16, validator=positive, metadata={"help": "tokens per KV-cache block"})
+    num_kv_blocks: int | None = attrs.field(default=None, validator=positive, metadata={
+        "help": "KV-cache blocks", "default_help": "what --gpu-memory-utilization leaves on CUDA, 1 GiB on CPU"})
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=fraction, metadata={
+        "help": "the fraction of GPU memory the engine may use, KV cache included"})
+    enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
+        "help": "run decode steps eagerly, without CUDA graphs"})
+    async_scheduling: bool | None = attrs.field(default=None, validator=_bool, metadata={
+        "help": "prepare and submit step N+1 before step N's tokens are back",
+        "default_help": "on for model families that consume device token ids"})
+    async_device_mirror: bool | None = attrs.field(default=None, validator=_bool, metadata={
+        "flag": False, "help": "async scheduling with the device mirror (two steps in flight), or the rollback "
+                               "(False: the host waits for each step's tokens); None reads "
+                               "VTCORE_ASYNC_DEVICE_MIRROR (default 1: on)"})
+    generation_config: str = attrs.field(default="auto", validator=_generation_config, metadata={
+        "help": "auto: the sampling values of the checkpoint's generation_config.json are the defaults of "
+                "requests that leave them unset (vLLM's default); vllm: SamplingParams' own; a folder: the "
+                "generation_config.json there instead of the checkpoint's"})

@@ -26,6 +26,11 @@ class MissingConfigField(ConfigError, AttributeError):
     """config.json lacks a field the model reads (an AttributeError too, so ``getattr(..., default)`` works)."""
 
 
+class ModelNotFoundError(VtcoreError, FileNotFoundError):
+    """A model argument is no folder, and the Hugging Face hub id it would be cannot be had (not in the
+    cache offline, the hub unreachable, no such repository, a gated one)."""
+
+
 class RequestRejected(VtcoreError, ValueError):
     """A request can never be served (too long for the context or for the KV pool, bad token ids)."""
 

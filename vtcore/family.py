@@ -35,6 +35,18 @@ def _architectures(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _patterns(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(p, str) and p for p in value):
+        raise ValueError(f"quant_ignore={value!r}: expected a tuple of module names or 're:' regexes")
+    for pattern in value:
+        if pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as exc:
+                raise ValueError(f"quant_ignore pattern {pattern!r}: not a valid regular expression ({exc})") from None
+    return tuple(value)
+
+
 @attrs.frozen
 class ConformanceExample:
     """A tiny model the conformance gate runs a family on, and the HF class that is its oracle.
@@ -54,6 +66,9 @@ class ModelFamily:
     ``model_cls`` is imported only when a model of the family is built, so registering a family
     costs no import of torch code. ``consumes_device_tokens`` declares that the family's forward
     embeds through the shared EmbedInto and so honours the async device-token override.
+    ``quant_ignore``: the checkpoint modules an offline quantizer must leave dense (routers, gates,
+    a vision tower), as module names or ``re:`` regexes over the HF model's module names
+    (compressed-tensors' ``ignore`` syntax); ``vtcore quantize`` adds those that match to its ignore list.
     ``plugin`` is filled in by the plugin manager with the entry-point name that registered it.
     """
 
@@ -62,6 +77,7 @@ class ModelFamily:
     model_cls: str = attrs.field(validator=_check_ref)
     consumes_device_tokens: bool = False
     conformance_example: str | None = attrs.field(default=None, validator=_check_optional_ref)
+    quant_ignore: tuple[str, ...] = attrs.field(default=(), converter=_patterns)
     plugin: str = ""
 
     def load_class(self) -> type:

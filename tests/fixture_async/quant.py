@@ -15,13 +15,14 @@ class SwappedNibbles(NVFP4Method):
     def decode_weight(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         return super().decode_weight({**tensors, "weight_packed": _swap(tensors["weight_packed"])})
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        packed = layer.weight_packed.data
-        layer.weight_packed.data = _swap(packed)
+    def apply(self, weights, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        param = getattr(weights.module, weights.prefix + "weight_packed")
+        packed = param.data
+        param.data = _swap(packed)
         try:
-            return super().apply(layer, x)
+            return super().apply(weights, x, bias)
         finally:
-            layer.weight_packed.data = packed
+            param.data = packed
 
 
 @hookimpl

@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     import torch
 
+    from vtcore.config import EngineConfig
+
 
 PEER_CHOICES = ("hf",)
 PEER_PROMPTS = 4
@@ -169,11 +171,12 @@ def run_hf_peer(model_path: str, device: torch.device, dtype: torch.dtype, promp
             "batched": batched}
 
 
-def peer_section(peer: str, model: str, device: Any, dtype: Any, args: Any, runs: list[dict[str, Any]],
+def peer_section(peer: str, config: EngineConfig, device: Any, dtype: Any, args: Any, runs: list[dict[str, Any]],
                  prompts_by_c: dict[int, list[list[int]]], input_len: int, vocab_size: int, rng: random.Random,
                  pad: int | None) -> dict[str, Any]:
     """The ``peer`` document: HF at batch 1 (TPOT ratio against vtcore at concurrency 1) and batched at
-    the largest concurrency (output throughput ratio)."""
+    the largest concurrency (output throughput ratio); ``config`` is vtcore's engine's, its model the
+    checkpoint folder."""
     section: dict[str, Any] = {"name": peer, "skipped": False, "skip_reason": None}
     reason = skip_reason(args.output_len)
     if reason:
@@ -192,8 +195,8 @@ def peer_section(peer: str, model: str, device: Any, dtype: Any, args: Any, runs
         ratio_note = "no concurrency-1 run in --concurrency: no vtcore TPOT to compare"
     top = max(runs, key=lambda r: r["concurrency"])
     big = top["concurrency"]
-    hf_doc = run_hf_peer(model, device, dtype, prompts, args.output_len, pad_token_id=pad,
-                         load_format=args.load_format, seed=args.seed,
+    hf_doc = run_hf_peer(config.model, device, dtype, prompts, args.output_len, pad_token_id=pad,
+                         load_format=config.load_format, seed=config.seed,
                          batched_prompts=prompts_by_c[big][:big] if big > 1 else None,
                          vtcore_batched_tok_s=top["output_throughput_tok_s"])
     batched = hf_doc.pop("batched") or {

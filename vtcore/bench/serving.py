@@ -39,11 +39,13 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
   (greedy, ``ignore_eos``); total time is the ``generate`` call's wall time, output tokens are
   counted from the returned outputs.
 
-Engine knobs passed through (recorded in the JSON header and the printed header line, with the
-resulting ``async_depth`` and ``decode_graph_sizes``, the runner's padded decode batch sizes, one CUDA
-graph each on CUDA, ``[]`` when eager): ``--enforce-eager``, ``--async-scheduling`` (``auto``: the
-family's default) and ``--max-num-seqs`` (default: the largest concurrency of the grid, since the engine
-captures one graph per padded size up to it at start-up; ``--offline``: 256).
+The engine arguments are every command's (:mod:`vtcore.engine.arg_utils`, vLLM's names); ``--seed`` also
+seeds the prompts. Recorded in the JSON header and the printed header line, with the resulting
+``async_depth`` and ``decode_graph_sizes`` (the runner's padded decode batch sizes, one CUDA graph each
+on CUDA, ``[]`` when eager): ``--enforce-eager``, ``--async-scheduling`` / ``--no-async-scheduling``
+(recorded as ``on`` / ``off``; ``auto`` when neither is given: the family's default) and
+``--max-num-seqs`` (default here: the largest concurrency of the grid, since the engine captures one
+graph per padded size up to it at start-up; ``--offline``: 256).
 """
 from __future__ import annotations
 
@@ -56,9 +58,13 @@ import random
 import time
 from typing import Any, Sequence, TextIO
 
+import attrs
+
 from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
 from vtcore.bench.step_stats import NO_CUDA, StepTimer, count_triton_compiles, probe_decode, unavailable
+from vtcore.config import EngineConfig
+from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 DEFAULT_INPUT_LEN = 1024
@@ -66,7 +72,9 @@ DEFAULT_OUTPUT_LEN = 128
 DEFAULT_OFFLINE_PROMPTS = 256
 DEFAULT_OFFLINE_MIN_LEN, DEFAULT_OFFLINE_MAX_LEN = 100, 1024
 DEFAULT_OFFLINE_MAX_NUM_SEQS = 256
-ASYNC_SCHEDULING = {"auto": None, "on": True, "off": False}
+#: how the header records ``async_scheduling``: not given (the family decides), ``--async-scheduling``,
+#: ``--no-async-scheduling``
+ASYNC_SCHEDULING_LABELS = {None: "auto", True: "on", False: "off"}
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -86,18 +94,6 @@ def parse_concurrency(text: str) -> list[int]:
     return values
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            v = 0
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name}={text!r}: expected a positive integer")
-        return v
-    return parse
-
-
 def json_path(text: str) -> str:
     """An argparse type for ``--json PATH``: a folder that does not exist fails now, not after the run."""
     if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
@@ -108,37 +104,26 @@ def json_path(text: str) -> str:
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``sub`` (the parser's subparsers)."""
     p = sub.add_parser("bench", help="closed-loop serving benchmark through AsyncLLM (TTFT, TPOT, ITL, throughput)")
-    p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json")
-    p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--async-scheduling", default="auto", choices=list(ASYNC_SCHEDULING),
-                   help="auto: the model family's default (on when it consumes device token ids)")
-    p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=None,
-                   help="sequences per step, and the largest CUDA-graph batch (default: the largest "
-                        f"--concurrency; --offline: {DEFAULT_OFFLINE_MAX_NUM_SEQS})")
+    add_engine_args(p, shown_defaults={"max_num_seqs": f"the largest --concurrency; --offline: "
+                                                       f"{DEFAULT_OFFLINE_MAX_NUM_SEQS}"})
     p.add_argument("--concurrency", type=parse_concurrency, default=parse_concurrency(DEFAULT_CONCURRENCY),
                    help=f"requests kept in flight, comma-separated (default: {DEFAULT_CONCURRENCY})")
-    p.add_argument("--input-len", type=_positive_int("--input-len"), default=None,
+    p.add_argument("--input-len", type=positive_int("--input-len"), default=None,
                    help=f"prompt tokens per request (default: {DEFAULT_INPUT_LEN}, clamped to fit max_model_len)")
-    p.add_argument("--output-len", type=_positive_int("--output-len"), default=DEFAULT_OUTPUT_LEN)
-    p.add_argument("--num-prompts", type=_positive_int("--num-prompts"), default=None,
+    p.add_argument("--output-len", type=positive_int("--output-len"), default=DEFAULT_OUTPUT_LEN)
+    p.add_argument("--num-prompts", type=positive_int("--num-prompts"), default=None,
                    help="requests completed per concurrency (default: 4*c; at least c)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peer", default=None, choices=list(PEER_CHOICES),
                    help="hf: also time HF transformers' generate on the same prompts, at batch 1 (needs "
                         "concurrency 1 for the TPOT ratio) and batched at the largest concurrency; with "
                         "--load-format dummy HF gets random weights of the same shapes")
-    p.add_argument("--copy-mib", type=_positive_int("--copy-mib"), default=DEFAULT_COPY_MIB,
+    p.add_argument("--copy-mib", type=positive_int("--copy-mib"), default=DEFAULT_COPY_MIB,
                    help=f"size of the tensor copied to measure device bandwidth (default: {DEFAULT_COPY_MIB})")
     p.add_argument("--offline", action="store_true",
                    help="instead of the serving sweep: nano-vllm's offline benchmark through LLM.generate "
                         f"(--num-prompts, default {DEFAULT_OFFLINE_PROMPTS}, random lengths, all at once)")
-    p.add_argument("--offline-min-len", type=_positive_int("--offline-min-len"), default=DEFAULT_OFFLINE_MIN_LEN)
-    p.add_argument("--offline-max-len", type=_positive_int("--offline-max-len"), default=DEFAULT_OFFLINE_MAX_LEN)
+    p.add_argument("--offline-min-len", type=positive_int("--offline-min-len"), default=DEFAULT_OFFLINE_MIN_LEN)
+    p.add_argument("--offline-max-len", type=positive_int("--offline-max-len"), default=DEFAULT_OFFLINE_MAX_LEN)
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write every number as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_bench)
@@ -269,16 +254,23 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
     }
 
 
-def engine_knobs(args: argparse.Namespace, max_num_seqs: int) -> dict[str, Any]:
-    """The engine kwargs (vLLM's names) that the bench's options set."""
-    return {"enforce_eager": bool(getattr(args, "enforce_eager", False)),
-            "async_scheduling": ASYNC_SCHEDULING[getattr(args, "async_scheduling", "auto")],
-            "max_num_seqs": max_num_seqs}
+def _concurrency(args: argparse.Namespace) -> list[int]:
+    """``--concurrency`` as a list (parsed already, or the text of a namespace built by hand)."""
+    return parse_concurrency(args.concurrency) if isinstance(args.concurrency, str) else args.concurrency
 
 
-def knobs_doc(args: argparse.Namespace, inner: Any) -> dict[str, Any]:
+def bench_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine arguments given, over the bench's own default of ``max_num_seqs`` (the largest
+    concurrency; ``--offline``: 256), over EngineConfig's."""
+    offline = getattr(args, "offline", False)
+    return engine_config_from_args(args, max_num_seqs=DEFAULT_OFFLINE_MAX_NUM_SEQS if offline
+                                   else max(_concurrency(args)))
+
+
+def knobs_doc(inner: Any) -> dict[str, Any]:
     """The knobs as recorded in the JSON header: read back from the engine, with what it made of them."""
-    return {"enforce_eager": inner.config.enforce_eager, "async_scheduling": getattr(args, "async_scheduling", "auto"),
+    return {"enforce_eager": inner.config.enforce_eager,
+            "async_scheduling": ASYNC_SCHEDULING_LABELS[inner.config.async_scheduling],
             "max_num_seqs": inner.scheduler.max_num_seqs, "async_depth": inner.depth,
             "decode_graph_sizes": list(inner.runner.graph_sizes)}
 
@@ -302,18 +294,17 @@ def resolve_offline_lengths(max_model_len: int, lo: int, hi: int) -> tuple[int, 
     return new_lo, new_hi, (new_lo, new_hi) != (lo, hi)
 
 
-def run_offline(args: argparse.Namespace, model: str, max_model_len: int) -> dict[str, Any]:
-    """nano-vllm's benchmark: every request submitted at once through ``LLM.generate``; see the module doc."""
+def run_offline(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
+    """nano-vllm's benchmark: every request submitted at once through ``LLM.generate``; see the module doc.
+    ``config`` names the checkpoint folder and ``max_model_len``."""
     from vtcore.engine.llm import LLM
     from vtcore.sampling_params import SamplingParams
 
-    lo, hi, clamped = resolve_offline_lengths(max_model_len, args.offline_min_len, args.offline_max_len)
+    lo, hi, clamped = resolve_offline_lengths(config.max_model_len, args.offline_min_len, args.offline_max_len)
     n = args.num_prompts or DEFAULT_OFFLINE_PROMPTS
-    knobs = engine_knobs(args, getattr(args, "max_num_seqs", None) or DEFAULT_OFFLINE_MAX_NUM_SEQS)
-    llm = LLM(model, device=args.device, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-              max_model_len=max_model_len, **knobs)
+    llm = LLM(**attrs.asdict(config))
     inner = llm.engine
-    rng = random.Random(args.seed)
+    rng = random.Random(config.seed)
     prompts = [{"prompt_token_ids": [rng.randrange(inner.vocab_size) for _ in range(rng.randint(lo, hi))]}
                for _ in range(n)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(lo, hi), ignore_eos=True) for _ in range(n)]
@@ -326,7 +317,7 @@ def run_offline(args: argparse.Namespace, model: str, max_model_len: int) -> dic
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return {
         "device": str(inner.device), "dtype": str(inner.dtype).replace("torch.", ""),
-        "knobs": knobs_doc(args, inner),
+        "knobs": knobs_doc(inner),
         "offline": {
             "num_prompts": n, "min_len": lo, "max_len": hi, "lengths_clamped": clamped,
             "requested_min_len": args.offline_min_len, "requested_max_len": args.offline_max_len,
@@ -343,35 +334,34 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     """Build the engine, run every concurrency, return every number (the --json document)."""
     from vtcore.bench.roofline import (decode_step_bytes, kv_bytes_per_token, measure_copy_bandwidth,
                                        parameter_bytes, roofline_for_run)
-    from vtcore.config import DEFAULT_MODEL, HFConfig
+    from vtcore.config import HFConfig
     from vtcore.engine.async_llm import AsyncLLM
     from vtcore.engine.llm_engine import resolve_device
+    from vtcore.loading.hub import resolve_model
     from vtcore.sampling_params import SamplingParams
 
-    model = args.model or DEFAULT_MODEL
+    given = bench_engine_config(args)
     peer = getattr(args, "peer", None)
-    hf = HFConfig.from_path(model)
-    max_model_len = args.max_model_len or int(hf.get("max_position_embeddings", 4096))
+    if getattr(args, "offline", False) and peer:
+        raise ValueError("--peer compares against the serving run at concurrency 1; it does not apply with --offline")
+    path = resolve_model(given.model, weights=given.load_format != "dummy")  # a hub id: its cached snapshot
+    hf = HFConfig.from_path(path)
+    max_model_len = given.max_model_len or int(hf.get("max_position_embeddings", 4096))
+    config = attrs.evolve(given, model=path, max_model_len=max_model_len)
+    header = {"model": given.model, "load_format": config.load_format, "max_model_len": max_model_len,
+              "seed": config.seed}
     if getattr(args, "offline", False):
-        if peer:
-            raise ValueError("--peer compares against the serving run at concurrency 1; it does not apply "
-                             "with --offline")
-        doc = run_offline(args, model, max_model_len)
-        return {"model": model, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
-                "load_format": args.load_format, "max_model_len": max_model_len, "seed": args.seed,
+        doc = run_offline(args, config)
+        return {**header, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
                 **doc["knobs"], "timer": "time.perf_counter", "runs": [], "offline": doc["offline"]}
-    concurrency = args.concurrency
-    if isinstance(concurrency, str):
-        concurrency = parse_concurrency(concurrency)
+    concurrency = _concurrency(args)
     input_len, clamped = resolve_lengths(max_model_len, args.input_len, args.output_len)
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
-    copy = measure_copy_bandwidth(resolve_device(args.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
-    knobs = engine_knobs(args, getattr(args, "max_num_seqs", None) or max(concurrency))
-    engine = AsyncLLM(model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                      seed=args.seed, max_model_len=max_model_len, **knobs)
+    copy = measure_copy_bandwidth(resolve_device(config.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
+    engine = AsyncLLM(**attrs.asdict(config))
     inner = engine.engine
-    knobs_rec = knobs_doc(args, inner)
-    rng = random.Random(args.seed)
+    knobs_rec = knobs_doc(inner)
+    rng = random.Random(config.seed)
     model_obj = inner.runner.model
     param_bytes = parameter_bytes(model_obj)
     kv_per_token = kv_bytes_per_token(inner.runner.attention_layers, inner.dtype)
@@ -396,7 +386,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
             n = max(args.num_prompts or 4 * c, c)
             with count_triton_compiles() as compiled:
                 runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
-                                                   progress, random.Random(args.seed * 1_000_003 + c)))
+                                                   progress, random.Random(config.seed * 1_000_003 + c)))
             runs[-1]["triton_compiles"] = compiled
         return runs
 
@@ -411,9 +401,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
                                  input_len, args.output_len)
         r["roofline"] = roofline_for_run(step, copy["bandwidth_bytes_s"], r["tpot_s"]["mean"])
     doc = {
-        "model": model, "mode": "serving", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "load_format": args.load_format, "max_model_len": max_model_len, "input_len": input_len,
-        "input_len_clamped": clamped, "output_len": args.output_len, "seed": args.seed,
+        **header, "mode": "serving", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "input_len": input_len, "input_len_clamped": clamped, "output_len": args.output_len,
         **knobs_rec, "timer": "time.perf_counter", "runs": runs,
         "roofline": {"param_bytes": param_bytes, "kv_bytes_per_token": kv_per_token,
                      "kv_context_tokens_per_seq": input_len + args.output_len / 2,
@@ -427,7 +416,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
             import torch
             torch.cuda.empty_cache()
         from vtcore.bench.peer import peer_section
-        doc["peer"] = peer_section(peer, model, device, dtype, args, runs, prompts_by_c, input_len, vocab_size,
+        doc["peer"] = peer_section(peer, config, device, dtype, args, runs, prompts_by_c, input_len, vocab_size,
                                    rng, pad)
     return doc
 

@@ -38,13 +38,16 @@ def cmd_models(args: argparse.Namespace, out: TextIO) -> int:
 
 #: ``vtcore generate``'s sampling flags and their defaults (greedy, 64 tokens), under the checkpoint's
 #: generation_config.json values, under the flags the user gives
-_GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+_GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 
 def cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
-    from vtcore import LLM, SamplingParams
+    import attrs
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    from vtcore import LLM, SamplingParams
+    from vtcore.engine.arg_utils import engine_config_from_args
+
+    llm = LLM(**attrs.asdict(engine_config_from_args(args)))
     given = {k: getattr(args, k) for k in _GENERATE_DEFAULTS if getattr(args, k) is not None}
     kw = {**_GENERATE_DEFAULTS, **llm.engine.default_sampling(), **given}
     try:
@@ -101,7 +104,8 @@ def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from vtcore.bench.serving import add_bench_parser, json_path
     from vtcore.conformance import CHECKS
-    from vtcore.quant.quantize import add_quantize_parser
+    from vtcore.engine.arg_utils import add_engine_args
+    from vtcore.tools.quantize import add_quantize_parser
     from vtcore.server.serve import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="vtcore", description="An LLM inference engine extended by plugins.")
@@ -134,16 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     p = sub.add_parser("generate", help="generate text, streamed to the terminal")
     p.add_argument("prompt", nargs="+", help="one or more prompts")
-    p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    add_engine_args(p)
     given = "default: the checkpoint's generation_config.json, else"
     p.add_argument("--max-tokens", type=int, default=None, help=f"{given} 64")
     p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy ({given} 0)")
     p.add_argument("--top-p", type=float, default=None, help=f"{given} 1")
     p.add_argument("--top-k", type=int, default=None, help=f"{given} 0, no top-k")
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.set_defaults(func=cmd_generate)
     return parser

@@ -97,7 +97,7 @@ class QuantGate:
         self._oracle()
         from vtcore.conformance.harness import greedy, run_engine
         from vtcore.engine.llm import LLM
-        from vtcore.quant.quantize import quantize_checkpoint
+        from vtcore.tools.quantize import quantize_checkpoint
         from vtcore.testing.oracle import hf_model, near_tie_violations, random_prompt, save_checkpoint
         from vtcore.testing.quant_oracle import dense_oracle
 

@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Any, AsyncIterator
 
-from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.engine.arg_utils import engine_config
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.errors import EngineDeadError
@@ -30,7 +30,7 @@ class AsyncLLM(EngineFrontEnd):
     ``stats``, ...) come from ``EngineFrontEnd``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model or DEFAULT_MODEL, **kwargs))
+        self.engine = LLMEngine(engine_config("AsyncLLM", model, kwargs))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()

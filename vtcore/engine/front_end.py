@@ -25,7 +25,7 @@ class EngineFrontEnd:
 
     @property
     def model(self) -> str:
-        """The checkpoint folder served."""
+        """The model served, as given: a checkpoint folder or a Hugging Face hub id."""
         return self.engine.config.model
 
     @property

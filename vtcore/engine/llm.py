@@ -6,7 +6,7 @@ from typing import Any, Sequence
 import attrs
 from tqdm import tqdm
 
-from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.engine.arg_utils import engine_config
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.outputs import RequestOutput
@@ -14,15 +14,11 @@ from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM(EngineFrontEnd):
-    """``LLM(model=PATH, device=..., dtype=..., **knobs)``; with no model, the embedded default. The
+    """``LLM(model=PATH or HUB_ID, device=..., dtype=..., **knobs)``; with no model, the embedded default. The
     front-end methods (``tokenize``, ``limits``, ``stats``, ...) come from ``EngineFrontEnd``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        try:
-            config = EngineConfig(model=model or DEFAULT_MODEL, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"LLM(): {exc}; knobs are those of vtcore.config.EngineConfig") from None
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(engine_config("LLM", model, kwargs))
         self._counter = 0
 
     def get_tokenizer(self) -> Any:

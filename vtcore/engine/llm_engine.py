@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import torch
 
-from vtcore.config import EngineConfig, HFConfig
+from vtcore.config import DTYPES, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.capacity import EngineLimits, EngineStats
@@ -19,6 +19,7 @@ from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.tokenizer import load_tokenizer
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
+from vtcore.loading.hub import resolve_model
 from vtcore.loading.model_loader import build_model
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
@@ -28,8 +29,7 @@ from vtcore.worker.step import StepOutput
 
 log = logging.getLogger("vtcore")
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}  # torch.half is torch.float16
 
 #: A prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"`` text beside).
 Prompt = str | dict[str, Any]
@@ -50,7 +50,8 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig, device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on CUDA (float32 promoted to bfloat16), float32 on CPU."""
+    """``dtype`` (a name of ``DTYPES``, as EngineConfig checked, or a torch dtype) as a torch dtype;
+    ``auto``: the checkpoint's dtype on CUDA (float32 promoted to bfloat16), float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     if dtype == "auto":
@@ -58,8 +59,6 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig, device: torch.d
             return torch.float32
         stored = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
         return torch.bfloat16 if stored == "float32" else _DTYPES.get(stored, torch.bfloat16)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -111,7 +110,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.hf_config = HFConfig.from_path(config.model)
+        #: the checkpoint folder: ``config.model`` itself, or a hub id's snapshot in huggingface_hub's cache
+        self.model_path = resolve_model(config.model, weights=config.load_format != "dummy")
+        self.hf_config = HFConfig.from_path(self.model_path)
         self.hf_config.validate()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
@@ -119,12 +120,13 @@ class LLMEngine:
         trained = hf.get("max_position_embeddings")
         if config.max_model_len and trained is not None and config.max_model_len > int(trained):
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
-                              f"{trained} ({os.path.join(config.model, 'config.json')}): positions past it were "
+                              f"{trained} ({os.path.join(self.model_path, 'config.json')}): positions past it were "
                               f"never trained and no RoPE scaling here extends them; pass max_model_len <= {trained}")
         self.max_model_len = config.max_model_len or int(4096 if trained is None else trained)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.vocab_size = int(hf.vocab_size)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
+                                        else self.model_path)
         gen = self._generation_config()  # read once: the server asks for its defaults every request
         self.eos_token_ids = self._eos_ids(gen)
         self._sampling_defaults = {} if config.generation_config == "vllm" else {
@@ -132,9 +134,9 @@ class LLMEngine:
         try:
             SamplingParams(**self._sampling_defaults)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{os.path.join(config.model, 'generation_config.json')}: {exc} (or pass "
-                              "generation_config='vllm' to ignore its sampling values)") from None
-        model, self.family = build_model(config.model, hf, self.device, self.dtype, self.max_model_len,
+            raise ConfigError(f"{self._generation_config_path()}: {exc} (or pass generation_config='vllm' to "
+                              "ignore its sampling values)") from None
+        model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
         self.runner = ModelRunner(model, self.family, RunnerConfig(
@@ -150,8 +152,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
+    def _generation_config_path(self) -> str:
+        """generation_config.json of the checkpoint, or of the folder ``generation_config`` names."""
+        folder = self.config.generation_config
+        return os.path.join(self.model_path if folder in ("auto", "vllm") else folder, "generation_config.json")
+
     def _generation_config(self) -> dict[str, Any]:
-        path = os.path.join(self.config.model, "generation_config.json")
+        path = self._generation_config_path()
         if not os.path.isfile(path):
             return {}
         with open(path) as f:

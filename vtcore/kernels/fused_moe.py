@@ -84,7 +84,7 @@ _GEMV_TILE_BYTES = 8192  # dense weight bytes per decode program per K step
 
 @attrs.frozen
 class FP4Experts:
-    """Packed FP4 expert weights, as ``Experts`` holds them after ``fp4_take_over``.
+    """Packed FP4 expert weights, as ``Experts`` holds them under an FP4 quant method.
 
     ``gate_up_packed`` uint8 ``[E, 2I, H/2]`` (gate rows, then up rows), ``gate_up_scale``
     ``[E, 2I, H/g]``, ``down_packed`` uint8 ``[E, H, I/2]``, ``down_scale`` ``[E, H, I/g]``; scales

@@ -4,9 +4,9 @@ A fused layer names its shards (``("q", 2048), ("k", 512), ("v", 512)``); the lo
 ``weight_loader(param, tensor, shard)`` once per checkpoint tensor and each shard lands in its
 row slice (or, for a parameter marked ``per_shard``, such as a quantized layer's global scales,
 its shard's own entry). The loader uses ``param.shards`` to check that every shard arrived.
-A quant method may take a Linear over (``quant_method.prepare``): it replaces ``weight`` with its
-packed parameters and sets ``self.quant``, whose ``apply(layer, x)`` then computes the layer (at
-decode sizes its ``gemv_weight(layer)``, when not None, feeds the Triton GEMV instead).
+A quant method may take a Linear over (:mod:`vtcore.layers.quantized`): ``weight`` is replaced by the
+method's tensors and ``self.quant``'s ``apply`` computes the layer (at decode sizes its
+``gemv_weight``, when not None, feeds the Triton GEMV instead).
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from vtcore.layers.activation import silu_and_mul
+from vtcore.layers.quantized import QuantSlot, QuantTarget
+from vtcore.quant.base import QuantTensor, WeightSpec
 
 if TYPE_CHECKING:
     from vtcore.kernels.rope import QKRope
@@ -26,7 +28,7 @@ GEMV_MAX_ROWS = 16  # up to this many rows, CUDA runs vtcore.kernels.gemv instea
 PROLOGUE_MAX_ROWS = 1  # up to this many rows, the GEMV also computes the op feeding it (norm, SwiGLU)
 
 
-class Linear(nn.Module):
+class Linear(nn.Module, QuantTarget):
     """``y = x W^T (+ b)`` with an optional split of the output rows into named shards."""
 
     def __init__(self, in_features: int, out_features: int | list[tuple[str, int]], bias: bool = False) -> None:
@@ -41,7 +43,7 @@ class Linear(nn.Module):
             start += size
         self.weight = self.new_param(torch.empty(self.out_features, in_features))
         self.bias = self.new_param(torch.empty(self.out_features)) if bias else None
-        self.quant: object | None = None
+        self.quant = None
 
     @property
     def shard_names(self) -> list[str | None]:
@@ -73,6 +75,20 @@ class Linear(nn.Module):
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
         target.copy_(loaded)
 
+    def quant_slots(self, name: str, model: nn.Module) -> list[QuantSlot]:
+        """The one weight, its shards checked as the checkpoint modules they were fused from
+        (``packed_modules_mapping`` inverted: ``qkv_proj`` shard ``q`` is ``q_proj``)."""
+        reverse = {(fused, shard): part for part, (fused, shard) in getattr(model, "packed_modules_mapping", {}).items()}
+        parts, modules = name.split("."), []
+        for shard in self.shard_names:
+            i = next((i for i, p in enumerate(parts) if (p, shard) in reverse), None)
+            modules.append(name if i is None else ".".join(parts[:i] + [reverse[(parts[i], shard)]] + parts[i + 1:]))
+        shards = tuple((s, sl.stop - sl.start) for s, sl in self.shard_slices.items()) or ((None, self.out_features),)
+        return [QuantSlot("weight", "", WeightSpec(name, self.in_features, shards), tuple(modules))]
+
+    def quant_param(self, slot: QuantSlot, tensor: QuantTensor) -> nn.Parameter:
+        return self.new_param(tensor.data, per_shard=tensor.per_shard, exact_dtype=True)
+
     def _gemv_weight(self, x: torch.Tensor, fused: str | None = None) -> object | None:
         """The weight operand of the Triton GEMV for this call (decode-sized rows on CUDA: the dense
         weight, or what the quant method offers, e.g. packed FP4), or None: torch / the quant method's
@@ -82,7 +98,7 @@ class Linear(nn.Module):
         rows = GEMV_MAX_ROWS if fused is None else PROLOGUE_MAX_ROWS
         if not use_gemv(x) or x.dim() != 2 or x.shape[0] > rows:
             return None
-        weight = self.weight if self.quant is None else self.quant.gemv_weight(self)
+        weight = self.weight if self.quant is None else self.quant.gemv_weight(self.quant_weights["weight"])
         from vtcore.kernels import gemv
         return weight if weight is not None and gemv.supports(x, weight, self.bias, fused) else None
 
@@ -92,7 +108,7 @@ class Linear(nn.Module):
             from vtcore.kernels import gemv
             return gemv.gemv(x, weight, self.bias)
         if self.quant is not None:
-            return self.quant.apply(self, x)
+            return self.quant.apply(self.quant_weights["weight"], x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:

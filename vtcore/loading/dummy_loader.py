@@ -30,10 +30,11 @@ def load_dummy(model: nn.Module, model_path: str, hf_config: HFConfig, seed: int
         params = [p for p in module.parameters(recurse=False) if id(p) not in done]
         if callable(custom):
             custom(gen)
-        elif isinstance(module, Linear) and module.quant is not None:
-            module.quant.dummy_init(module, gen)
         elif isinstance(module, Linear):
-            normal(module.weight, 1.0 / math.sqrt(module.in_features))
+            if module.quant is not None:
+                module.quant_dummy_init(gen)
+            else:
+                normal(module.weight, 1.0 / math.sqrt(module.in_features))
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, EmbedInto):

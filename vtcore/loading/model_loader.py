@@ -8,6 +8,7 @@ from vtcore.config import HFConfig
 from vtcore.errors import PluginError
 from vtcore.family import ModelFamily
 from vtcore.layers.embedding import EmbedInto
+from vtcore.layers.quantized import take_over
 from vtcore.plugins.manager import get_plugins
 
 
@@ -27,7 +28,7 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
         torch.set_default_dtype(previous)
     quant = hf_config.get("quantization_config")
     if quant:
-        plugins.quant_method(quant_format(quant))(quant).prepare(model)
+        take_over(model, plugins.quant_method(quant_format(quant))(quant))
     for name, module in list(model.named_modules()):
         if isinstance(module, EmbedInto):
             module.family = family.name

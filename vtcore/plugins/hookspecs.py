@@ -40,8 +40,9 @@ def vtcore_quant_methods() -> dict[str, str]:
 
     Called once per plugin when the plugin manager loads. Return a mapping from a
     compressed-tensors format name (``quantization_config.format``, e.g. ``"nvfp4-pack-quantized"``)
-    to a lazy ``"module:Class"`` of a ``vtcore.quant.QuantMethod`` subclass. Consulted when a
-    checkpoint with that format is loaded.
+    to a lazy ``"module:Class"`` of a ``vtcore.quant.base.QuantMethod`` subclass. Consulted when a
+    checkpoint with that format is loaded: the class is built from the ``quantization_config`` and
+    takes over every layer whose checkpoint modules it ``quantizes`` (``vtcore.layers.quantized``).
     """
 
 

@@ -1,3 +1,3 @@
-"""Quantization: the ``QuantMethod`` interface (``vtcore.quant.base``), the FP4 formats' shared
-method (the weight operand and its reference decode are ``vtcore.kernels.fp4``'s), and ``vtcore
-quantize``. Nothing here is imported by ``import vtcore``."""
+"""Quantization: the ``QuantMethod`` take-over interface (``vtcore.quant.base``) and the FP4 formats'
+shared method (the weight operand and its reference decode are ``vtcore.kernels.fp4``'s); the offline
+converter is ``vtcore.tools.quantize``. Nothing here is imported by ``import vtcore``."""

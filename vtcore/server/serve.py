@@ -18,7 +18,11 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Generator, Sequence, TextIO
 
+from vtcore.config import DEFAULT_MODEL
+from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args
+
 if TYPE_CHECKING:
+    from vtcore.config import EngineConfig
     from vtcore.server.serving import Serving
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -26,21 +30,16 @@ DEFAULT_MODEL_NAME = "vtcore-default"
 
 
 def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``serve`` subcommand to ``sub`` (the parser's subparsers)."""
+    """Add the ``serve`` subcommand to ``sub`` (the parser's subparsers): ``vtcore serve [MODEL]`` and the
+    engine arguments, as ``vllm serve``, with the server's own flags."""
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded default model)")
+    add_engine_args(p, positional_model=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: --model as given, or 'vtcore-default')")
+                   help=f"the model name clients send (default: MODEL as given, or {DEFAULT_MODEL_NAME!r})")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $VTCORE_API_KEY, else none)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
-                   help="auto: the checkpoint's generation_config.json sampling values are the defaults of "
-                        "fields a request leaves out (vLLM's default); vllm: SamplingParams' own")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -143,7 +142,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def served_model_name(args: argparse.Namespace, config: EngineConfig) -> str:
+    """The model name clients send: ``--served-model-name``, else the model as given, else 'vtcore-default'."""
+    return args.served_model_name or (DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else config.model)
+
+
 def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
+    import attrs
     import uvicorn
 
     from vtcore.engine.async_llm import AsyncLLM
@@ -155,15 +160,15 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
+    config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    name = served_model_name(args, config)
     if not _is_loopback(args.host) and api_key is None:
         out.write(f"vtcore serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the server\n")
     sock = listening_socket(args.host, args.port)  # first: a port in use fails before the model loads
     try:
-        engine = AsyncLLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          generation_config=args.generation_config)
+        engine = AsyncLLM(**attrs.asdict(config))
     except BaseException:
         sock.close()
         raise

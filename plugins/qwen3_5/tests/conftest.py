@@ -36,7 +36,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 def quantized_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
     """``store(family, scheme)``: {"hf": the dense HF model, "src", "path": the quantized folder,
     "tokens": vtcore's greedy tokens on PROMPTS (filled by the first test)}; built once each."""
-    from vtcore.quant.quantize import quantize_checkpoint
+    from vtcore.tools.quantize import quantize_checkpoint
 
     hf: dict[str, tuple[torch.nn.Module, str]] = {}
     made: dict[tuple[str, str], dict[str, Any]] = {}

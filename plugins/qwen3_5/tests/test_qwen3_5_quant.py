@@ -29,7 +29,8 @@ from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run
 from vtcore.errors import CheckpointError
 from vtcore.testing.checkpoints import edited_copy
 from vtcore.testing.oracle import near_tie_violations, random_prompt
-from vtcore_qwen3_5.model import Experts
+from vtcore.layers.moe import Experts
+from vtcore.layers.quantized import take_over
 from vtcore_qwen3_5.plugin import dense_example, moe_example
 
 pytest.importorskip("compressed_tensors")
@@ -189,7 +190,7 @@ def test_expert_forward_uses_each_shards_global_scale(store) -> None:
 def test_experts_through_the_fp4_kernel(store, monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
     """The Triton FP4 GEMM path of packed experts (CUDA; else the Triton interpreter on CPU, float32)
     against the float32 torch reference path."""
-    import vtcore_qwen3_5.model as qwen
+    import vtcore.quant.fp4_method as fp4_method
 
     x = experts_of(_llm(store("moe", scheme)["path"]))[1]
     gen = torch.Generator().manual_seed(3)
@@ -200,7 +201,7 @@ def test_experts_through_the_fp4_kernel(store, monkeypatch: pytest.MonkeyPatch, 
     if torch.cuda.is_available():
         got = x.cuda()(hidden.cuda(), chosen.cuda(), weights.cuda()).cpu()
     elif os.environ.get("TRITON_INTERPRET") == "1":
-        monkeypatch.setattr(qwen, "_fp4_kernel", lambda t: True)
+        monkeypatch.setattr(fp4_method, "use_fp4_kernel", lambda t: True)
         got = x(hidden, chosen, weights)
     else:
         pytest.skip("no CUDA and TRITON_INTERPRET is not 1")
@@ -237,18 +238,20 @@ def test_in_features_not_divisible_by_the_group_size(store) -> None:
 
     config = json.load(open(os.path.join(store("moe", "MXFP4A16")["path"], "config.json")))
     method = MXFP4Method(config["quantization_config"])
-    experts = Experts(4, 64, 48)  # down_proj in_features 48, MXFP4 groups of 32
-    with pytest.raises(CheckpointError, match=r"layer\.experts: expert down_proj in_features=48 is not divisible "
+    model = torch.nn.Module()
+    model.layer = torch.nn.Module()
+    model.layer.experts = experts = Experts(4, 64, 48)  # down_proj in_features 48, MXFP4 groups of 32
+    with pytest.raises(CheckpointError, match=r"layer\.experts: expert down_proj: in_features=48 is not divisible "
                                               r"by the mxfp4-pack-quantized group size 32"):
-        experts.fp4_take_over(method, "layer.experts", lambda n: True)
+        take_over(model, method)
     # a block the config ignores by name (as vtcore quantize lists experts it leaves dense) stays dense
     method.ignore.append("layer.experts")
-    experts.fp4_take_over(method, "layer.experts", lambda n: True)
+    take_over(model, method)
     assert experts.quant is None and experts.gate_up_proj is not None
 
 
 def test_experts_left_dense_beside_packed_linears(store, tmp_path: Any) -> None:
-    from vtcore.quant.quantize import quantize_checkpoint
+    from vtcore.tools.quantize import quantize_checkpoint
     from vtcore.testing.quant_oracle import dense_oracle
 
     q = store("moe", "MXFP4A16")

@@ -35,7 +35,7 @@ from vtcore import LLM, SamplingParams
 from vtcore.errors import CheckpointError
 from vtcore.testing.checkpoints import edited_copy
 from vtcore.testing.oracle import near_tie_violations, random_prompt
-from vtcore_qwen3_5.model import Experts
+from vtcore.layers.moe import Experts
 from vtcore_qwen3_5.plugin import dense_example, moe_example
 
 pytest.importorskip("compressed_tensors")
@@ -146,7 +146,7 @@ def test_w4a4_tokens_match_the_activation_quantized_oracle(store, family: str, s
     llm = _llm(q["path"])
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)]
     assert len(experts) == (4 if family == "moe" else 0)
-    assert all(x.quant is not None and x.fp4_quantizes_inputs for x in experts)
+    assert all(x.quant is not None and x.quant.quantize_inputs and not x.supports_decode_graphs for x in experts)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, prompt_logprobs=0))
     for p, o in zip(PROMPTS, outs):
@@ -198,7 +198,7 @@ def test_w4a4_expert_parameters_and_dummy_load(store, tmp_path: Any) -> None:
         shutil.copy(os.path.join(path, "config.json"), folder)
         llm = _llm(str(folder), load_format="dummy", num_kv_blocks=32)
         x = [m for m in llm.engine.runner.model.modules() if isinstance(m, Experts)][1]
-        assert x.fp4_quantizes_inputs
+        assert x.quant.quantize_inputs
         if scheme == "NVFP4":
             assert all(bool(torch.isfinite(p).all()) and float(p.min()) > 0
                        for p in (x.gate_up_input_global_scale, x.down_input_global_scale))

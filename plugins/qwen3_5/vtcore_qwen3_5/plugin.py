@@ -16,16 +16,23 @@ _TINY: dict[str, Any] = {
 }
 
 
+#: What a quantizer leaves dense: the vision tower (served by no vtcore path) and, in the MoE, the
+#: router and the shared expert's gate (one output each token routes by; llm-compressor's recipes
+#: for Qwen MoE models ignore both).
+_VISION_IGNORE = (r"re:.*visual\..*",)
+_MOE_IGNORE = (*_VISION_IGNORE, r"re:.*\.mlp\.gate$", r"re:.*\.mlp\.shared_expert_gate$")
+
+
 @hookimpl
 def vtcore_model_families() -> list[ModelFamily]:
     return [
         ModelFamily(name="qwen3_5", architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
                     model_cls="vtcore_qwen3_5.model:Qwen3_5ForCausalLM", consumes_device_tokens=True,
-                    conformance_example="vtcore_qwen3_5.plugin:dense_example"),
+                    conformance_example="vtcore_qwen3_5.plugin:dense_example", quant_ignore=_VISION_IGNORE),
         ModelFamily(name="qwen3_5_moe",
                     architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
                     model_cls="vtcore_qwen3_5.model:Qwen3_5MoeForCausalLM", consumes_device_tokens=True,
-                    conformance_example="vtcore_qwen3_5.plugin:moe_example"),
+                    conformance_example="vtcore_qwen3_5.plugin:moe_example", quant_ignore=_MOE_IGNORE),
     ]
 
 

@@ -3,16 +3,17 @@
 This is the one place vtcore uses the ``compressed-tensors`` library (imported lazily, inside the
 functions), so the written checkpoint is exactly what compressed-tensors itself would write:
 
-- every ``nn.Linear`` of the transformers model except ``lm_head``, vision towers (``VISION_IGNORE``)
-  and any ``--ignore`` pattern gets compressed-tensors' preset scheme via ``apply_quantization_config``
+- every ``nn.Linear`` of the transformers model except ``lm_head``, the modules the checkpoint's model
+  family says a quantizer must leave alone (``ModelFamily.quant_ignore``: routers, gates, vision
+  towers) and any ``--ignore`` pattern gets compressed-tensors' preset scheme via ``apply_quantization_config``
   (targets ``["Linear"]``), its qparams computed with compressed-tensors' ``generate_gparam`` /
   ``calculate_qparams`` (min-max, as llm-compressor's default observers), and is compressed by
   ``compress_module`` into ``weight_packed`` (uint8 [out, in/2]), ``weight_scale`` and, for NVFP4,
   ``weight_global_scale`` (float32 [1]). Linears whose in_features is not a multiple of the group
   size stay dense and are listed in ``ignore``.
-- NVFP4: projections a serving engine fuses (q/k/v, gate/up, GDN in_proj_qkv/in_proj_z and
-  in_proj_b/in_proj_a, and each expert's gate/up) share one ``weight_global_scale`` (the minimum),
-  as llm-compressor does for vLLM.
+- NVFP4: projections the family's model fuses (its ``packed_modules_mapping``: q/k/v, gate/up, ...,
+  and each expert's gate/up) share one ``weight_global_scale`` (the minimum), as llm-compressor does
+  for vLLM.
 - fused 3-D MoE experts (transformers' ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj``
   [E, H, I]), which are not ``nn.Linear``, are split per expert and compressed one expert at a time
   with the format's compressor, written as ``<experts>.<e>.gate_proj|up_proj|down_proj.<param>``:
@@ -50,8 +51,6 @@ SCHEMES: tuple[str, ...] = ("NVFP4A16", "MXFP4A16", "NVFP4", "MXFP4")
 FORMATS: dict[str, str] = {"NVFP4A16": "nvfp4-pack-quantized", "NVFP4": "nvfp4-pack-quantized",
                            "MXFP4A16": "mxfp4-pack-quantized", "MXFP4": "mxfp4-pack-quantized"}
 DEFAULT_IGNORE: tuple[str, ...] = ("lm_head",)
-#: Added to ``ignore`` when the model has such modules: vision towers and projectors stay dense.
-VISION_IGNORE = r"re:.*(visual|vision_tower|vision_model|multi_modal_projector)\..*"
 
 #: Calibration text for the static activation scales of W4A4 NVFP4 (a few varied English sentences).
 CALIBRATION_TEXT = (
@@ -68,11 +67,6 @@ CALIBRATION_TEXT = (
 )
 MAX_CALIBRATION_TOKENS = 256
 
-# Sibling projections a serving engine fuses into one matmul; under NVFP4 they share a global scale.
-_FUSED_GROUPS: tuple[tuple[str, ...], ...] = (
-    ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"),
-    ("in_proj_b", "in_proj_a"),
-)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 _SHARD_BYTES = 4 * 1024**3
 
@@ -132,10 +126,12 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, *, ignore: Iterable[str
     static_input = qscheme.input_activations is not None and qscheme.input_activations.dynamic is not True
     compressor = BaseCompressor.get_value_from_registry(FORMATS[scheme])
 
+    family = _family(src_config)
     model = _load_model(src, src_config)
     ignore_list = _dedupe(list(DEFAULT_IGNORE) + list(ignore or ()))
-    if any(match_name(n, VISION_IGNORE) for n, m in model.named_modules() if isinstance(m, nn.Linear)):
-        ignore_list.append(VISION_IGNORE)
+    names = [n for n, _ in model.named_modules()]
+    ignore_list += [p for p in family.quant_ignore if any(match_name(n, p) for n in names)]
+    fused_groups = _fused_groups(family)
 
     # Linears to quantize; those whose in_features the group size does not divide stay dense.
     linears: dict[str, nn.Linear] = {}
@@ -189,8 +185,8 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, *, ignore: Iterable[str
             w = module.weight.detach().float()
             global_scale[name] = generate_gparam(w.amin(), w.amax())
         for name, module in model.named_modules():
-            for names in _FUSED_GROUPS:
-                full = [f"{name}.{c}" if name else c for c in names]
+            for group in fused_groups:
+                full = [f"{name}.{c}" if name else c for c in group]
                 if all(f in global_scale for f in full):
                     shared = torch.min(torch.cat([global_scale[f] for f in full])).reshape(1)
                     for f in full:
@@ -239,6 +235,23 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, *, ignore: Iterable[str
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+
+
+def _family(src_config: dict[str, Any]) -> Any:
+    """The registered model family of the checkpoint (its quant_ignore and fused projections)."""
+    from vtcore.config import HFConfig
+    from vtcore.plugins.manager import get_plugins
+
+    return get_plugins().family_for(HFConfig(src_config).architecture)
+
+
+def _fused_groups(family: Any) -> list[tuple[str, ...]]:
+    """Sibling projections the family's model fuses into one matmul (``packed_modules_mapping``
+    grouped by fused name, in shard order); under NVFP4 they share a global scale."""
+    groups: dict[str, list[str]] = {}
+    for part, (fused, _) in getattr(family.load_class(), "packed_modules_mapping", {}).items():
+        groups.setdefault(fused, []).append(part)
+    return [tuple(g) for g in groups.values() if len(g) > 1]
 
 
 def _read_src_config(src: str) -> dict[str, Any]:

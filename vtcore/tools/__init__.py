@@ -1,0 +1,1 @@
+"""Offline tools that run beside the engine, never inside it (``vtcore quantize``); the runtime imports none."""
