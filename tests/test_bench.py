@@ -524,3 +524,17 @@ def test_parameter_bytes_counts_the_active_share_of_routed_experts():
     assert parameter_bytes(model) == 4096 + 64 + 256
     assert parameter_bytes(model, 1) == 1024 + 64 + 256
     assert parameter_bytes(model, 2) == round(4096 * 0.4375) + 64 + 256
+
+
+def test_a_shared_prefix_is_served_from_the_cache_and_reported(tmp_path):
+    argv = ["--concurrency", "1", "--num-prompts", "3", "--prefix-len", "16", "--input-len", "8", "--output-len", "4",
+            "--copy-mib", COPY_MIB]
+    doc, table = _run(tmp_path, argv)
+    (run,) = doc["runs"]
+    assert doc["prefix_len"] == 16 and doc["prefix_caching"] is True and all(
+        r["prompt_tokens"] == 24 for r in run["requests"])
+    # the first prompt computes the 16-token prefix (one block); the other two find it
+    assert (run["prefix_cache_queries"], run["prefix_cache_hits"]) == (72, 32)
+    assert _rows(table)[0][-1] == f"{100 * 32 / 72:.1f}" and "prefix_caching=True" in table.splitlines()[0]
+    doc, table = _run(tmp_path, [*argv, "--no-enable-prefix-caching"])
+    assert doc["runs"][0]["prefix_cache_hit_rate"] is None and _rows(table)[0][-1] == "-"

@@ -18,17 +18,20 @@ from vtcore.plugins.manager import Plugins, reset_plugins
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_NORM = "likely cause: the oracle agrees with the family once model.layers.*.input_layernorm.weight (2 tensors) " \
              "is set to 1 (the family ignores it, or loads it wrongly)"
+CACHED_CONTEXT = "a prefill chunk must attend over the"  # the schedule's and the prefix check's hint
 BIASES = "likely cause: the oracle agrees with the family once every Linear.bias (6 tensors) is set to 0"
 
 #: fixture family -> (the checks it fails, a phrase each failure message holds, how to disable what catches it)
 FIXTURES = {
-    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule"}, INPUT_NORM, "redraw"),
-    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule"}, BIASES, "redraw"),
-    "prefill_ignores_cache": ({"oracle-schedule"}, "were prefilled in chunks (a prefill chunk must attend over the KV",
-                              "schedule"),
-    "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", "schedule"),
+    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache"}, INPUT_NORM,
+                            "redraw"),
+    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache"}, BIASES, "redraw"),
+    "prefill_ignores_cache": ({"oracle-schedule", "prefix-cache"}, CACHED_CONTEXT, ("oracle-schedule", "prefix-cache")),
+    "cached_prefix_off_by_one": ({"oracle-schedule", "prefix-cache"}, CACHED_CONTEXT,
+                                 ("oracle-schedule", "prefix-cache")),
+    "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
-                    "parameters"),
+                    ("parameters",)),
 }
 
 
@@ -39,12 +42,12 @@ def plugins() -> Plugins:
         name="fixture_async", value="tests.fixture_async.families", group="vtcore")])
 
 
-def _disable(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def _disable(how: str | tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "redraw":
         monkeypatch.setattr("vtcore.testing.oracle.redraw_constants", lambda model, seed: {})
-    else:
-        monkeypatch.setattr(checks.FamilyGate, f"check_{'oracle_schedule' if how == 'schedule' else how}",
-                            lambda self: "disabled")
+        return
+    for check in how:
+        monkeypatch.setattr(checks.FamilyGate, f"check_{check.replace('-', '_')}", lambda self: "disabled")
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -92,6 +95,16 @@ def test_the_hostile_schedule_proves_what_it_built(plugins: Plugins, monkeypatch
     (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["oracle-schedule"])
     detail = gate.results["oracle-schedule"].detail
     assert gate.results["oracle-schedule"].status == "fail" and "ran without preemption" in detail, detail
+
+
+def test_the_prefix_check_holds_the_cache_to_the_hashes(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler that stopped reusing cached blocks fails the check (naming vtcore), not passes it."""
+    from vtcore.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_reuse_prefix", lambda self, req: None)
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["prefix-cache"])
+    result = gate.results["prefix-cache"]
+    assert result.status == "fail" and "'whole-prompt': (0, 24)" in result.detail and "vtcore bug" in result.detail
 
 
 def test_oracle_checkpoints_hold_no_constant_tensor(make_checkpoint) -> None:

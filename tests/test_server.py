@@ -663,3 +663,21 @@ def test_generation_config_defaults_fill_unset_fields(client: Any, engine: Async
     texts = {client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0,
                                        seed=s).choices[0].text for s in range(4)}
     assert len(texts) > 1  # a temperature sent wins over the default
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server: ServerThread, client: Any, engine: AsyncLLM) -> None:
+    prompt = " ".join(f"item{i} of the prefix-cache list" for i in range(12))
+    n_prompt = len(engine.tokenizer.encode(prompt, add_special_tokens=False))
+    assert n_prompt > 2 * engine.engine.config.block_size
+    before = httpx.get(server.url + "/metrics").text
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    last = list(second)[-1]
+    after = httpx.get(server.url + "/metrics").text
+    bs = engine.engine.config.block_size
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert last.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // bs * bs
+    hits = metric(after, "vtcore:prefix_cache_hits_total") - metric(before, "vtcore:prefix_cache_hits_total")
+    queries = metric(after, "vtcore:prefix_cache_queries_total") - metric(before, "vtcore:prefix_cache_queries_total")
+    assert hits == (n_prompt - 1) // bs * bs and queries == 2 * n_prompt

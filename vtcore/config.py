@@ -187,6 +187,9 @@ class EngineConfig:
         "help": "KV-cache blocks", "default_help": "what --gpu-memory-utilization leaves on CUDA, 1 GiB on CPU"})
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=fraction, metadata={
         "help": "the fraction of GPU memory the engine may use, KV cache included"})
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_bool, metadata={
+        "help": "reuse the KV of cached full blocks a prompt shares with earlier requests (hash-based; "
+                "families with per-request state run without it)"})
     enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
         "help": "run decode steps eagerly, without CUDA graphs"})
     async_scheduling: bool | None = attrs.field(default=None, validator=_bool, metadata={

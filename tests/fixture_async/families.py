@@ -109,6 +109,28 @@ class PrefillIgnoresCache(Qwen3ForCausalLM):
             layer.self_attn.attn.__class__ = _OwnTokensAttention
 
 
+class _ShiftedCachedPrefix(Attention):
+    """A prefill chunk that starts on a block boundary after cached blocks (a prefix-cache hit; chunked
+    prefills rarely start there) takes its positions one too low: right whenever a prompt's first
+    chunk starts at position 0."""
+
+    def forward(self, q, k, v, positions=None, rotary=None, q_norm=None, k_norm=None):
+        md = get_attention_metadata()
+        if not md.decode and positions is not None:
+            lens = (md.query_start_loc[1:] - md.query_start_loc[:-1]).long()
+            starts = md.context_lens.long() - lens
+            shift = ((starts > 0) & (starts % self.block_size == 0)).long()
+            positions = positions - torch.repeat_interleave(shift, lens)
+        return super().forward(q, k, v, positions, rotary, q_norm, k_norm)
+
+
+class CachedPrefixOffByOne(Qwen3ForCausalLM):
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        for layer in self.model.layers:
+            layer.self_attn.attn.__class__ = _ShiftedCachedPrefix
+
+
 class _StickyStateGDN(GatedDeltaNet):
     """Its decode path always continues the slot's state ("a decode row never starts a sequence"): a
     one-token prompt arriving in a decode step on a freed slot inherits the old owner's state."""
@@ -177,6 +199,10 @@ def prefill_ignores_cache_example() -> ConformanceExample:
     return _example("PrefillIgnoresCacheForCausalLM")
 
 
+def cached_prefix_off_by_one_example() -> ConformanceExample:
+    return _example("CachedPrefixOffByOneForCausalLM")
+
+
 def state_not_reset_example() -> ConformanceExample:
     base = qwen3_5_example()
     return ConformanceExample(hf_config={**base.hf_config, "architectures": ["StateNotResetForCausalLM"]},
@@ -216,6 +242,7 @@ def vtcore_model_families() -> list[ModelFamily]:
         *(ModelFamily(name=name, architectures=(f"{cls}ForCausalLM",), model_cls=f"{HERE}:{cls}",
                       consumes_device_tokens=True, conformance_example=f"{HERE}:{name}_example")
           for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
+                            ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
                             ("state_not_reset", "StateNotReset"), ("dead_tensor", "DeadTensor"))),
         ModelFamily(name="dropped_bias", architectures=("DroppedBiasForCausalLM",),
                     model_cls="tests.fixture_async.qwen2:DroppedBias", consumes_device_tokens=True,

@@ -111,6 +111,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=positive_int("--input-len"), default=None,
                    help=f"prompt tokens per request (default: {DEFAULT_INPUT_LEN}, clamped to fit max_model_len)")
     p.add_argument("--output-len", type=positive_int("--output-len"), default=DEFAULT_OUTPUT_LEN)
+    p.add_argument("--prefix-len", type=int, default=0, metavar="N",
+                   help="one shared prefix of N random tokens before every prompt of a run (its --input-len "
+                        "tokens follow), for prefix caching (default: 0)")
     p.add_argument("--num-prompts", type=positive_int("--num-prompts"), default=None,
                    help="requests completed per concurrency (default: 4*c; at least c)")
     p.add_argument("--peer", default=None, choices=list(PEER_CHOICES),
@@ -191,15 +194,17 @@ async def _one_request(engine: Any, rid: str, prompt_ids: list[int], params: Any
 
 async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int, output_len: int,
                            vocab_size: int, rng: random.Random, progress: bool,
-                           probe_rng: random.Random | None = None) -> dict[str, Any]:
+                           probe_rng: random.Random | None = None, prefix_len: int = 0) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
     from vtcore.sampling_params import SamplingParams
 
-    prompts = [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     inner = engine.engine
+    queries0, hits0 = inner.pool.queries, inner.pool.hits
     cuda = inner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(inner.device)
@@ -222,6 +227,7 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
         await asyncio.gather(*(worker() for _ in range(c)))
         end = time.perf_counter()
     steps = inner.runner.steps_submitted - steps0
+    queries, hits = inner.pool.queries - queries0, inner.pool.hits - hits0
     bar.close()
     peak = int(torch.cuda.max_memory_allocated(inner.device)) if cuda else None
     # after the measured run, so the profiler cannot distort its TTFT/TPOT
@@ -234,6 +240,8 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
     output_tokens = sum(r["output_tokens"] for r in results)
     return {
         "concurrency": c, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+        "prefix_len": prefix_len, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else None,
         "wall_s": wall, "start_time": start, "end_time": end,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "total_throughput_tok_s": (prompt_tokens + output_tokens) / wall,
@@ -269,7 +277,7 @@ def bench_engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def knobs_doc(inner: Any) -> dict[str, Any]:
     """The knobs as recorded in the JSON header: read back from the engine, with what it made of them."""
-    return {"enforce_eager": inner.config.enforce_eager,
+    return {"enforce_eager": inner.config.enforce_eager, "prefix_caching": inner.pool.caching,
             "async_scheduling": ASYNC_SCHEDULING_LABELS[inner.config.async_scheduling],
             "max_num_seqs": inner.scheduler.max_num_seqs, "async_depth": inner.depth,
             "decode_graph_sizes": list(inner.runner.graph_sizes)}
@@ -279,7 +287,7 @@ def _knobs_line(doc: dict[str, Any]) -> str:
     sizes = doc["decode_graph_sizes"]
     return (f" enforce_eager={doc['enforce_eager']} async_scheduling={doc['async_scheduling']} "
             f"(depth {doc['async_depth']}) max_num_seqs={doc['max_num_seqs']} decode_graph_sizes="
-            f"{','.join(map(str, sizes)) if sizes else 'none'}")
+            f"{','.join(map(str, sizes)) if sizes else 'none'} prefix_caching={doc.get('prefix_caching')}")
 
 
 def resolve_offline_lengths(max_model_len: int, lo: int, hi: int) -> tuple[int, int, bool]:
@@ -355,7 +363,10 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         return {**header, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
                 **doc["knobs"], "timer": "time.perf_counter", "runs": [], "offline": doc["offline"]}
     concurrency = _concurrency(args)
-    input_len, clamped = resolve_lengths(max_model_len, args.input_len, args.output_len)
+    prefix_len = getattr(args, "prefix_len", 0) or 0
+    if prefix_len < 0:
+        raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
+    input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
     copy = measure_copy_bandwidth(resolve_device(config.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
     engine = AsyncLLM(**attrs.asdict(config))
@@ -386,7 +397,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
             n = max(args.num_prompts or 4 * c, c)
             with count_triton_compiles() as compiled:
                 runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
-                                                   progress, random.Random(config.seed * 1_000_003 + c)))
+                                                   progress, random.Random(config.seed * 1_000_003 + c), prefix_len))
             runs[-1]["triton_compiles"] = compiled
         return runs
 
@@ -398,14 +409,14 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     for r in runs:
         prompts_by_c.setdefault(r["concurrency"], r.pop("_prompts"))
         step = decode_step_bytes(parameter_bytes(model_obj, r["concurrency"]), kv_per_token, r["concurrency"],
-                                 input_len, args.output_len)
+                                 prefix_len + input_len, args.output_len)
         r["roofline"] = roofline_for_run(step, copy["bandwidth_bytes_s"], r["tpot_s"]["mean"])
     doc = {
         **header, "mode": "serving", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-        "input_len": input_len, "input_len_clamped": clamped, "output_len": args.output_len,
+        "input_len": input_len, "input_len_clamped": clamped, "output_len": args.output_len, "prefix_len": prefix_len,
         **knobs_rec, "timer": "time.perf_counter", "runs": runs,
         "roofline": {"param_bytes": param_bytes, "kv_bytes_per_token": kv_per_token,
-                     "kv_context_tokens_per_seq": input_len + args.output_len / 2,
+                     "kv_context_tokens_per_seq": prefix_len + input_len + args.output_len / 2,
                      "copy_bandwidth_bytes_s": copy["bandwidth_bytes_s"], "copy": copy},
     }
     if peer:
@@ -450,7 +461,7 @@ def format_table(doc: dict[str, Any]) -> str:
     head = (f"{'conc':>5} {'reqs':>5} {'wall s':>8} {'tok/s':>10} {'out tok/s':>10} "
             f"{'TTFT ms mean/med/p90/p99':>28} {'TPOT ms mean/med/p90/p99':>28} {'ITL ms mean/med/p90/p99':>28} "
             f"{'steps':>6} {'host ms':>8} {'dec host ms med/p90':>19} {'dev ms':>7} {'kernels':>7} "
-            f"{'peak MiB':>9} {'roof ms':>8} {'TPOT/roof':>9}")
+            f"{'peak MiB':>9} {'roof ms':>8} {'TPOT/roof':>9} {'hit %':>6}")
     lines = [f"model={doc['model']} device={doc['device']} dtype={doc['dtype']} input_len={doc['input_len']}"
              f"{' (clamped to fit max_model_len=' + str(doc['max_model_len']) + ')' if doc['input_len_clamped'] else ''}"
              f" output_len={doc['output_len']}{_knobs_line(doc)}", head]
@@ -469,7 +480,8 @@ def format_table(doc: dict[str, Any]) -> str:
                      f"{_ms(dh['median']) + '/' + _ms(dh['p90']):>19} "
                      f"{_num(dev['device_ms_per_step'], '.3f'):>7} {_num(dev['kernels_per_step'], '.1f'):>7} "
                      f"{'-' if peak is None else f'{peak / 2**20:.1f}':>9} "
-                     f"{roof['roofline_ms']:>8.3f} {'-' if ratio is None else f'{ratio:.1f}':>9}")
+                     f"{roof['roofline_ms']:>8.3f} {'-' if ratio is None else f'{ratio:.1f}':>9} "
+                     f"{_num(None if r.get('prefix_cache_hit_rate') is None else 100 * r['prefix_cache_hit_rate'], '.1f'):>6}")
     rl = doc["roofline"]
     lines += ["", f"roofline: copy bandwidth {_gb(rl['copy_bandwidth_bytes_s'])} GB/s (read+write of "
                   f"{rl['copy']['nbytes'] / 2**20:.0f} MiB, median of {len(rl['copy']['times_s'])} copies); "

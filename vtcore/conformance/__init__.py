@@ -15,6 +15,7 @@ CHECKS = (
     "oracle-greedy",
     "oracle-logprobs",
     "oracle-schedule",
+    "prefix-cache",
     "cuda-graphs",
     "cuda-bf16",
     "async-abc",

@@ -49,6 +49,14 @@ def _check_oracle(example: ConformanceExample) -> None:
                      f"{expected!r}; set model_type to {expected!r}")
 
 
+def _cached_hint(rids: list[str], cached: dict[str, int]) -> str:
+    hits = [r for r in rids if cached.get(r)]
+    if not hits:
+        return f"requests {rids} computed their whole prompts"
+    return f"requests {hits} started from cached KV blocks ({', '.join(str(cached[r]) for r in hits)} tokens): a " \
+           "prefill chunk must attend over the context already cached for it, at its true positions"
+
+
 class FamilyGate(CudaChecks):
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
@@ -307,6 +315,37 @@ class FamilyGate(CudaChecks):
         return f"{len(requests)} requests through {', '.join(sorted(log.seen))}; sync within the oracle's " \
                f"tolerances{', async equal to sync' if modes else ' (async refused for this family)'}"
 
+    def check_prefix_cache(self) -> str:
+        from vtcore.conformance.prefix import prefix_workload
+
+        case = prefix_workload(int(self.example.hf_config["vocab_size"]), SEED, BLOCK)
+        modes = ("sync", "async") if self.family.consumes_device_tokens else ("sync",)
+        runs = {}
+        for mode in modes:
+            engine = self.engine(mode)
+            if not engine.pool.caching:
+                raise Skipped("the family runs without prefix caching (a layer keeps per-request state)")
+            cached: dict[str, int] = {}
+
+            def admitted(batch: Any) -> None:
+                for s in batch:
+                    cached.setdefault(s.request.request_id, s.request.num_cached_tokens)
+
+            finals: dict[str, CompletionOutput] = {}
+            tokens, batches = run_engine(engine, case.arrivals, admitted, finals)
+            if cached != case.expected:
+                wrong = {rid: (n, case.expected[rid]) for rid, n in cached.items() if n != case.expected[rid]}
+                raise Failed(f"{mode}: prompt tokens taken from the prefix cache (ours, the hashes') differ: "
+                             f"{wrong} (a vtcore bug, not the family's)")
+            self._against_oracle([(rid, ids, params, finals[rid]) for rid, (ids, params) in case.prompts.items()],
+                                 lambda rids: f" ({mode}; {_cached_hint(rids, cached)})")
+            runs[mode] = (tokens, batches)
+        if len(runs) > 1 and runs["async"] != runs["sync"]:
+            raise Failed("async scheduled different batches or tokens than sync with prefix caching")
+        return f"{len(case.prompts) - 1} requests sharing prefixes of 5 to {len(case.prompts['first'][0])} tokens " \
+               f"with the first (while it runs and after), {sum(case.expected.values())} prompt tokens from the " \
+               f"cache, within the oracle's tolerances{', async equal to sync' if len(runs) > 1 else ''}"
+
     def check_async_abc(self) -> str:
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}
         ref, _ = run_engine(self.engine("sync"), arrivals)
@@ -335,10 +374,11 @@ class FamilyGate(CudaChecks):
                f"{runner.stale_forwards} decode steps"
 
     def _same_as_sync(self, arrivals: dict, modes: tuple[str, ...] = ("async", "mirror-off"), repeat: int = 1) -> None:
-        ref, ref_batches = run_engine(self.engine("sync"), arrivals)
+        sync = self.engine("sync")
+        refs = [run_engine(sync, arrivals) for _ in range(repeat)]  # later runs hit the prefix cache
         for mode in modes:
             engine = self.engine(mode)
-            for _ in range(repeat):
+            for ref, ref_batches in refs:
                 got, batches = run_engine(engine, arrivals)
                 if batches != ref_batches:
                     raise Failed(f"{mode} scheduled different batches than sync for the same requests")

@@ -1,16 +1,45 @@
-"""The KV block pool: fixed-size blocks handed to requests on demand and returned on finish or preemption."""
+"""The KV block pool: fixed-size blocks handed to requests on demand and returned on finish or preemption,
+and the prefix cache over them.
+
+Prefix caching (``enable_prefix_caching``): a full block whose KV is computed gets a hash that chains
+its parent block's hash, its token ids and the pool's ``salt`` (what else changes the KV: the model's
+dtype, its quant method), and is looked up by it. A request admitted with nothing computed reuses the
+longest chain of cached blocks that matches its tokens (:meth:`BlockPool.match`); blocks are reference
+counted, and a freed block keeps its hash and stays reusable until it is handed out again, least
+recently freed first (a request's blocks are freed last-block-first, so a prefix outlives its tails).
+Free blocks without a hash are handed out before cached ones.
+"""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Sequence
+
+BlockHash = bytes
+
+
+def block_hash(parent: BlockHash | None, tokens: Sequence[int], salt: bytes) -> BlockHash:
+    """The hash of a full block of ``tokens`` after the block hashed ``parent`` (None: the first block)."""
+    digest = hashlib.sha256(parent if parent is not None else salt)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
-    """Free-list allocator over ``num_blocks`` KV blocks of ``block_size`` tokens each."""
+    """Reference-counted allocator over ``num_blocks`` KV blocks of ``block_size`` tokens each, with a
+    prefix cache of full blocks when ``caching``."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False, salt: bytes = b"") -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.caching = caching
+        self.salt = salt
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # hand-out order
+        self._refs = [0] * num_blocks
+        self._cached: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
+        self.queries = self.hits = 0  # prompt tokens looked up, and found, by ``match``
 
     @property
     def num_free(self) -> int:
@@ -28,10 +57,55 @@ class BlockPool:
         need = self.blocks_needed(num_tokens) - len(block_ids)
         if need > len(self._free):
             return False
-        block_ids.extend(self._free.popleft() for _ in range(max(need, 0)))
+        for _ in range(max(need, 0)):
+            block, _ = self._free.popitem(last=False)
+            old = self._hash_of.pop(block, None)
+            if old is not None:
+                del self._cached[old]  # evicted: its content is overwritten
+            self._refs[block] = 1
+            block_ids.append(block)
         return True
 
     def free(self, block_ids: list[int]) -> None:
-        """Return blocks to the pool. Safe to reuse at once: all device work is ordered on one stream."""
-        self._free.extend(block_ids)
+        """Drop one reference to each block; an unreferenced block is free again (a cached one keeps its
+        hash until handed out). Safe to reuse at once: all device work is ordered on one stream."""
+        for block in reversed(block_ids):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)  # nothing to keep: handed out first
         block_ids.clear()
+
+    def hashes(self, tokens: Sequence[int], known: list[BlockHash], num_blocks: int) -> list[BlockHash]:
+        """``known`` (the hashes of the first blocks of ``tokens``) extended in place to ``num_blocks``."""
+        bs = self.block_size
+        for i in range(len(known), num_blocks):
+            known.append(block_hash(known[-1] if known else None, tokens[i * bs:(i + 1) * bs], self.salt))
+        return known
+
+    def match(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes``, each with one more reference."""
+        blocks = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        return blocks
+
+    def cache(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Make block ``block_ids[i]`` findable by ``hashes[i]`` (full blocks whose KV is computed); a hash
+        already cached keeps its block (the duplicate is freed as an ordinary block)."""
+        for block, h in zip(block_ids, hashes):
+            if h not in self._cached and block not in self._hash_of:
+                self._cached[h] = block
+                self._hash_of[block] = h
+
+    def reset(self) -> None:
+        """Forget every cached block (``LLM.reset_prefix_cache``); blocks in use stay allocated."""
+        self._cached.clear()
+        self._hash_of.clear()

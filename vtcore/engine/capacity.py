@@ -28,3 +28,5 @@ class EngineStats:
     num_waiting: int  # requests queued to be scheduled (preempted ones included)
     kv_cache_usage: float  # fraction of the KV blocks in use, 0 to 1
     num_preemptions: int  # preemptions since the engine started (a counter)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (a counter)
+    prefix_cache_hits: int = 0  # of those, tokens found (a counter)

@@ -24,6 +24,11 @@ class LLM(EngineFrontEnd):
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, so later prompts recompute their prefixes (as vLLM's); True
+        when prefix caching is on."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json sampling values (vLLM's
         ``generation_config="auto"``); what ``generate`` uses when given none."""

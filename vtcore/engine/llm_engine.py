@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch import nn
 
 from vtcore.config import DTYPES, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
@@ -20,7 +21,8 @@ from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.tokenizer import load_tokenizer
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
-from vtcore.loading.model_loader import build_model
+from vtcore.layers.state import StatefulLayer
+from vtcore.loading.model_loader import build_model, quant_format
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.engine.scheduler import Batch
@@ -28,6 +30,15 @@ from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.step import StepOutput
 
 log = logging.getLogger("vtcore")
+
+_SAID_NO_CACHING: set[tuple[str, tuple[str, ...]]] = set()  # (family, stateful layers) logged once
+
+
+def _cache_salt(dtype: torch.dtype, hf: HFConfig) -> bytes:
+    """What besides the tokens makes a block's KV: the dtype and the quant format (the prefix cache's salt)."""
+    quant = hf.get("quantization_config")
+    return f"{dtype}|{quant_format(quant) if quant else ''}".encode()
+
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}  # torch.half is torch.float16
 
@@ -147,10 +158,26 @@ class LLMEngine:
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
-        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size)
+        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, self._prefix_caching(model),
+                              _cache_salt(self.dtype, hf))
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+
+    def _prefix_caching(self, model: nn.Module) -> bool:
+        """``enable_prefix_caching``, unless a layer keeps per-request state (a cached prefix would need
+        that state at the prefix's end, which no layer snapshots yet): then off, said once."""
+        if not self.config.enable_prefix_caching:
+            return False
+        stateful = sorted({type(m).__name__ for m in model.modules() if isinstance(m, StatefulLayer)})
+        if stateful:
+            key = (self.family.name, tuple(stateful))
+            if key not in _SAID_NO_CACHING:
+                _SAID_NO_CACHING.add(key)
+                log.warning("vtcore: prefix caching is off for model family %r: its layers %s keep per-request "
+                            "state, which a cached prefix cannot restore yet", self.family.name, stateful)
+            return False
+        return True
 
     def _generation_config_path(self) -> str:
         """generation_config.json of the checkpoint, or of the folder ``generation_config`` names."""
@@ -364,7 +391,7 @@ class LLMEngine:
             return None
         first = fan.children[0]
         return RequestOutput(parent, first.prompt, first.prompt_token_ids, first.prompt_logprobs, completions,
-                             finished)
+                             finished, first.num_cached_tokens)
 
     def _give_up(self, batch: Batch) -> None:
         """A step failed: abort its requests and those of every step still in flight (which read its
@@ -432,7 +459,7 @@ class LLMEngine:
                                       else None, list(logprobs) if logprobs is not None else None,
                                       req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, [completion],
-                             finished)
+                             finished, req.num_cached_tokens)
 
     # ------------------------------------------------------------------ front end (LLM, AsyncLLM)
     def limits(self) -> EngineLimits:
@@ -440,10 +467,15 @@ class LLMEngine:
         return EngineLimits(self.max_model_len, self.vocab_size, self.scheduler.max_num_seqs,
                             self.max_num_batched_tokens, self.pool.block_size, self.pool.num_blocks)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); True when caching is on."""
+        self.pool.reset()
+        return self.pool.caching
+
     def stats(self) -> EngineStats:
         """The load now; safe from another thread (it reads lengths and counters only)."""
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.pool.queries, self.pool.hits)
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens kept), the ids checked against the vocabulary."""

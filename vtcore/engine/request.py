@@ -30,6 +30,9 @@ class Request:
         self.num_inflight = 0  # sampled tokens of scheduled steps whose values the host has not seen yet
         self.mirror_slot = -1  # this request's stable row in the runner's last_sampled_tokens while running
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache hashes of the first full blocks of token_ids
+        self.num_registered_blocks = 0  # of block_ids, those the prefix cache can find
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
         self.status = RequestStatus.WAITING
         # The host knows this end without seeing token values: never schedule past it.
         budget = max_model_len - len(prompt_token_ids)

@@ -7,6 +7,13 @@ of a prefill), oldest first, then waiting requests in arrival order while at mos
 blocks are freed and it re-enters the queue to recompute prompt and output so far. ``add``
 rejects what could never fit, so preemption always makes progress.
 
+Prefix caching (``BlockPool.caching``): a request admitted with nothing computed (new, or preempted)
+starts from the longest chain of cached blocks its known tokens match, never its last token (whose
+logits are needed), and not at all when it asks for prompt logprobs. After each schedule, the full
+blocks of every running request up to ``min(computed, scheduled - 1)`` tokens become findable: the
+host knows those tokens in both engines at the same step (the async engine's in-flight token is the
+last one), so sync and async build the same batches.
+
 Async: a step is scheduled before the previous one's tokens reach the host. ``num_computed_tokens``
 advances at scheduling time and each sampling step adds one in-flight token, so a decode row can
 be scheduled for a token the host has not seen (the runner fills it on the device). A request whose
@@ -56,8 +63,28 @@ class Scheduler:
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
         self.pool.free(req.block_ids)
+        req.num_registered_blocks = 0
         self.free_mirror_slots.append(req.mirror_slot)
         req.mirror_slot = -1
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Start ``req`` (nothing computed, no blocks) from its longest cached prefix."""
+        if not self.pool.caching or req.params.prompt_logprobs is not None:
+            return
+        bs = self.pool.block_size
+        hashes = self.pool.hashes(req.token_ids, req.block_hashes, (req.num_tokens - 1) // bs)
+        req.block_ids = self.pool.match(hashes)
+        req.num_registered_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * bs
+
+    def _register(self, req: Request) -> None:
+        """Make ``req``'s computed full blocks findable (tokens the host knows in sync and async alike)."""
+        full = min(req.num_computed_tokens, req.num_tokens_scheduled - 1, req.num_tokens) // self.pool.block_size
+        done = req.num_registered_blocks
+        if full > done:
+            hashes = self.pool.hashes(req.token_ids, req.block_hashes, full)
+            self.pool.cache(req.block_ids[done:full], hashes[done:full])
+            req.num_registered_blocks = full
 
     def _preempt(self, req: Request) -> None:
         self._leave_running(req)
@@ -104,15 +131,26 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_inflight:
                 break  # preempted with a token in flight: it returns once that token has landed
+            if not req.block_ids:
+                self._reuse_prefix(req)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+                self.pool.free(req.block_ids)  # the cached prefix too: looked up again next time
+                req.num_computed_tokens = req.num_registered_blocks = 0
                 break
             self.waiting.popleft()
+            if self.pool.caching and not req.num_preemptions:  # first admission: what the cache held
+                req.num_cached_tokens = req.num_computed_tokens
+                self.pool.queries += req.num_prompt_tokens
+                self.pool.hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             req.mirror_slot = self.free_mirror_slots.pop()
             self.running.append(req)
             batch.append(self._take(req, budget))
             budget -= n
+        if self.pool.caching:
+            for req in self.running:
+                self._register(req)
         return batch
 
     def finish(self, req: Request, reason: str) -> None:

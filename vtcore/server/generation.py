@@ -37,9 +37,11 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else NO_LOGPROB
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @attrs.frozen
@@ -64,6 +66,7 @@ class EnginePrompt:
         self.params = params
         self.choices = [Choice(first_index + j, self) for j in range(params.n)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.num_cached_tokens = 0
         self.arrival = time.monotonic()
 
 
@@ -121,7 +124,8 @@ class Job:
 
     def usage(self) -> dict[str, int]:
         """A prompt's tokens count once, whatever its ``n``."""
-        return usage(sum(len(p.ids) for p in self.prompts), sum(len(c.token_ids) for c in self.choices))
+        return usage(sum(len(p.ids) for p in self.prompts), sum(len(c.token_ids) for c in self.choices),
+                     sum(p.num_cached_tokens for p in self.prompts))
 
 
 @attrs.frozen
@@ -215,7 +219,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 for entry, completion_tokens in stream.chunks(choice, delta):
                     chunk = {**head, "choices": [entry]}
                     if include_usage:
-                        chunk["usage"] = usage(len(choice.prompt.ids), completion_tokens) if continuous else None
+                        chunk["usage"] = usage(len(choice.prompt.ids), completion_tokens,
+                                               choice.prompt.num_cached_tokens) if continuous else None
                     yield sse(chunk)
         if include_usage:
             yield sse({**head, "choices": [], "usage": job.usage()})
@@ -231,6 +236,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
             try:
                 async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
                                                       prompt.params, prompt.rid):
+                    prompt.num_cached_tokens = out.num_cached_tokens
                     if out.prompt_logprobs is not None:
                         prompt.prompt_logprobs = out.prompt_logprobs
                     for completion in out.outputs:

@@ -130,6 +130,10 @@ class ServerMetrics:
                     lambda s: s.num_waiting),
             Reading("vtcore:num_preemptions_total", "counter", "Requests preempted (to be recomputed) so far.",
                     lambda s: s.num_preemptions),
+            Reading("vtcore:prefix_cache_queries_total", "counter",
+                    "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+            Reading("vtcore:prefix_cache_hits_total", "counter",
+                    "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
         ]
 
     def http(self, endpoint: str, status: int) -> None:

@@ -1,0 +1,166 @@
+"""Prefix caching: the block pool's hashes, reference counts and eviction order, and the engine reusing
+cached prefixes with the same tokens as without, sync and async, under preemption."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+
+from vtcore import SamplingParams
+from vtcore.conformance.harness import build_engine, run_engine
+from vtcore.engine.block_pool import BlockPool
+
+BS = 4
+KNOBS = dict(device="cpu", block_size=BS, num_kv_blocks=200, max_num_seqs=8)
+
+
+def greedy(n: int = 6, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+# ----------------------------------------------------------------------------------------- the pool
+
+def test_pool_finds_the_longest_cached_chain_and_counts_references() -> None:
+    pool = BlockPool(8, BS, caching=True)
+    tokens = list(range(12))
+    blocks: list[int] = []
+    assert pool.grow(blocks, 12) and len(blocks) == 3
+    hashes = pool.hashes(tokens, [], 3)
+    pool.cache(blocks, hashes)
+    other = pool.hashes(tokens[:8] + [99, 98, 97, 96], [], 3)
+    assert other[:2] == hashes[:2] and other[2] != hashes[2]  # a hash chains its parent's
+    assert pool.match(other) == blocks[:2]  # in use by the first owner too: shared
+    pool.free(blocks)  # the first owner leaves: the shared two stay referenced
+    assert pool.num_free == 8 - 2
+    assert pool.hashes(tokens, [], 3) == hashes
+    salted = BlockPool(8, BS, caching=True, salt=b"bfloat16|nvfp4")
+    assert salted.hashes(tokens, [], 1) != hashes[:1]  # the salt keys what else makes the KV
+
+
+def test_freed_cached_blocks_stay_findable_until_handed_out_tails_first() -> None:
+    pool = BlockPool(4, BS, caching=True)
+    a: list[int] = []
+    pool.grow(a, 12)
+    hashes = pool.hashes(list(range(12)), [], 3)
+    pool.cache(a, hashes)
+    first = list(a)
+    pool.free(a)
+    assert pool.num_free == 4 and pool.usage == 0.0
+    b: list[int] = []
+    pool.grow(b, 4)  # the one never-cached block goes first
+    found = pool.match(hashes)
+    assert b[0] not in first and found == first
+    pool.free(found)  # free again, as a request's blocks are: last block first
+    c: list[int] = []
+    pool.grow(c, 4)  # then the last block freed, the tail of the prefix: its chain now ends earlier
+    assert c == [first[2]] and pool.match(hashes) == first[:2]
+    pool.reset()
+    assert pool.match(hashes) == []
+
+
+# ----------------------------------------------------------------------------------------- the engine
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_shared_prefixes_reuse_blocks_and_keep_the_tokens(tiny_checkpoint, mode: str) -> None:
+    base = _prompt(4 * BS + 2)
+    prompts = {  # (prompt, prompt tokens found in the cache when sent after "base" finished)
+        "short": (base[:BS - 1] + [7, 8], 0),  # shares less than a block
+        "block": (base[:BS] + [7], BS),  # exactly one block
+        "exact": (base[:2 * BS], BS),  # equal to a two-block prefix: its last token is computed
+        "many": (base[:4 * BS + 1] + [9, 9, 9], 4 * BS),  # many blocks and a partial one
+        "same": (base, 4 * BS),
+        "other": (_prompt(3 * BS, seed=1), 0),
+    }
+    on = build_engine(tiny_checkpoint[0], mode, **KNOBS)
+    off = build_engine(tiny_checkpoint[0], mode, **KNOBS, enable_prefix_caching=False)
+    assert on.pool.caching and not off.pool.caching
+    arrivals = {0: [("base", base, greedy(8))]}
+    arrivals[12] = [(rid, p, greedy()) for rid, (p, _) in prompts.items()]
+    got, want = _outputs(on, arrivals), _outputs(off, arrivals)
+    assert {r: o.outputs[0].token_ids for r, o in got.items()} == {r: o.outputs[0].token_ids for r, o in want.items()}
+    assert {r: o.num_cached_tokens for r, o in got.items()} == {"base": 0, **{r: n for r, (_, n) in prompts.items()}}
+    assert on.stats().prefix_cache_hits > 0 and off.stats().prefix_cache_queries == 0
+
+
+def _outputs(engine, arrivals) -> dict:
+    """Each request's final RequestOutput when ``arrivals`` run on ``engine`` (after a reset of its cache)."""
+    engine.reset_prefix_cache()
+    outs = {}
+    call = 0
+    while call <= max(arrivals) or engine.has_unfinished_requests():
+        for rid, ids, params in arrivals.get(call, []):
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        call += 1
+    return outs
+
+
+def test_a_request_arriving_while_the_first_runs_hits_its_prompt_blocks(tiny_checkpoint) -> None:
+    eng = build_engine(tiny_checkpoint[0], "async", **KNOBS)
+    base = _prompt(3 * BS + 1, seed=2)
+    outs = _outputs(eng, {0: [("first", base, greedy(20))], 2: [("second", base[:3 * BS] + [5, 6], greedy())]})
+    assert outs["second"].num_cached_tokens == 3 * BS and outs["first"].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_requests_compute_their_whole_prompt(tiny_checkpoint) -> None:
+    eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS)
+    base = _prompt(3 * BS)
+    want = _outputs(build_engine(tiny_checkpoint[0], "sync", **KNOBS, enable_prefix_caching=False),
+                    {0: [("lp", base, greedy(prompt_logprobs=1))]})["lp"]
+    outs = _outputs(eng, {0: [("warm", base, greedy())], 10: [("lp", base, greedy(prompt_logprobs=1))]})
+    assert outs["lp"].num_cached_tokens == 0 and outs["lp"].prompt_logprobs == want.prompt_logprobs
+
+
+def test_sync_and_async_build_the_same_batches_with_caching_under_preemption(tiny_checkpoint) -> None:
+    prefix = _prompt(2 * BS + 1, seed=3)
+    arrivals: dict[int, list] = {}
+    for i in range(10):
+        arrivals.setdefault(i // 2, []).append((f"r{i}", prefix[:BS * (1 + i % 3)] + _prompt(3 + i, seed=10 + i),
+                                                greedy(6 + i % 4)))
+    knobs = {**KNOBS, "num_kv_blocks": 14, "max_num_batched_tokens": 12}
+    sync = build_engine(tiny_checkpoint[0], "sync", **knobs)
+    sync_tokens, sync_batches = run_engine(sync, arrivals)
+    asyn = build_engine(tiny_checkpoint[0], "async", **knobs)
+    assert run_engine(asyn, arrivals) == (sync_tokens, sync_batches)
+    assert sync.scheduler.num_preemptions > 0 and sync.stats().prefix_cache_hits > 0
+    off = build_engine(tiny_checkpoint[0], "sync", **knobs, enable_prefix_caching=False)
+    assert run_engine(off, arrivals)[0] == sync_tokens
+    assert sync.pool.num_free == sync.pool.num_blocks
+
+
+def test_a_family_with_per_request_state_runs_without_caching(tmp_path, caplog) -> None:
+    from vtcore_qwen3_5.plugin import dense_example
+
+    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
+    with caplog.at_level(logging.WARNING, logger="vtcore"):
+        first = build_engine(str(tmp_path), "sync", **KNOBS, load_format="dummy")
+        build_engine(str(tmp_path), "sync", **KNOBS, load_format="dummy")
+    assert not first.pool.caching
+    said = [r.getMessage() for r in caplog.records if "prefix caching is off" in r.getMessage()]
+    assert len(said) <= 1 and all("GatedDeltaNet" in m for m in said)
+
+
+def test_the_knob_is_a_flag_on_every_command_and_reset_forgets(tiny_checkpoint) -> None:
+    import argparse
+
+    from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+    assert engine_config_from_args(parser.parse_args([])).enable_prefix_caching is True
+    from vtcore import LLM
+
+    llm = LLM(tiny_checkpoint[0], **KNOBS)
+    prompt = {"prompt_token_ids": _prompt(3 * BS, seed=5)}
+    llm.generate(prompt, greedy())
+    assert llm.generate(prompt, greedy())[0].num_cached_tokens == 2 * BS
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, greedy())[0].num_cached_tokens == 0
