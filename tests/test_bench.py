@@ -302,7 +302,7 @@ def test_roofline_bytes_and_bandwidth(bench_doc):
         assert r["param_bytes"] == param_bytes and r["kv_bytes"] == kv and r["bytes"] == param_bytes + kv
         assert r["roofline_ms"] == pytest.approx(r["bytes"] / bw * 1e3)
         assert r["tpot_over_roofline"] == pytest.approx(run["tpot_s"]["mean"] / (r["roofline_ms"] / 1e3))
-        assert float(row[-2]) == pytest.approx(r["roofline_ms"], abs=1e-3)
+        assert float(row[-3]) == pytest.approx(r["roofline_ms"], abs=1e-3)
 
 
 # ---------------------------------------------------------------------------------------- --offline
@@ -341,7 +341,7 @@ def test_decode_step_host_time_split(bench_doc):
         assert 0 < dec["median"] <= dec["p90"] <= dec["p99"] and other["count"] > 0
         mean = (dec["mean"] * dec["count"] + other["mean"] * other["count"]) / run["steps"]
         assert mean * 1e3 == pytest.approx(run["host_submit_ms_mean"])
-        assert row[-6] == f"{dec['median'] * 1e3:.2f}/{dec['p90'] * 1e3:.2f}"
+        assert row[-7] == f"{dec['median'] * 1e3:.2f}/{dec['p90'] * 1e3:.2f}"
     # concurrency 1 never mixes requests: one prefill step and OUTPUT_LEN - 1 decode steps per request
     c1 = doc["runs"][0]
     assert c1["decode_steps"] == NUM_PROMPTS * (OUTPUT_LEN - 1) and c1["step_host_s"]["other"]["count"] == NUM_PROMPTS
@@ -353,7 +353,7 @@ def test_decode_step_device_stats_absent_on_cpu(bench_doc):
         d = run["decode_device"]
         assert d["reason"] == "no CUDA device" and d["profiled"] is False and d["steps"] == 0
         assert d["device_ms_per_step"] is None and d["kernels_per_step"] is None and d["wall_ms_per_step"] is None
-        assert row[-5:-3] == ["-", "-"]
+        assert row[-6:-4] == ["-", "-"]
         assert f"decode step c={run['concurrency']}: host" in table
     assert "device time and kernels not measured (no CUDA device)" in table
 
