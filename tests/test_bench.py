@@ -538,3 +538,31 @@ def test_a_shared_prefix_is_served_from_the_cache_and_reported(tmp_path):
     assert _rows(table)[0][-1] == f"{100 * 32 / 72:.1f}" and "prefix_caching=True" in table.splitlines()[0]
     doc, table = _run(tmp_path, [*argv, "--no-enable-prefix-caching"])
     assert doc["runs"][0]["prefix_cache_hit_rate"] is None and _rows(table)[0][-1] == "-"
+
+
+def test_prefix_caching_off_and_on_in_one_call(tmp_path):
+    doc, table = _run(tmp_path, ["--concurrency", "1", "--num-prompts", "3", "--prefix-len", "16", "--input-len", "8",
+                                 "--output-len", "4", "--copy-mib", COPY_MIB, "--compare-prefix-caching"])
+    (off,), (on,) = doc["prefix_caching_off"]["runs"], doc["runs"]
+    assert doc["prefix_caching"] is True and off["prefix_cache_hit_rate"] is None
+    assert on["prefix_cache_hits"] == 32 and on["concurrency"] == off["concurrency"] == 1
+    line = next(x for x in table.splitlines() if x.startswith("prefix caching off -> on, c=1"))
+    ratio = on["ttft_s"]["mean"] / off["ttft_s"]["mean"]
+    assert f"({ratio:.2f}x)" in line and f"hit rate {100 * 32 / 72:.1f}%" in line
+
+
+def test_multi_turn_replay_resends_the_conversation(tmp_path):
+    doc, _ = _run(tmp_path, ["--concurrency", "1", "--num-prompts", "2", "--turns", "2", "--input-len", "8",
+                             "--output-len", "4", "--block-size", "4", "--copy-mib", COPY_MIB])
+    (run,) = doc["runs"]
+    assert run["turns"] == 2 and [r["prompt_tokens"] for r in run["requests"]] == [8, 20, 8, 20]
+    # a second turn finds the first turn's computed full blocks: its 8 prompt tokens (the last output
+    # token's KV is never computed, so the block of outputs is not full)
+    assert (run["prefix_cache_queries"], run["prefix_cache_hits"]) == (56, 16)
+
+
+def test_too_many_turns_are_refused_naming_the_flags(tmp_path):
+    args = _parser().parse_args(["bench", "--device", "cpu", "--no-progress", "--turns", "40", "--input-len", "8",
+                                 "--output-len", "4", "--max-model-len", "128"])
+    with pytest.raises(ValueError, match=r"--turns=40 .* reach 480 tokens, over max_model_len=128"):
+        args.func(args, io.StringIO())

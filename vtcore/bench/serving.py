@@ -116,6 +116,13 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "tokens follow), for prefix caching (default: 0)")
     p.add_argument("--num-prompts", type=positive_int("--num-prompts"), default=None,
                    help="requests completed per concurrency (default: 4*c; at least c)")
+    p.add_argument("--turns", type=positive_int("--turns"), default=1, metavar="T",
+                   help="multi-turn chat replay: each of --num-prompts conversations sends T requests in turn, "
+                        "each resending the conversation so far (prompts and outputs) plus --input-len new "
+                        "tokens (default: 1)")
+    p.add_argument("--compare-prefix-caching", action="store_true",
+                   help="run the sweep twice in one call, prefix caching off then on (fresh engines), and "
+                        "report TTFT and throughput of the two side by side")
     p.add_argument("--peer", default=None, choices=list(PEER_CHOICES),
                    help="hf: also time HF transformers' generate on the same prompts, at batch 1 (needs "
                         "concurrency 1 for the TPOT ratio) and batched at the largest concurrency; with "
@@ -189,19 +196,23 @@ async def _one_request(engine: Any, rid: str, prompt_ids: list[int], params: Any
     itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return {"request_id": rid, "prompt_tokens": len(prompt_ids), "output_tokens": seen,
             "finish_reason": finish_reason, "send_time": sent, "done_time": done, "latency_s": latency,
-            "ttft_s": ttft, "tpot_s": tpot, "itl_s": itl, "arrival_token_counts": counts}
+            "ttft_s": ttft, "tpot_s": tpot, "itl_s": itl, "arrival_token_counts": counts,
+            "_ids": list(comp.token_ids) if seen else []}  # popped by the caller (the next turn's history)
 
 
 async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int, output_len: int,
                            vocab_size: int, rng: random.Random, progress: bool,
-                           probe_rng: random.Random | None = None, prefix_len: int = 0) -> dict[str, Any]:
+                           probe_rng: random.Random | None = None, prefix_len: int = 0, turns: int = 1
+                           ) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
     from vtcore.sampling_params import SamplingParams
 
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
-    prompts = [prefix + [rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    # conversation i's new tokens of each turn; a turn resends the conversation so far, then its own
+    fresh = [[[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(turns)] for _ in range(num_prompts)]
+    prompts = [prefix + f[0] for f in fresh]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     inner = engine.engine
     queries0, hits0 = inner.pool.queries, inner.pool.hits
@@ -211,15 +222,19 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
         torch.cuda.reset_peak_memory_stats(inner.device)
     next_index = 0
     results: list[dict[str, Any]] = []
-    bar = tqdm(total=num_prompts, desc=f"bench c={c}", unit="req", disable=not progress)
+    bar = tqdm(total=num_prompts * turns, desc=f"bench c={c}", unit="req", disable=not progress)
 
     async def worker() -> None:
         nonlocal next_index
         while next_index < num_prompts:
             i = next_index
             next_index += 1
-            results.append(await _one_request(engine, f"bench-c{c}-{i}", prompts[i], params))
-            bar.update(1)
+            history = prompts[i]
+            for t in range(turns):
+                result = await _one_request(engine, f"bench-c{c}-{i * turns + t}", history, params)
+                results.append(result)
+                history = history + result.pop("_ids") + (fresh[i][t + 1] if t + 1 < turns else [])
+                bar.update(1)
 
     steps0 = inner.runner.steps_submitted
     with StepTimer(inner.runner) as timer:
@@ -240,7 +255,7 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
     output_tokens = sum(r["output_tokens"] for r in results)
     return {
         "concurrency": c, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-        "prefix_len": prefix_len, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+        "prefix_len": prefix_len, "turns": turns, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "wall_s": wall, "start_time": start, "end_time": end,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
@@ -366,7 +381,12 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     prefix_len = getattr(args, "prefix_len", 0) or 0
     if prefix_len < 0:
         raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
+    turns = getattr(args, "turns", 1) or 1
     input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
+    longest = prefix_len + turns * (input_len + args.output_len)
+    if longest > max_model_len:
+        raise ValueError(f"--turns={turns} of --input-len={input_len} + --output-len={args.output_len} after "
+                         f"--prefix-len={prefix_len} reach {longest} tokens, over max_model_len={max_model_len}")
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
     copy = measure_copy_bandwidth(resolve_device(config.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
     engine = AsyncLLM(**attrs.asdict(config))
@@ -397,7 +417,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
             n = max(args.num_prompts or 4 * c, c)
             with count_triton_compiles() as compiled:
                 runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
-                                                   progress, random.Random(config.seed * 1_000_003 + c), prefix_len))
+                                                   progress, random.Random(config.seed * 1_000_003 + c), prefix_len,
+                                                   turns))
             runs[-1]["triton_compiles"] = compiled
         return runs
 
@@ -499,13 +520,43 @@ def format_table(doc: dict[str, Any]) -> str:
                      + ("" if d["reason"] is None else f" ({d['reason']})")
                      + f"; Triton compiles while measured: {len(r['triton_compiles'])}"
                      + (f" ({', '.join(sorted(set(r['triton_compiles'])))})" if r["triton_compiles"] else ""))
+    if doc.get("prefix_caching_off"):
+        lines += format_comparison(doc)
     if doc.get("peer"):
         lines += format_peer(doc["peer"], _ms)
     return "\n".join(lines) + "\n"
 
 
+def run_compared(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
+    """The serving sweep with prefix caching off (its runs under ``prefix_caching_off``), then on (the
+    document), each on a fresh engine, the prompts drawn alike from the same seed."""
+    if getattr(args, "offline", False):
+        raise ValueError("--compare-prefix-caching compares serving sweeps; it does not apply with --offline")
+    off = argparse.Namespace(**{**vars(args), "enable_prefix_caching": False, "peer": None})
+    keep = ("concurrency", "prefix_cache_hit_rate", "ttft_s", "tpot_s", "output_throughput_tok_s", "wall_s")
+    off_runs = [{k: r[k] for k in keep} for r in run_bench(off, progress)["runs"]]
+    doc = run_bench(argparse.Namespace(**{**vars(args), "enable_prefix_caching": True}), progress)
+    doc["prefix_caching_off"] = {"runs": off_runs}
+    return doc
+
+
+def format_comparison(doc: dict[str, Any]) -> list[str]:
+    """One line per concurrency: prefix caching off beside on (mean TTFT, output throughput, hit rate)."""
+    lines = []
+    for off, on in zip(doc["prefix_caching_off"]["runs"], doc["runs"]):
+        t_off, t_on = off["ttft_s"]["mean"], on["ttft_s"]["mean"]
+        ratio = f"{t_on / t_off:.2f}x" if t_off and t_on is not None else "-"
+        rate = on["prefix_cache_hit_rate"]
+        lines.append(f"prefix caching off -> on, c={on['concurrency']}: TTFT mean {_ms(t_off)} -> {_ms(t_on)} ms "
+                     f"({ratio}), output {off['output_throughput_tok_s']:.1f} -> {on['output_throughput_tok_s']:.1f}"
+                     f" tok/s ({on['output_throughput_tok_s'] / off['output_throughput_tok_s']:.2f}x), hit rate "
+                     f"{'-' if rate is None else f'{100 * rate:.1f}%'}")
+    return lines
+
+
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
-    doc = run_bench(args, progress=not getattr(args, "no_progress", False))
+    progress = not getattr(args, "no_progress", False)
+    doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else run_bench(args, progress)
     out.write(format_table(doc))
     if args.json:
         with open(args.json, "w") as f:
