@@ -164,3 +164,15 @@ def test_the_knob_is_a_flag_on_every_command_and_reset_forgets(tiny_checkpoint) 
     assert llm.generate(prompt, greedy())[0].num_cached_tokens == 2 * BS
     assert llm.reset_prefix_cache() is True
     assert llm.generate(prompt, greedy())[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("arrive", [1, 2, 3])
+def test_sync_and_async_register_a_block_filled_by_an_output_at_the_same_step(tiny_checkpoint, arrive: int) -> None:
+    """The first output token completes a block; a request resending prompt and that token arrives one,
+    two or three steps later. The host learns the token a step later in the async engine, so a rule on
+    the tokens the host has seen would register the block at different steps in the two engines."""
+    prompt = _prompt(2 * BS - 1, seed=7)
+    first = run_engine(build_engine(tiny_checkpoint[0], "sync", **KNOBS), {0: [("a", prompt, greedy(8))]})[0]["a"]
+    arrivals = {0: [("a", prompt, greedy(8))], arrive: [("b", prompt + first[:1] + [3, 4], greedy(4))]}
+    sync = run_engine(build_engine(tiny_checkpoint[0], "sync", **KNOBS), arrivals)
+    assert run_engine(build_engine(tiny_checkpoint[0], "async", **KNOBS), arrivals) == sync

@@ -176,3 +176,14 @@ def test_cuda_fast_paths_take_the_quantized_weights() -> None:
     lin = lin.cuda()
     assert lin._gemv_weight(row.cuda()) is not None
     torch.testing.assert_close(lin(row.cuda()).cpu(), want, rtol=2e-4, atol=2e-4)
+
+
+def test_a_family_s_quant_ignore_is_checked_when_registered() -> None:
+    from vtcore.family import ModelFamily
+
+    kw = dict(name="f", architectures=("FForCausalLM",), model_cls="m:F")
+    assert ModelFamily(**kw, quant_ignore=["lm_head", r"re:.*\.gate$"]).quant_ignore == ("lm_head", r"re:.*\.gate$")
+    with pytest.raises(ValueError, match=r"quant_ignore='lm_head': expected a tuple of module names"):
+        ModelFamily(**kw, quant_ignore="lm_head")
+    with pytest.raises(ValueError, match=r"quant_ignore pattern 're:\(': not a valid regular expression"):
+        ModelFamily(**kw, quant_ignore=("re:(",))

@@ -10,9 +10,10 @@ rejects what could never fit, so preemption always makes progress.
 Prefix caching (``BlockPool.caching``): a request admitted with nothing computed (new, or preempted)
 starts from the longest chain of cached blocks its known tokens match, never its last token (whose
 logits are needed), and not at all when it asks for prompt logprobs. After each schedule, the full
-blocks of every running request up to ``min(computed, scheduled - 1)`` tokens become findable: the
-host knows those tokens in both engines at the same step (the async engine's in-flight token is the
-last one), so sync and async build the same batches.
+blocks of every running request up to ``min(computed, scheduled - 2)`` tokens become findable. Right
+after a schedule the host may not know a request's last two tokens: the one the step samples and, in
+the async engine, the one before it still in flight; every other token is known in both engines at
+the same step, so both register the same blocks and build the same batches.
 
 Async: a step is scheduled before the previous one's tokens reach the host. ``num_computed_tokens``
 advances at scheduling time and each sampling step adds one in-flight token, so a decode row can
@@ -32,6 +33,9 @@ from vtcore.errors import RequestRejected
 from vtcore.worker.step import Batch, Scheduled
 
 __all__ = ["Batch", "Scheduled", "Scheduler"]
+
+#: a request's tokens the host may not know right after a schedule (the one sampled, one in flight)
+_UNKNOWN_AFTER_SCHEDULE = 2
 
 
 class Scheduler:
@@ -79,7 +83,8 @@ class Scheduler:
 
     def _register(self, req: Request) -> None:
         """Make ``req``'s computed full blocks findable (tokens the host knows in sync and async alike)."""
-        full = min(req.num_computed_tokens, req.num_tokens_scheduled - 1, req.num_tokens) // self.pool.block_size
+        known = min(req.num_tokens_scheduled - _UNKNOWN_AFTER_SCHEDULE, req.num_tokens)  # the latter: a guard
+        full = min(req.num_computed_tokens, known) // self.pool.block_size
         done = req.num_registered_blocks
         if full > done:
             hashes = self.pool.hashes(req.token_ids, req.block_hashes, full)
