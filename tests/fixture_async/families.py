@@ -102,11 +102,19 @@ class _OwnTokensAttention(Attention):
         return torch.cat(out).reshape(-1, self.num_heads * self.head_dim)
 
 
-class PrefillIgnoresCache(Qwen3ForCausalLM):
+class _Qwen3WithAttention(Qwen3ForCausalLM):
+    """Qwen3 whose every attention layer is of class ``attention``."""
+
+    attention: type[Attention] = Attention
+
     def __init__(self, config, max_position: int) -> None:
         super().__init__(config, max_position)
         for layer in self.model.layers:
-            layer.self_attn.attn.__class__ = _OwnTokensAttention
+            layer.self_attn.attn.__class__ = self.attention
+
+
+class PrefillIgnoresCache(_Qwen3WithAttention):
+    attention = _OwnTokensAttention
 
 
 class _ShiftedCachedPrefix(Attention):
@@ -124,11 +132,8 @@ class _ShiftedCachedPrefix(Attention):
         return super().forward(q, k, v, positions, rotary, q_norm, k_norm)
 
 
-class CachedPrefixOffByOne(Qwen3ForCausalLM):
-    def __init__(self, config, max_position: int) -> None:
-        super().__init__(config, max_position)
-        for layer in self.model.layers:
-            layer.self_attn.attn.__class__ = _ShiftedCachedPrefix
+class CachedPrefixOffByOne(_Qwen3WithAttention):
+    attention = _ShiftedCachedPrefix
 
 
 class _StickyStateGDN(GatedDeltaNet):

@@ -10,7 +10,7 @@ method's tensors and ``self.quant``'s ``apply`` computes the layer (at decode si
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -50,14 +50,8 @@ class Linear(nn.Module, QuantTarget):
         return list(self.shard_slices) or [None]
 
     def new_param(self, data: torch.Tensor, per_shard: bool = False, exact_dtype: bool = False) -> nn.Parameter:
-        """A parameter loaded by shard rows (or, ``per_shard``, one entry per shard); ``exact_dtype``
-        makes the loader refuse a checkpoint tensor of any other dtype instead of casting it."""
-        param = nn.Parameter(data, requires_grad=False)
-        param.shards = tuple(self.shard_slices) or (None,)
-        param.weight_loader = self.weight_loader
-        param.per_shard = per_shard
-        param.exact_dtype = exact_dtype
-        return param
+        """A parameter loaded by shard rows (or, ``per_shard``, one entry per shard)."""
+        return loadable_param(data, tuple(self.shard_slices) or (None,), self.weight_loader, per_shard, exact_dtype)
 
     def shard_view(self, param: nn.Parameter, shard: str | None) -> torch.Tensor:
         """The part of ``param`` that checkpoint shard ``shard`` fills (all of it for None)."""
@@ -70,10 +64,7 @@ class Linear(nn.Module, QuantTarget):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """Copy one checkpoint tensor into ``param`` (its shard's rows when ``shard`` is given)."""
-        target = self.shard_view(param, shard)
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded)
+        copy_checked(self.shard_view(param, shard), loaded)
 
     def quant_slots(self, name: str, model: nn.Module) -> list[QuantSlot]:
         """The one weight, its shards checked as the checkpoint modules they were fused from
@@ -154,6 +145,26 @@ class Linear(nn.Module, QuantTarget):
             return gemv.gemv_qk_rope(x, weight, rope, self.bias, residual, norm.weight, norm.eps, norm.zero_centered)
         h, residual = norm(x, residual)
         return gemv.gemv_qk_rope(h, weight, rope, self.bias)[0], residual
+
+
+def loadable_param(data: torch.Tensor, shards: tuple[str | None, ...], loader: Callable[..., None],
+                   per_shard: bool = False, exact_dtype: bool = False) -> nn.Parameter:
+    """A parameter the weight loader fills one checkpoint tensor a shard through ``loader(param, tensor,
+    shard)`` (``shards``: every shard that must arrive; ``per_shard``: one entry per shard);
+    ``exact_dtype`` makes the loader refuse a checkpoint tensor of any other dtype instead of casting it."""
+    param = nn.Parameter(data, requires_grad=False)
+    param.shards = shards
+    param.weight_loader = loader
+    param.per_shard = per_shard
+    param.exact_dtype = exact_dtype
+    return param
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+    """``target.copy_(loaded)``, refusing a tensor of another shape (the loader names the tensor)."""
+    if tuple(target.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+    target.copy_(loaded)
 
 
 def use_gemv(x: torch.Tensor) -> bool:

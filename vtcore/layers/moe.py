@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from vtcore.layers.activation import silu_and_mul
+from vtcore.layers.linear import copy_checked, loadable_param
 from vtcore.layers.quantized import QuantSlot, QuantTarget
 from vtcore.quant.base import QuantTensor, WeightSpec
 
@@ -31,16 +32,14 @@ class Experts(nn.Module, QuantTarget):
         self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up_proj")
         self.down_proj = self._param(torch.empty(num_experts, hidden, intermediate), "down_proj")
         self.quant = None
+        self._fused: tuple[object, object | None] | None = None  # (method, its operand)
 
     def _param(self, data: torch.Tensor, dense: str, exact_dtype: bool = False, per_shard: bool = False
                ) -> nn.Parameter:
-        param = nn.Parameter(data, requires_grad=False)
-        param.shards = tuple(f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")) \
+        """Loaded per expert (and gate/up); ``per_shard``: one entry per shard ([E, 2] gate|up, [E, 1] down)."""
+        shards = tuple(f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")) \
             if dense == "gate_up_proj" else tuple(str(e) for e in range(self.num_experts))
-        param.weight_loader = self.weight_loader
-        param.exact_dtype = exact_dtype
-        param.per_shard = per_shard  # one entry per shard ([E, 2] gate|up, [E, 1] down)
-        return param
+        return loadable_param(data, shards, self.weight_loader, per_shard, exact_dtype)
 
     # ------------------------------------------------------------------------------ quantization
     def quant_slots(self, name: str, model: nn.Module) -> list[QuantSlot]:
@@ -73,10 +72,7 @@ class Experts(nn.Module, QuantTarget):
         return target
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        target = self.shard_view(param, shard)
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded)
+        copy_checked(self.shard_view(param, shard), loaded)
 
     def dummy_init(self, gen: torch.Generator) -> None:
         if self.quant is not None:
@@ -92,8 +88,12 @@ class Experts(nn.Module, QuantTarget):
         return 1.0 - (1.0 - self.top_k / self.num_experts) ** batch
 
     def _operand(self) -> object | None:
-        w = self.quant_weights
-        return self.quant.experts_operand(w["gate_up_proj"], w["down_proj"])
+        """The method's fused-MoE operand, built once per method: it holds the parameters themselves,
+        which loads and ``Module.to`` update in place."""
+        if self._fused is None or self._fused[0] is not self.quant:
+            w = self.quant_weights
+            self._fused = (self.quant, self.quant.experts_operand(w["gate_up_proj"], w["down_proj"]))
+        return self._fused[1]
 
     @property
     def supports_decode_graphs(self) -> bool:
