@@ -30,6 +30,7 @@ FIXTURES = {
     "cached_prefix_off_by_one": ({"oracle-schedule", "prefix-cache"}, CACHED_CONTEXT,
                                  ("oracle-schedule", "prefix-cache")),
     "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
+    "snapshot_into_read_slot": ({"prefix-cache"}, "end it in its state_out_slots entry", ("prefix-cache",)),
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
                     ("parameters",)),
 }

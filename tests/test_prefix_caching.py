@@ -2,8 +2,6 @@
 cached prefixes with the same tokens as without, sync and async, under preemption."""
 from __future__ import annotations
 
-import json
-import logging
 import random
 
 import pytest
@@ -133,18 +131,6 @@ def test_sync_and_async_build_the_same_batches_with_caching_under_preemption(tin
     off = build_engine(tiny_checkpoint[0], "sync", **knobs, enable_prefix_caching=False)
     assert run_engine(off, arrivals)[0] == sync_tokens
     assert sync.pool.num_free == sync.pool.num_blocks
-
-
-def test_a_family_with_per_request_state_runs_without_caching(tmp_path, caplog) -> None:
-    from vtcore_qwen3_5.plugin import dense_example
-
-    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
-    with caplog.at_level(logging.WARNING, logger="vtcore"):
-        first = build_engine(str(tmp_path), "sync", **KNOBS, load_format="dummy")
-        build_engine(str(tmp_path), "sync", **KNOBS, load_format="dummy")
-    assert not first.pool.caching
-    said = [r.getMessage() for r in caplog.records if "prefix caching is off" in r.getMessage()]
-    assert len(said) <= 1 and all("GatedDeltaNet" in m for m in said)
 
 
 def test_the_knob_is_a_flag_on_every_command_and_reset_forgets(tiny_checkpoint) -> None:

@@ -88,7 +88,7 @@ def test_one_method_takes_over_linear_and_experts_and_computes_from_the_loaded_t
             d = exp.down_codes[e].float() * exp.down_row_scale[e][:, None]
             h = F.linear(x[t] * 1.5, gu)
             want[t] += weights[t, j] * F.linear(F.silu(h[:I]) * h[I:] * 1.5, d)
-    torch.testing.assert_close(exp(x, ids, weights), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exp(x, ids, weights), want, rtol=1e-4, atol=1e-4)
     assert not exp.supports_decode_graphs  # the toy method offers no fused-MoE operand
     exp.quant_dummy_init(torch.Generator().manual_seed(1))
     assert exp.gate_up_row_scale.eq(0.01).all() and exp.down_input_scale.eq(1.0).all()

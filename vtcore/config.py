@@ -189,7 +189,15 @@ class EngineConfig:
         "help": "the fraction of GPU memory the engine may use, KV cache included"})
     enable_prefix_caching: bool = attrs.field(default=True, validator=_bool, metadata={
         "help": "reuse the KV of cached full blocks a prompt shares with earlier requests (hash-based; "
-                "families with per-request state run without it)"})
+                "families with per-request state resume from state snapshots, see --state-snapshot-interval)"})
+    state_snapshot_interval: int | None = attrs.field(default=None, validator=positive, metadata={
+        "help": "prefix caching of families with per-request state (hybrid models): tokens between the "
+                "state snapshots a prompt leaves (a cached prefix resumes from the last one it covers); "
+                "a multiple of --block-size", "default_help": "512 tokens (rounded to whole blocks)"})
+    num_state_snapshots: int | None = attrs.field(default=None, validator=positive, metadata={
+        "help": "state snapshot slots for prefix caching of families with per-request state",
+        "default_help": "what a tenth of the cache memory holds, at most one per interval of every running "
+                        "request's longest context"})
     enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
         "help": "run decode steps eagerly, without CUDA graphs"})
     async_scheduling: bool | None = attrs.field(default=None, validator=_bool, metadata={

@@ -144,12 +144,33 @@ class _StickyStateGDN(GatedDeltaNet):
         return super()._decode_indexed(mixed, b, a, slots, torch.ones_like(continues))
 
 
-class StateNotReset(Qwen3_5ForCausalLM):
+class _Qwen3_5WithGDN(Qwen3_5ForCausalLM):
+    """Qwen3.5 whose Gated DeltaNet layers are of the class ``gdn``."""
+
+    gdn: type[GatedDeltaNet]
+
     def __init__(self, config, max_position: int) -> None:
         super().__init__(config, max_position)
         for m in self.modules():
             if isinstance(m, GatedDeltaNet):
-                m.__class__ = _StickyStateGDN
+                m.__class__ = self.gdn
+
+
+class StateNotReset(_Qwen3_5WithGDN):
+    gdn = _StickyStateGDN
+
+
+class _SnapshotIntoReadSlotGDN(GatedDeltaNet):
+    """Claims the snapshot contract but ends every segment in the slot it started from (ignores
+    ``state_out_slots``): a snapshot taken inside a prefill chunk is never written."""
+
+    def _forward_per_sequence(self, mixed, b, a, md):
+        md.state_out_slots = []
+        return super()._forward_per_sequence(mixed, b, a, md)
+
+
+class SnapshotIntoReadSlot(_Qwen3_5WithGDN):
+    gdn = _SnapshotIntoReadSlotGDN
 
 
 class DeadTensorOracle(HFQwen3ForCausalLM):
@@ -208,10 +229,17 @@ def cached_prefix_off_by_one_example() -> ConformanceExample:
     return _example("CachedPrefixOffByOneForCausalLM")
 
 
-def state_not_reset_example() -> ConformanceExample:
+def _hybrid_example(arch: str) -> ConformanceExample:
     base = qwen3_5_example()
-    return ConformanceExample(hf_config={**base.hf_config, "architectures": ["StateNotResetForCausalLM"]},
-                              oracle=base.oracle)
+    return ConformanceExample(hf_config={**base.hf_config, "architectures": [arch]}, oracle=base.oracle)
+
+
+def state_not_reset_example() -> ConformanceExample:
+    return _hybrid_example("StateNotResetForCausalLM")
+
+
+def snapshot_into_read_slot_example() -> ConformanceExample:
+    return _hybrid_example("SnapshotIntoReadSlotForCausalLM")
 
 
 def dead_tensor_example() -> ConformanceExample:
@@ -248,7 +276,8 @@ def vtcore_model_families() -> list[ModelFamily]:
                       consumes_device_tokens=True, conformance_example=f"{HERE}:{name}_example")
           for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
-                            ("state_not_reset", "StateNotReset"), ("dead_tensor", "DeadTensor"))),
+                            ("state_not_reset", "StateNotReset"), ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
+                            ("dead_tensor", "DeadTensor"))),
         ModelFamily(name="dropped_bias", architectures=("DroppedBiasForCausalLM",),
                     model_cls="tests.fixture_async.qwen2:DroppedBias", consumes_device_tokens=True,
                     conformance_example="tests.fixture_async.qwen2:dropped_bias_example"),

@@ -49,12 +49,16 @@ def _check_oracle(example: ConformanceExample) -> None:
                      f"{expected!r}; set model_type to {expected!r}")
 
 
-def _cached_hint(rids: list[str], cached: dict[str, int]) -> str:
+def _cached_hint(rids: list[str], cached: dict[str, int], stateful: bool = False) -> str:
     hits = [r for r in rids if cached.get(r)]
     if not hits:
         return f"requests {rids} computed their whole prompts"
-    return f"requests {hits} started from cached KV blocks ({', '.join(str(cached[r]) for r in hits)} tokens): a " \
+    hint = f"requests {hits} started from cached KV blocks ({', '.join(str(cached[r]) for r in hits)} tokens): a " \
            "prefill chunk must attend over the context already cached for it, at its true positions"
+    if stateful:
+        hint += "; and resume from the state snapshot at the prefix's end: a stateful layer must start each " \
+                "segment from its state_slots entry and end it in its state_out_slots entry (StatefulLayer)"
+    return hint
 
 
 class FamilyGate(CudaChecks):
@@ -316,15 +320,16 @@ class FamilyGate(CudaChecks):
                f"tolerances{', async equal to sync' if modes else ' (async refused for this family)'}"
 
     def check_prefix_cache(self) -> str:
-        from vtcore.conformance.prefix import prefix_workload
+        from vtcore.conformance.prefix import next_turn, prefix_workload
 
-        case = prefix_workload(int(self.example.hf_config["vocab_size"]), SEED, BLOCK)
+        vocab = int(self.example.hf_config["vocab_size"])
+        case = prefix_workload(vocab, SEED, BLOCK)
         modes = ("sync", "async") if self.family.consumes_device_tokens else ("sync",)
         runs = {}
         for mode in modes:
-            engine = self.engine(mode)
+            engine = self.engine(mode, state_snapshot_interval=BLOCK)  # stateful layers: a snapshot every block
             if not engine.pool.caching:
-                raise Skipped("the family runs without prefix caching (a layer keeps per-request state)")
+                raise Skipped("the family runs without prefix caching (a stateful layer cannot snapshot its state)")
             cached: dict[str, int] = {}
 
             def admitted(batch: Any) -> None:
@@ -332,19 +337,24 @@ class FamilyGate(CudaChecks):
                     cached.setdefault(s.request.request_id, s.request.num_cached_tokens)
 
             finals: dict[str, CompletionOutput] = {}
-            tokens, batches = run_engine(engine, case.arrivals, admitted, finals)
-            if cached != case.expected:
-                wrong = {rid: (n, case.expected[rid]) for rid, n in cached.items() if n != case.expected[rid]}
+            stateful = bool(engine.runner.stateful_layers)
+            first = run_engine(engine, case.arrivals, admitted, finals)
+            turn = next_turn(vocab, SEED, BLOCK, case.prompts["first"][0], first[0]["first"])
+            second = run_engine(engine, turn.arrivals, admitted, finals)  # the same engine: its cache
+            expected, prompts = {**case.expected, **turn.expected}, {**case.prompts, **turn.prompts}
+            if cached != expected:
+                wrong = {rid: (n, expected[rid]) for rid, n in cached.items() if n != expected[rid]}
                 raise Failed(f"{mode}: prompt tokens taken from the prefix cache (ours, the hashes') differ: "
                              f"{wrong} (a vtcore bug, not the family's)")
-            self._against_oracle([(rid, ids, params, finals[rid]) for rid, (ids, params) in case.prompts.items()],
-                                 lambda rids: f" ({mode}; {_cached_hint(rids, cached)})")
-            runs[mode] = (tokens, batches)
+            self._against_oracle([(rid, ids, params, finals[rid]) for rid, (ids, params) in prompts.items()],
+                                 lambda rids: f" ({mode}; {_cached_hint(rids, cached, stateful)})")
+            runs[mode] = (first, second)
         if len(runs) > 1 and runs["async"] != runs["sync"]:
             raise Failed("async scheduled different batches or tokens than sync with prefix caching")
         return f"{len(case.prompts) - 1} requests sharing prefixes of 5 to {len(case.prompts['first'][0])} tokens " \
-               f"with the first (while it runs and after), {sum(case.expected.values())} prompt tokens from the " \
-               f"cache, within the oracle's tolerances{', async equal to sync' if len(runs) > 1 else ''}"
+               f"with the first (while it runs and after) and a next turn over its answer, " \
+               f"{sum(case.expected.values()) + sum(turn.expected.values())} prompt tokens from the cache, within " \
+               f"the oracle's tolerances{', async equal to sync' if len(runs) > 1 else ''}"
 
     def check_async_abc(self) -> str:
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}

@@ -5,6 +5,10 @@ A follower shares ``shared`` leading tokens of the first request's prompt and th
 the cache can give it the full blocks of that shared part, but never its own last token. Followers
 that arrive together are admitted in one step, so they find the first request's blocks, not each
 other's. The numbers depend only on the prompts and the block size, never on the family.
+
+A second turn (:func:`next_turn`) then resends the first prompt and as many of the first request's
+own output tokens as end a block, plus new tokens: its cached prefix ends inside what the first
+request decoded (for a family with per-request state, a snapshot its decode steps took).
 """
 from __future__ import annotations
 
@@ -45,3 +49,16 @@ def prefix_workload(vocab_size: int, seed: int, block: int) -> PrefixCase:
         expected[name] = min(shared // block, (len(ids) - 1) // block) * block
         prompts[name] = (ids, follower)
     return PrefixCase(arrivals, expected, prompts)
+
+
+def next_turn(vocab_size: int, seed: int, block: int, base: list[int], first_output: list[int]) -> PrefixCase:
+    """The follow-up to ``base`` (the first prompt), whose request answered ``first_output``: the
+    conversation so far up to a block's end inside the answer, then 4 new tokens."""
+    rng = random.Random(seed + 1)
+    answered = (-len(base)) % block or block
+    if answered > len(first_output):
+        raise ValueError(f"the first request answered {len(first_output)} tokens; the next turn needs {answered}")
+    ids = base + first_output[:answered] + [rng.randrange(vocab_size) for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    return PrefixCase({0: [("next-turn", ids, params)]}, {"next-turn": len(base) + answered},
+                      {"next-turn": (ids, params)})

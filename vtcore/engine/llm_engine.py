@@ -18,10 +18,10 @@ from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.capacity import EngineLimits, EngineStats
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
+from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.engine.tokenizer import load_tokenizer
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
-from vtcore.layers.state import StatefulLayer
 from vtcore.loading.model_loader import build_model, quant_format
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
@@ -31,7 +31,9 @@ from vtcore.worker.step import StepOutput
 
 log = logging.getLogger("vtcore")
 
-_SAID_NO_CACHING: set[tuple[str, tuple[str, ...]]] = set()  # (family, stateful layers) logged once
+_SAID_NO_CACHING: set[tuple[str, tuple[str, ...]]] = set()  # (family, layers unable to snapshot) logged once
+#: tokens between state snapshots when state_snapshot_interval is not given (rounded to whole blocks)
+DEFAULT_SNAPSHOT_INTERVAL = 512
 
 
 def _cache_salt(dtype: torch.dtype, hf: HFConfig) -> bytes:
@@ -153,31 +155,49 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.family, RunnerConfig(
             self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
             config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids, config.seed,
-            self.depth, config.enforce_eager))
+            self.depth, config.enforce_eager, config.enable_prefix_caching, config.num_state_snapshots,
+            self._snapshot_interval()))
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
-        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, self._prefix_caching(model),
-                              _cache_salt(self.dtype, hf))
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        caching, snapshots = self._prefix_caching()
+        self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                                   snapshots)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
-    def _prefix_caching(self, model: nn.Module) -> bool:
-        """``enable_prefix_caching``, unless a layer keeps per-request state (a cached prefix would need
-        that state at the prefix's end, which no layer snapshots yet): then off, said once."""
-        if not self.config.enable_prefix_caching:
-            return False
-        stateful = sorted({type(m).__name__ for m in model.modules() if isinstance(m, StatefulLayer)})
-        if stateful:
-            key = (self.family.name, tuple(stateful))
-            if key not in _SAID_NO_CACHING:
-                _SAID_NO_CACHING.add(key)
-                log.warning("vtcore: prefix caching is off for model family %r: its layers %s keep per-request "
-                            "state, which a cached prefix cannot restore yet", self.family.name, stateful)
-            return False
-        return True
+    def _snapshot_interval(self) -> int:
+        """Tokens between state snapshots: ``state_snapshot_interval``, or the default in whole blocks."""
+        config = self.config
+        interval = config.state_snapshot_interval or max(1, DEFAULT_SNAPSHOT_INTERVAL // config.block_size) \
+            * config.block_size
+        if interval % config.block_size:
+            raise ConfigError(f"state_snapshot_interval={interval}: expected a multiple of block_size="
+                              f"{config.block_size} (a snapshot ends a cached block)")
+        return interval
+
+    def _prefix_caching(self) -> tuple[bool, SnapshotPool | None]:
+        """``enable_prefix_caching``, and for a family with stateful layers the pool of their state
+        snapshots; caching is off (said once) when such a layer cannot snapshot or no snapshot fits."""
+        config = self.config
+        if not config.enable_prefix_caching:
+            return False, None
+        stateful = self.runner.stateful_layers
+        if not stateful:
+            return True, None
+        if self.runner.num_state_snapshots:
+            return True, SnapshotPool(self.runner.num_state_snapshots, self.runner.config.state_snapshot_interval)
+        unable = sorted({type(m).__name__ for m in stateful if not m.supports_state_snapshots})
+        key = (self.family.name, tuple(unable))
+        if key not in _SAID_NO_CACHING:
+            _SAID_NO_CACHING.add(key)
+            why = (f"its layers {unable} keep per-request state and cannot snapshot it "
+                   "(StatefulLayer.supports_state_snapshots)") if unable else \
+                "no state snapshot fits in the memory left for the caches"
+            log.warning("vtcore: prefix caching is off for model family %r: %s", self.family.name, why)
+        return False, None
 
     def _generation_config_path(self) -> str:
         """generation_config.json of the checkpoint, or of the folder ``generation_config`` names."""
@@ -468,8 +488,10 @@ class LLMEngine:
                             self.max_num_batched_tokens, self.pool.block_size, self.pool.num_blocks)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's ``reset_prefix_cache``); True when caching is on."""
+        """Forget every cached block and state snapshot (vLLM's ``reset_prefix_cache``); True when caching is on."""
         self.pool.reset()
+        if self.scheduler.snapshots is not None:
+            self.scheduler.snapshots.reset()
         return self.pool.caching
 
     def stats(self) -> EngineStats:

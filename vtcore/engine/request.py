@@ -33,6 +33,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of the first full blocks of token_ids
         self.num_registered_blocks = 0  # of block_ids, those the prefix cache can find
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
+        self.restore_snapshot = -1  # the state snapshot its cached prefix resumes from (hybrid families)
+        self.pending_snapshots: list[tuple[int, int]] = []  # (prefix length, snapshot slot) written, not registered
         self.status = RequestStatus.WAITING
         # The host knows this end without seeing token values: never schedule past it.
         budget = max_model_len - len(prompt_token_ids)

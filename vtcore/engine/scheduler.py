@@ -15,6 +15,12 @@ after a schedule the host may not know a request's last two tokens: the one the 
 the async engine, the one before it still in flight; every other token is known in both engines at
 the same step, so both register the same blocks and build the same batches.
 
+Hybrid families (a ``SnapshotPool``): a cached prefix also needs every stateful layer's state at its
+end. A request asks for a snapshot at every multiple of the pool's ``interval`` its scheduled tokens
+reach (``Scheduled.saves``); the snapshot is registered with the block that ends its prefix. At
+admission the matched blocks are cut back to the longest prefix whose snapshot exists, and the first
+share restores it (``Scheduled.restore``).
+
 Async: a step is scheduled before the previous one's tokens reach the host. ``num_computed_tokens``
 advances at scheduling time and each sampling step adds one in-flight token, so a decode row can
 be scheduled for a token the host has not seen (the runner fills it on the device). A request whose
@@ -29,6 +35,7 @@ from collections import deque
 
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.request import Request, RequestStatus
+from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.errors import RequestRejected
 from vtcore.worker.step import Batch, Scheduled
 
@@ -39,8 +46,10 @@ _UNKNOWN_AFTER_SCHEDULE = 2
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> None:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 snapshots: SnapshotPool | None = None) -> None:
         self.pool = pool
+        self.snapshots = snapshots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -68,6 +77,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.block_ids)
         req.num_registered_blocks = 0
+        self._drop_snapshots(req)
         self.free_mirror_slots.append(req.mirror_slot)
         req.mirror_slot = -1
 
@@ -77,9 +87,44 @@ class Scheduler:
             return
         bs = self.pool.block_size
         hashes = self.pool.hashes(req.token_ids, req.block_hashes, (req.num_tokens - 1) // bs)
-        req.block_ids = self.pool.match(hashes)
-        req.num_registered_blocks = len(req.block_ids)
-        req.num_computed_tokens = len(req.block_ids) * bs
+        blocks = self.pool.match(hashes)
+        if self.snapshots is not None:  # only as far as a snapshot of every layer's state exists
+            keep = self._restorable(req, hashes, len(blocks))
+            self.pool.free(blocks[keep:])
+            del blocks[keep:]
+        req.block_ids = blocks
+        req.num_registered_blocks = len(blocks)
+        req.num_computed_tokens = len(blocks) * bs
+
+    def _restorable(self, req: Request, hashes: list[bytes], matched: int) -> int:
+        """The most of ``matched`` blocks ending where a snapshot exists (its slot: ``req.restore_snapshot``)."""
+        per = self.snapshots.interval // self.pool.block_size
+        for keep in range(matched // per * per, 0, -per):
+            slot = self.snapshots.find(hashes[keep - 1])
+            if slot is not None:
+                req.restore_snapshot = slot
+                return keep
+        return 0
+
+    def _snapshot_saves(self, req: Request, start: int, n: int) -> tuple[tuple[int, int], ...]:
+        """Snapshot slots for the interval multiples in ``(start, start + n]`` (none once the pool is short)."""
+        saves = []
+        interval = self.snapshots.interval
+        for end in range((start // interval + 1) * interval, start + n + 1, interval):
+            slot = self.snapshots.take()
+            if slot is None:
+                break
+            req.pending_snapshots.append((end, slot))
+            saves.append((end - start, slot))
+        return tuple(saves)
+
+    def _drop_snapshots(self, req: Request) -> None:
+        """Hand back the snapshots ``req`` took and never registered (it leaves, or its admission failed)."""
+        if self.snapshots is not None:
+            for _, slot in req.pending_snapshots:
+                self.snapshots.release(slot)
+        req.pending_snapshots.clear()
+        req.restore_snapshot = -1
 
     def _register(self, req: Request) -> None:
         """Make ``req``'s computed full blocks findable (tokens the host knows in sync and async alike)."""
@@ -90,6 +135,10 @@ class Scheduler:
             hashes = self.pool.hashes(req.token_ids, req.block_hashes, full)
             self.pool.cache(req.block_ids[done:full], hashes[done:full])
             req.num_registered_blocks = full
+        pending = req.pending_snapshots
+        while pending and pending[0][0] <= full * self.pool.block_size:
+            end, slot = pending.pop(0)
+            self.snapshots.register(slot, req.block_hashes[end // self.pool.block_size - 1])
 
     def _preempt(self, req: Request) -> None:
         self._leave_running(req)
@@ -106,7 +155,10 @@ class Scheduler:
         samples = req.num_computed_tokens == req.num_tokens_scheduled
         if samples:
             req.num_inflight += 1
-        return Scheduled(req, start, n, samples)
+        if self.snapshots is None:
+            return Scheduled(req, start, n, samples)
+        restore, req.restore_snapshot = req.restore_snapshot, -1
+        return Scheduled(req, start, n, samples, restore, self._snapshot_saves(req, start, n))
 
     def schedule(self) -> Batch:
         for req in [r for r in self.running if r.host_knows_end and r.num_computed_tokens >= r.num_tokens]:
@@ -142,6 +194,7 @@ class Scheduler:
             if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
                 self.pool.free(req.block_ids)  # the cached prefix too: looked up again next time
                 req.num_computed_tokens = req.num_registered_blocks = 0
+                req.restore_snapshot = -1
                 break
             self.waiting.popleft()
             if self.pool.caching and not req.num_preemptions:  # first admission: what the cache held

@@ -30,9 +30,12 @@ class AttentionMetadata:
     last positions of its context.
     ``max_query_len`` / ``max_context_len``: host upper bounds (they size the kernels' grids, so a
     CUDA graph captures with its largest values). ``decode``: every sequence has one query.
-    Host lists, for stateful (linear-attention) layers: ``seq_rows`` (first row, token count) per
-    sequence, ``state_slots`` (its state slot) and ``has_state`` (False when its first scheduled
-    token is position 0, so its state starts from zero). On the padded decode path (one token a
+    Host lists, for stateful (linear-attention) layers, one entry per state segment (a sequence's
+    rows, split where the prefix cache takes a state snapshot): ``seq_rows`` (first row, token
+    count), ``state_slots`` (the slot its state starts from), ``state_out_slots`` (the slot its
+    state ends in; empty: the same as ``state_slots``) and ``has_state`` (False when its first
+    token is position 0, so its state starts from zero). Segments of one sequence come in order,
+    each starting from the slot the one before ended in. On the padded decode path (one token a
     row, captured in CUDA graphs) the same as device tensors instead: ``state_index`` [rows] int64
     (padded rows: the runner's dummy slot) and ``state_continues`` [rows] bool.
     """
@@ -45,6 +48,7 @@ class AttentionMetadata:
     max_context_len: int
     seq_rows: list[tuple[int, int]] = attrs.Factory(list)
     state_slots: list[int] = attrs.Factory(list)
+    state_out_slots: list[int] = attrs.Factory(list)
     has_state: list[bool] = attrs.Factory(list)
     state_index: torch.Tensor | None = None
     state_continues: torch.Tensor | None = None

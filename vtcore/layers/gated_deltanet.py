@@ -80,6 +80,7 @@ class GatedDeltaNet(StatefulLayer):
     #: prefill chunk of the chunked algorithm
     chunk_size = 64
     supports_decode_graphs = True
+    supports_state_snapshots = True
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, eps: float) -> None:
@@ -172,22 +173,23 @@ class GatedDeltaNet(StatefulLayer):
         weight = self.conv1d.weight.float()
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=torch.float32, device=mixed.device)
-        for (row0, n), slot, continues in zip(md.seq_rows, md.state_slots, md.has_state):
+        outs = md.state_out_slots or md.state_slots
+        for (row0, n), slot, out_slot, continues in zip(md.seq_rows, md.state_slots, outs, md.has_state):
             rows = slice(row0, row0 + n)
             prev = conv_states[slot] if continues else torch.zeros_like(conv_states[slot])
             window = torch.cat((prev, mixed[rows].T), dim=-1)  # [conv_dim, K-1+n]
-            conv_states[slot] = window[:, window.shape[1] - (self.kernel - 1):]
+            conv_states[out_slot] = window[:, window.shape[1] - (self.kernel - 1):]
             qkv = F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)[0].T)  # [n, conv_dim]
             q, k, v = self._heads(qkv)
             state = rec_states[slot] if continues else torch.zeros_like(rec_states[slot])
             if n == 1:
-                out[rows], rec_states[slot] = gated_delta_recurrent(q, k, v, g[rows], beta[rows], state)
+                out[rows], rec_states[out_slot] = gated_delta_recurrent(q, k, v, g[rows], beta[rows], state)
             elif use_chunk_kernel(mixed) and self.chunk_size >= 16 and not self.chunk_size & (self.chunk_size - 1):
                 # (the kernel takes power-of-two chunks from 16)
-                out[rows], rec_states[slot] = self._chunked_kernel(q, k, v, g[rows], beta[rows], state)
+                out[rows], rec_states[out_slot] = self._chunked_kernel(q, k, v, g[rows], beta[rows], state)
             else:
-                out[rows], rec_states[slot] = gated_delta_chunked(q, k, v, g[rows], beta[rows], state,
-                                                                  chunk=self.chunk_size)
+                out[rows], rec_states[out_slot] = gated_delta_chunked(q, k, v, g[rows], beta[rows], state,
+                                                                      chunk=self.chunk_size)
         return out
 
     def _chunked_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -6,6 +6,15 @@ running request a stable slot (its mirror slot). A request's first scheduled tok
 (re)computation starts from zero state; later chunks continue the slot's state; preemption drops
 it (the recompute starts over). A finished request's slot is reusable at once: every step's device
 work is ordered on one stream, so the next owner's reset lands after the old owner's last write.
+
+Prefix caching (the snapshot contract): a cached prefix resumes from every stateful layer's state
+at the prefix's end, kept in snapshot slots after the running requests' slots of the same tensors.
+A layer takes part by declaring ``supports_state_snapshots`` and keeping all of a request's state
+in ``states`` (slot first: the runner restores and saves a snapshot by copying slots), and, in a
+general step, by honouring ``AttentionMetadata.state_out_slots``: a segment's state starts from its
+``state_slots`` entry and ends in its ``state_out_slots`` entry (the runner splits a sequence where
+a snapshot falls inside it, so the first part writes the snapshot). A family with a stateful layer
+that does not declare it runs without prefix caching.
 """
 from __future__ import annotations
 
@@ -19,9 +28,12 @@ class StatefulLayer(nn.Module):
     ``supports_decode_graphs``: the layer decodes from ``AttentionMetadata.state_index`` /
     ``state_continues`` (device tensors) when they are set, so the runner may pad and capture its
     decode steps; a layer that only reads the host lists keeps its model eager.
+    ``supports_state_snapshots``: the layer keeps the snapshot contract above, so its family can
+    cache prefixes.
     """
 
     supports_decode_graphs = False
+    supports_state_snapshots = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ conformance gate's probes use (:mod:`vtcore.testing.runner_probes`).
 """
 from __future__ import annotations
 
+import gc
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -45,9 +46,12 @@ from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import PLACEHOLDER, DecodeGraphs, DecodeInputs
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
-from vtcore.worker.step import Batch, StepOutput
+from vtcore.worker.step import Batch, Scheduled, StepOutput
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
+#: state snapshots (prefix caching of stateful layers) when num_state_snapshots is not given: as many
+#: as this share of the memory budget holds, at most enough for every running request's longest context
+SNAPSHOT_SHARE = 0.1
 
 __all__ = ["ModelRunner", "RunnerConfig", "StepHandle", "StepOutput", "PLACEHOLDER"]
 
@@ -68,6 +72,9 @@ class RunnerConfig:
     seed: int
     depth: int = 1
     enforce_eager: bool = False
+    prefix_caching: bool = False
+    num_state_snapshots: int | None = None
+    state_snapshot_interval: int = 512
 
 
 @attrs.define
@@ -81,10 +88,22 @@ class StepInputs:
     max_blocks: int
     max_query_len: int
     max_context_len: int
-    seq_rows: list[tuple[int, int]]
-    state_slots: list[int]  # read at preparation: by the time the device work runs, the host may have moved on
-    has_state: list[bool]
+    num_seqs: int
+    state: "StateRows"
     stale: bool
+
+
+@attrs.define
+class StateRows:
+    """The host lists stateful layers read (``AttentionMetadata``), and the snapshot copies around the
+    forward; slots are read at preparation: by the time the device work runs, the host may have moved on."""
+
+    seq_rows: list[tuple[int, int]] = attrs.Factory(list)
+    state_slots: list[int] = attrs.Factory(list)
+    state_out_slots: list[int] = attrs.Factory(list)
+    has_state: list[bool] = attrs.Factory(list)
+    restores: list[tuple[int, int]] = attrs.Factory(list)  # (state slot, snapshot slot): copied before
+    end_saves: list[tuple[int, int]] = attrs.Factory(list)  # (snapshot slot, state slot): copied after
 
 
 class StepHandle:
@@ -123,8 +142,11 @@ class ModelRunner:
         self.cuda = self.device.type == "cuda"
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.stateful_layers = [m for m in model.modules() if isinstance(m, StatefulLayer)]
-        for layer in self.stateful_layers:  # a state slot per running request (its mirror slot), and the dummy
-            layer.allocate_state(config.max_num_seqs + 1, self.device)
+        # a state slot per running request (its mirror slot), the dummy, then the prefix-cache snapshots
+        self.snapshot_base = config.max_num_seqs + 1
+        self.num_state_snapshots = self._snapshot_slots(config)
+        for layer in self.stateful_layers:
+            layer.allocate_state(self.snapshot_base + self.num_state_snapshots, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_blocks(config.gpu_memory_utilization,
                                                                        config.max_model_len * config.max_num_seqs)
         self._allocate_kv_cache()
@@ -172,17 +194,49 @@ class ModelRunner:
         per_token = sum(2 * a.num_kv_heads * a.head_dim for a in self.attention_layers)
         return per_token * self.block_size * torch.empty((), dtype=self.dtype).element_size()
 
+    def _memory_budget(self, utilization: float) -> int:
+        """Bytes the caches may take: what ``utilization`` leaves on CUDA, ``CPU_KV_BYTES`` on CPU. On CUDA
+        an engine dropped earlier in this process is collected first: its weights, caches and graphs sit
+        in reference cycles that only the garbage collector frees."""
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(total * utilization) - (total - free)
+        return CPU_KV_BYTES
+
     def _auto_blocks(self, utilization: float, max_tokens: int) -> int:
         per_block = max(self._bytes_per_block(), 1)
         wanted = -(-max_tokens // self.block_size)
+        budget = self._memory_budget(utilization)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * utilization) - (total - free)
             if budget < per_block:
+                free, total = torch.cuda.mem_get_info(self.device)
                 raise RuntimeError(f"gpu_memory_utilization={utilization}: leaves no memory for the KV cache "
                                    f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)")
             return min(budget // per_block, wanted)
-        return max(1, min(CPU_KV_BYTES // per_block, wanted))
+        return max(1, min(budget // per_block, wanted))
+
+    def _snapshot_slots(self, config: RunnerConfig) -> int:
+        """State snapshot slots for prefix caching: none without it, or when a stateful layer cannot
+        snapshot (``StatefulLayer.supports_state_snapshots``); else the configured number or what
+        ``SNAPSHOT_SHARE`` of the memory budget holds, at most one per ``state_snapshot_interval`` tokens
+        of every running request's longest context."""
+        layers = self.stateful_layers
+        if not (config.prefix_caching and layers and all(m.supports_state_snapshots for m in layers)):
+            return 0
+        if config.num_state_snapshots is not None:
+            return config.num_state_snapshots
+        per = max(sum(m.state_bytes() for m in layers), 1)
+        enough = config.max_num_seqs * -(-config.max_model_len // config.state_snapshot_interval)
+        return max(0, min(enough, int(self._memory_budget(config.gpu_memory_utilization) * SNAPSHOT_SHARE) // per))
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """``state[dst] = state[src]`` in every stateful layer, for each (dst, src) slot pair (device work)."""
+        for dst, src in pairs:
+            for layer in self.stateful_layers:
+                for t in layer.states.values():
+                    t[dst].copy_(t[src])
 
     def _allocate_kv_cache(self) -> None:
         slots = self.num_kv_blocks * self.block_size
@@ -255,7 +309,7 @@ class ModelRunner:
         block_table: list[int] = []
         context_lens: list[int] = []
         query_start: list[int] = [0]
-        seq_rows: list[tuple[int, int]] = []
+        state = StateRows()
         for s in batch:
             req, start, n = s.request, s.start, s.num_tokens
             row0 = len(ids)
@@ -272,7 +326,7 @@ class ModelRunner:
             block_table += table + [0] * (max_blocks - len(table))
             context_lens.append(start + n)
             query_start.append(row0 + n)
-            seq_rows.append((row0, n))
+            self._state_rows(state, s, row0)
             if s.samples:
                 sample_rows.append(row0 + n - 1)
                 metas.append(SampleMeta(req, req.token_ids[:start + n - 1], start + n - req.num_prompt_tokens))
@@ -288,8 +342,29 @@ class ModelRunner:
         staged = self.staging.stage(step, [ids, positions, slots, block_table, context_lens, query_start,
                                            combine_rows, combine_slots, sample_rows, sample_slots])
         return StepInputs(staged, metas, self.sampler.prepare(metas), plp, max_blocks,
-                          max(s.num_tokens for s in batch), max_ctx, seq_rows, [s.request.mirror_slot for s in batch],
-                          [s.start > 0 for s in batch], bool(combine_rows))
+                          max(s.num_tokens for s in batch), max_ctx, len(batch), state, bool(combine_rows))
+
+    def _state_rows(self, state: StateRows, s: Scheduled, row0: int) -> None:
+        """``s``'s rows for stateful layers: one segment, split after each snapshot inside it (the first
+        part writes the snapshot slot, the rest continues from it); a snapshot at its end and a restore
+        are copies around the forward."""
+        live, base, n = s.request.mirror_slot, self.snapshot_base, s.num_tokens
+        if s.restore >= 0:
+            state.restores.append((live, base + s.restore))
+        first, slot, continues = row0, live, s.start > 0
+        for consumed, snapshot in s.saves:
+            if consumed == n:
+                state.end_saves.append((base + snapshot, live))
+                continue
+            state.seq_rows.append((first, row0 + consumed - first))
+            state.state_slots.append(slot)
+            state.state_out_slots.append(base + snapshot)
+            state.has_state.append(continues)
+            first, slot, continues = row0 + consumed, base + snapshot, True
+        state.seq_rows.append((first, row0 + n - first))
+        state.state_slots.append(slot)
+        state.state_out_slots.append(live)
+        state.has_state.append(continues)
 
     def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, torch.Tensor]]:
         """Phase 2 (device): upload, combine the in-flight tokens into the input ids, forward under
@@ -301,13 +376,17 @@ class ModelRunner:
         if inputs.stale:
             input_ids = d_ids.clone()
             input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
+        state = inputs.state
         set_attention_metadata(AttentionMetadata(
-            slot_mapping=d_slots, block_tables=d_table.view(len(inputs.seq_rows), inputs.max_blocks), context_lens=d_ctx,
+            slot_mapping=d_slots, block_tables=d_table.view(inputs.num_seqs, inputs.max_blocks), context_lens=d_ctx,
             query_start_loc=d_qstart, max_query_len=inputs.max_query_len, max_context_len=inputs.max_context_len,
-            seq_rows=inputs.seq_rows, state_slots=inputs.state_slots, has_state=inputs.has_state))
+            seq_rows=state.seq_rows, state_slots=state.state_slots, state_out_slots=state.state_out_slots,
+            has_state=state.has_state))
         try:
             with torch.inference_mode(), self.scope(input_ids if inputs.stale else None, inputs.stale) as override:
+                self._copy_states(state.restores)
                 hidden = self.model(d_ids, d_pos)
+                self._copy_states(state.end_saves)
             consumed = bool(override is not None and override.consumed)
         finally:
             set_attention_metadata(None)
@@ -371,12 +450,17 @@ class ModelRunner:
         metas = [SampleMeta(s.request, s.request.token_ids[:s.start], s.start + 1 - s.request.num_prompt_tokens)
                  for s in batch]
         sampling = self.sampler.prepare(metas)
+        base = self.snapshot_base  # one token a row: every snapshot is at a row's end
+        restores = [(s.request.mirror_slot, base + s.restore) for s in batch if s.restore >= 0]
+        saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
             table_rows = self.staging.upload(staged, graphs.buffer)[6]
             with torch.inference_mode():
+                self._copy_states(restores)
                 fed, logits, consumed = graphs.run(inputs, table_rows)
+                self._copy_states(saves)
                 out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
                 self.sample(out, logits, sampling, fed, graphs.mirror_slots(inputs))
             return out

@@ -26,12 +26,19 @@ class StepRequest(Protocol):
 
 @attrs.define
 class Scheduled:
-    """One request's share of a step: tokens ``[start, start + num_tokens)``; ``samples`` if its last row samples."""
+    """One request's share of a step: tokens ``[start, start + num_tokens)``; ``samples`` if its last row samples.
+
+    Prefix caching of stateful layers (hybrid families): ``restore``, a snapshot slot whose state the
+    request resumes from (copied into its state slot before the step), or -1; ``saves``, (tokens of
+    this share consumed, snapshot slot) pairs: the state after that many tokens is written there.
+    """
 
     request: StepRequest
     start: int
     num_tokens: int
     samples: bool
+    restore: int = -1
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 #: A step's work, in row order.
