@@ -23,14 +23,17 @@ BIASES = "likely cause: the oracle agrees with the family once every Linear.bias
 
 #: fixture family -> (the checks it fails, a phrase each failure message holds, how to disable what catches it)
 FIXTURES = {
-    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache"}, INPUT_NORM,
+    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache", "speculative"},
+                            INPUT_NORM,
                             "redraw"),
-    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache"}, BIASES, "redraw"),
-    "prefill_ignores_cache": ({"oracle-schedule", "prefix-cache"}, CACHED_CONTEXT, ("oracle-schedule", "prefix-cache")),
-    "cached_prefix_off_by_one": ({"oracle-schedule", "prefix-cache"}, CACHED_CONTEXT,
-                                 ("oracle-schedule", "prefix-cache")),
+    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache", "speculative"}, BIASES,
+                     "redraw"),
+    "prefill_ignores_cache": ({"oracle-schedule", "prefix-cache", "speculative"}, CACHED_CONTEXT,
+                              ("oracle-schedule", "prefix-cache", "speculative")),
+    "cached_prefix_off_by_one": ({"oracle-schedule", "prefix-cache", "speculative"}, CACHED_CONTEXT,
+                                 ("oracle-schedule", "prefix-cache", "speculative")),
     "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
-    "snapshot_into_read_slot": ({"prefix-cache"}, "end it in its state_out_slots entry", ("prefix-cache",)),
+    "snapshot_into_read_slot": ({"prefix-cache", "speculative"}, "state_out_slots", ("prefix-cache", "speculative")),
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
                     ("parameters",)),
 }

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from vtcore.errors import ConfigError, MissingConfigField
+from vtcore.spec.config import SpeculativeConfig
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "default_model")
 
@@ -198,6 +199,11 @@ class EngineConfig:
         "help": "state snapshot slots for prefix caching of families with per-request state",
         "default_help": "what a tenth of the cache memory holds, at most one per interval of every running "
                         "request's longest context"})
+    speculative_config: SpeculativeConfig | None = attrs.field(
+        default=None, converter=SpeculativeConfig.parse, metadata={
+            "help": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K} (prompt '
+                    "lookup over the request's own tokens; prompt_lookup_min / prompt_lookup_max: the n-gram "
+                    "lengths)", "default_help": "off", "metavar": "JSON"})
     enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
         "help": "run decode steps eagerly, without CUDA graphs"})
     async_scheduling: bool | None = attrs.field(default=None, validator=_bool, metadata={

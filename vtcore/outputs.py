@@ -32,6 +32,14 @@ class CompletionOutput:
 
 
 @attrs.define
+class RequestMetrics:
+    """Per-request counters: speculative decoding's proposed and accepted tokens (0 without it)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@attrs.define
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -40,3 +48,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    metrics: RequestMetrics = attrs.Factory(RequestMetrics)

@@ -16,6 +16,7 @@ CHECKS = (
     "oracle-logprobs",
     "oracle-schedule",
     "prefix-cache",
+    "speculative",
     "cuda-graphs",
     "cuda-bf16",
     "async-abc",

@@ -23,6 +23,7 @@ from vtcore.sampling_params import SamplingParams
 from vtcore.testing.runner_probes import withhold_override
 
 BLOCK = 8
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3}
 PROMPT_LENGTHS = (1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK)
 MAX_TOKENS_BRACKET = (*range(1, 9), 16, 33)
 LOGPROB_TOL = 1e-4
@@ -355,6 +356,38 @@ class FamilyGate(CudaChecks):
                f"with the first (while it runs and after) and a next turn over its answer, " \
                f"{sum(case.expected.values()) + sum(turn.expected.values())} prompt tokens from the cache, within " \
                f"the oracle's tolerances{', async equal to sync' if len(runs) > 1 else ''}"
+
+    def check_speculative(self) -> str:
+        """Speculative decoding, k=3: the n-gram proposer on prompts that repeat a phrase, then a replay
+        of the plain greedy continuations with one proposed token changed in a cycle, so verify rows
+        accept every length from none to all; each continuation teacher-forced against the oracle."""
+        from vtcore.spec.replay import ReplayProposer
+
+        rng = random.Random(SEED + 2)
+        vocab = int(self.example.hf_config["vocab_size"])
+        phrases = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 6))] for _ in range(3)]
+        prompts = [(p * n)[:n] for p, n in zip(phrases, (6, 11, 20))] + self.prompts()[2:4]
+        k = SPECULATIVE["num_speculative_tokens"]
+        plain = self._cases(self.engine("sync"), [greedy(16)] * len(prompts), prompts)
+        report = []
+        for name, proposer in (("n-gram", None), ("replay", ReplayProposer(
+                [ids + out.token_ids for _, ids, _, out in plain], vocab, reject_every=True))):
+            engine = self.engine("sync", speculative_config=SPECULATIVE)
+            if proposer is not None:
+                engine.scheduler.proposer = proposer
+            self._against_oracle(self._cases(engine, [greedy(16)] * len(prompts), prompts),
+                                 lambda rids: f" ({name} proposals; requests {rids} decoded through verify rows: "
+                                              "a verify row is a prefill chunk: a prefill chunk must attend over the "
+                                              "context already cached for it, each draft token see the state of those "
+                                              "before it, and a rejection leave no trace: end each state segment in its state_out_slots entry)")
+            stats = engine.spec_stats
+            report.append(f"{name}: {stats.num_drafts} verify rows, {stats.num_accepted_tokens} of "
+                          f"{stats.num_draft_tokens} proposed tokens accepted")
+        if not (0 < stats.accepted_per_position[k - 1] < stats.num_drafts):
+            raise Failed(f"the replayed proposals accepted {stats.accepted_per_position} tokens per position in "
+                         f"{stats.num_drafts} verify rows, not every run length (a vtcore bug)")
+        return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances (sync; the " \
+               "async engine verifies on the host)"
 
     def check_async_abc(self) -> str:
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}

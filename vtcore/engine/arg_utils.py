@@ -64,6 +64,8 @@ def _value_kwargs(field: attrs.Attribute) -> dict[str, Any]:
         return {"type": unit_fraction(flag(field.name)), "metavar": "FRACTION"}
     if "choices" in field.metadata:
         return {"choices": field.metadata["choices"]}
+    if "metavar" in field.metadata:  # text the field's converter parses (JSON)
+        return {"type": str, "metavar": field.metadata["metavar"]}
     kinds = [t for t in typing.get_args(field.type) if t is not type(None)] or [field.type]
     return {"type": kinds[0]}
 

@@ -30,3 +30,7 @@ class EngineStats:
     num_preemptions: int  # preemptions since the engine started (a counter)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (a counter)
     prefix_cache_hits: int = 0  # of those, tokens found (a counter)
+    spec_decode_num_drafts: int = 0  # speculative decoding: verify rows (a counter)
+    spec_decode_num_draft_tokens: int = 0  # tokens proposed (a counter)
+    spec_decode_num_accepted_tokens: int = 0  # of those, accepted (a counter)
+    spec_decode_accepted_per_position: tuple[int, ...] = ()  # drafts whose i-th token was accepted (counters)

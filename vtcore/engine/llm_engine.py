@@ -23,9 +23,11 @@ from vtcore.engine.tokenizer import load_tokenizer
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
 from vtcore.loading.model_loader import build_model, quant_format
-from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
+from vtcore.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
-from vtcore.engine.scheduler import Batch
+from vtcore.engine.scheduler import Batch, Scheduled
+from vtcore.spec.ngram import NgramProposer
+from vtcore.spec.stats import SpecDecodeStats
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.step import StepOutput
 
@@ -81,6 +83,12 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
         raise VtcoreError(f"async_scheduling=True: model family {family_name!r} does not declare that it "
                           "consumes device token ids (ModelFamily.consumes_device_tokens), so its forward "
                           "could embed host placeholders; use async_scheduling=False or fix the family")
+    if config.speculative_config is not None:  # a verify row's next input is known only after verification
+        if config.async_scheduling:
+            raise VtcoreError("async_scheduling=True with speculative_config: speculative decoding runs with "
+                              "the host waiting for each step's tokens; use async_scheduling=False or leave it unset")
+        log.info("vtcore: async scheduling off: speculative decoding verifies on the host")
+        return 1
     enabled = consumes_device_tokens if config.async_scheduling is None else config.async_scheduling
     if config.async_scheduling is None and not consumes_device_tokens:
         log.info("vtcore: async scheduling off: family %r does not consume device token ids", family_name)
@@ -156,17 +164,25 @@ class LLMEngine:
             self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
             config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids, config.seed,
             self.depth, config.enforce_eager, config.enable_prefix_caching, config.num_state_snapshots,
-            self._snapshot_interval()))
+            self._snapshot_interval(),
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0))
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
         caching, snapshots = self._prefix_caching()
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
+        spec = config.speculative_config
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   snapshots)
+                                   snapshots, self._proposer(), spec.num_speculative_tokens if spec else 0)
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+
+    def _proposer(self) -> NgramProposer | None:
+        """The proposer ``speculative_config`` names (None: no speculative decoding)."""
+        spec = self.config.speculative_config
+        return None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _snapshot_interval(self) -> int:
         """Tokens between state snapshots: ``state_snapshot_interval``, or the default in whole blocks."""
@@ -364,8 +380,13 @@ class LLMEngine:
             except BaseException:
                 self._give_up(done)
                 raise
-            for row, s in enumerate(x for x in done if x.samples):
-                self._apply(s.request, result, row)
+            row = 0
+            for s in done:
+                if s.draft:
+                    self._apply_verified(s, result, row)
+                elif s.samples:
+                    self._apply(s.request, result, row)
+                row += s.num_sampled
             for s in done:
                 if s.request.prompt_logprobs is not None and s.request.request_id in result.prompt_logprobs:
                     s.request.prompt_logprobs.extend(
@@ -411,7 +432,9 @@ class LLMEngine:
             return None
         first = fan.children[0]
         return RequestOutput(parent, first.prompt, first.prompt_token_ids, first.prompt_logprobs, completions,
-                             finished, first.num_cached_tokens)
+                             finished, first.num_cached_tokens,
+                             RequestMetrics(sum(c.num_draft_tokens for c in fan.children),
+                                            sum(c.num_accepted_tokens for c in fan.children)))
 
     def _give_up(self, batch: Batch) -> None:
         """A step failed: abort its requests and those of every step still in flight (which read its
@@ -427,11 +450,29 @@ class LLMEngine:
                 if not s.request.is_finished:
                     self.scheduler.finish(s.request, "abort")
 
-    def _apply(self, req: Request, result: StepOutput, row: int) -> None:
+    def _apply_verified(self, s: Scheduled, result: StepOutput, row: int) -> None:
+        """Apply a verify row: the token sampled after the fed one, then after each draft token while the
+        token sampled before it equals it (each sampled token is drawn from the target's distribution
+        given the tokens before it, so accepting a proposal exactly when the draw equals it keeps that
+        distribution). The KV of rejected draft positions is left to be overwritten."""
+        req, draft = s.request, s.draft
+        self._apply(req, result, row)
+        accepted = 0
+        while accepted < len(draft) and not req.is_finished and result.token_ids[row + accepted] == draft[accepted]:
+            accepted += 1
+            self._apply(req, result, row + accepted, inflight=False)
+        req.num_computed_tokens = s.start + s.num_tokens - len(draft) + accepted
+        if accepted < len(draft):  # stateful layers resume from the state after the last accepted token
+            req.resume_draft_state = accepted
+        req.num_draft_tokens += len(draft)
+        req.num_accepted_tokens += accepted
+        self.spec_stats.record(len(draft), accepted)
+
+    def _apply(self, req: Request, result: StepOutput, row: int, inflight: bool = True) -> None:
         """Apply one sampled token on the host: append, logprobs, text, stops."""
         if req.is_finished:
             return  # stopped (or aborted) while this step was in flight: its token is dropped
-        req.num_inflight -= 1
+        req.num_inflight -= inflight
         token = result.token_ids[row]
         if req.num_output_tokens >= req.max_output:  # max_tokens=0: only prompt logprobs were wanted
             self.scheduler.finish(req, "length")
@@ -479,7 +520,8 @@ class LLMEngine:
                                       else None, list(logprobs) if logprobs is not None else None,
                                       req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, [completion],
-                             finished, req.num_cached_tokens)
+                             finished, req.num_cached_tokens,
+                             RequestMetrics(req.num_draft_tokens, req.num_accepted_tokens))
 
     # ------------------------------------------------------------------ front end (LLM, AsyncLLM)
     def limits(self) -> EngineLimits:
@@ -496,8 +538,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The load now; safe from another thread (it reads lengths and counters only)."""
+        spec = self.spec_stats
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
-                           self.scheduler.num_preemptions, self.pool.queries, self.pool.hits)
+                           self.scheduler.num_preemptions, self.pool.queries, self.pool.hits, spec.num_drafts,
+                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_position))
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens kept), the ids checked against the vocabulary."""

@@ -48,6 +48,8 @@ class Request:
         self.generator: Any = None  # a per-request torch.Generator when params.seed is set
         self.detok: Any = None  # the incremental detokenizer, when the engine has a tokenizer
         self.num_preemptions = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, this request's
+        self.resume_draft_state = -1  # its last verify row accepted this many of fewer draft tokens
         self.sent = (0, 0)  # (characters, tokens) already streamed, for DELTA outputs
 
     @property

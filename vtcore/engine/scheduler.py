@@ -36,6 +36,7 @@ from collections import deque
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.request import Request, RequestStatus
 from vtcore.engine.snapshot_pool import SnapshotPool
+from vtcore.spec.proposer import Proposer
 from vtcore.errors import RequestRejected
 from vtcore.worker.step import Batch, Scheduled
 
@@ -47,9 +48,12 @@ _UNKNOWN_AFTER_SCHEDULE = 2
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 snapshots: SnapshotPool | None = None) -> None:
+                 snapshots: SnapshotPool | None = None, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         self.pool = pool
         self.snapshots = snapshots
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -143,22 +147,34 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._leave_running(req)
         req.num_computed_tokens = 0
+        req.resume_draft_state = -1  # the recompute starts from zero state
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _take(self, req: Request, budget: int) -> Scheduled:
+    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
+        """Tokens proposed to follow a decode row whose tokens the host knows, at most what the budget,
+        the request's output limit and the context leave after the token the row samples anyway."""
+        if self.proposer is None or req.num_inflight:
+            return ()
+        k = min(self.num_speculative_tokens, budget - 1, req.max_output - req.num_output_tokens - 1)
+        return tuple(self.proposer.propose(req.token_ids, k)) if k > 0 else ()
+
+    def _take(self, req: Request, budget: int, draft: tuple[int, ...] = ()) -> Scheduled:
         n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
         start = req.num_computed_tokens
         req.num_computed_tokens += n
         samples = req.num_computed_tokens == req.num_tokens_scheduled
         if samples:
             req.num_inflight += 1
+        req.num_computed_tokens += len(draft)  # until verified: the host rolls back what was rejected
+        resume, req.resume_draft_state = req.resume_draft_state, -1
         if self.snapshots is None:
-            return Scheduled(req, start, n, samples)
-        restore, req.restore_snapshot = req.restore_snapshot, -1
-        return Scheduled(req, start, n, samples, restore, self._snapshot_saves(req, start, n))
+            return Scheduled(req, start, n + len(draft), samples, draft=draft, resume=resume)
+        restore, req.restore_snapshot = req.restore_snapshot, -1  # snapshots of verified tokens only:
+        saves = self._snapshot_saves(req, start, n)
+        return Scheduled(req, start, n + len(draft), samples, restore, saves, draft, resume)
 
     def schedule(self) -> Batch:
         for req in [r for r in self.running if r.host_knows_end and r.num_computed_tokens >= r.num_tokens]:
@@ -175,15 +191,16 @@ class Scheduler:
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+            draft = self._draft(req, budget) if n == 1 else ()
+            while not self.pool.grow(req.block_ids, req.num_computed_tokens + n + len(draft)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                batch.append(self._take(req, budget))
-                budget -= n
+                batch.append(self._take(req, budget, draft))
+                budget -= n + len(draft)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_inflight:

@@ -103,6 +103,16 @@ class Reading:
                 f"{self.name}{_labels(base)} {_num(value)}"]
 
 
+class PositionReadings(Reading):
+    """A counter per draft position (label ``position``) read from one tuple of the engine's stats."""
+
+    def render(self, base: dict[str, str], stats: EngineStats | None) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        for position, value in enumerate(() if stats is None else self.read(stats)):
+            lines.append(f"{self.name}{_labels({**base, 'position': str(position)})} {_num(float(value))}")
+        return lines
+
+
 class ServerMetrics:
     """Every metric the server exports; ``render()`` is the /metrics body."""
 
@@ -134,6 +144,15 @@ class ServerMetrics:
                     "Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
             Reading("vtcore:prefix_cache_hits_total", "counter",
                     "Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+            Reading("vtcore:spec_decode_num_drafts_total", "counter",
+                    "Speculative decoding: verify rows (one per request and step).", lambda s: s.spec_decode_num_drafts),
+            Reading("vtcore:spec_decode_num_draft_tokens_total", "counter",
+                    "Speculative decoding: tokens proposed.", lambda s: s.spec_decode_num_draft_tokens),
+            Reading("vtcore:spec_decode_num_accepted_tokens_total", "counter",
+                    "Speculative decoding: proposed tokens accepted.", lambda s: s.spec_decode_num_accepted_tokens),
+            PositionReadings("vtcore:spec_decode_num_accepted_tokens_per_pos", "counter",
+                             "Speculative decoding: drafts whose token at this position was accepted.",
+                             lambda s: s.spec_decode_accepted_per_position),
         ]
 
     def http(self, endpoint: str, status: int) -> None:

@@ -75,6 +75,7 @@ class RunnerConfig:
     prefix_caching: bool = False
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 512
+    num_speculative_tokens: int = 0
 
 
 @attrs.define
@@ -145,8 +146,12 @@ class ModelRunner:
         # a state slot per running request (its mirror slot), the dummy, then the prefix-cache snapshots
         self.snapshot_base = config.max_num_seqs + 1
         self.num_state_snapshots = self._snapshot_slots(config)
+        # speculative decoding: a running request's state after its fed token and each draft token but the
+        # last (that one ends in its own slot), so a verify row can resume from its last accepted token
+        self.draft_state_base = self.snapshot_base + self.num_state_snapshots
+        self.draft_states = config.num_speculative_tokens
         for layer in self.stateful_layers:
-            layer.allocate_state(self.snapshot_base + self.num_state_snapshots, self.device)
+            layer.allocate_state(self.draft_state_base + config.max_num_seqs * self.draft_states, self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._auto_blocks(config.gpu_memory_utilization,
                                                                        config.max_model_len * config.max_num_seqs)
         self._allocate_kv_cache()
@@ -313,12 +318,14 @@ class ModelRunner:
         for s in batch:
             req, start, n = s.request, s.start, s.num_tokens
             row0 = len(ids)
-            known = req.token_ids[start:start + n]
-            if len(known) < n:  # the in-flight token: filled on the device by the combine
+            fed = n - len(s.draft)  # the share's own tokens; the draft follows them
+            known = req.token_ids[start:start + fed]
+            if len(known) < fed:  # the in-flight token: filled on the device by the combine
                 combine_rows.append(row0 + len(known))
                 combine_slots.append(req.mirror_slot)
                 known = known + [PLACEHOLDER]
             ids += known
+            ids += s.draft
             pos = range(start, start + n)
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
@@ -327,9 +334,10 @@ class ModelRunner:
             context_lens.append(start + n)
             query_start.append(row0 + n)
             self._state_rows(state, s, row0)
-            if s.samples:
-                sample_rows.append(row0 + n - 1)
-                metas.append(SampleMeta(req, req.token_ids[:start + n - 1], start + n - req.num_prompt_tokens))
+            for i in range(s.num_sampled):  # a verify row samples after its fed token and each draft token
+                sample_rows.append(row0 + fed - 1 + i)
+                metas.append(SampleMeta(req, req.token_ids[:start + fed - 1] + list(s.draft[:i]),
+                                        start + fed + i - req.num_prompt_tokens))
             if req.prompt_logprobs is not None:
                 # Rows predicting prompt tokens 1..P-1 not yet asked for; a recompute after
                 # preemption (or an in-flight earlier chunk) must not ask twice.
@@ -344,26 +352,40 @@ class ModelRunner:
         return StepInputs(staged, metas, self.sampler.prepare(metas), plp, max_blocks,
                           max(s.num_tokens for s in batch), max_ctx, len(batch), state, bool(combine_rows))
 
+    def draft_state_slot(self, mirror_slot: int, accepted: int) -> int:
+        """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens
+        (fewer than its draft's length)."""
+        return self.draft_state_base + mirror_slot * self.draft_states + accepted
+
     def _state_rows(self, state: StateRows, s: Scheduled, row0: int) -> None:
         """``s``'s rows for stateful layers: one segment, split after each snapshot inside it (the first
-        part writes the snapshot slot, the rest continues from it); a snapshot at its end and a restore
-        are copies around the forward."""
-        live, base, n = s.request.mirror_slot, self.snapshot_base, s.num_tokens
+        part writes the snapshot slot, the rest continues from it); a verify row's draft tokens one
+        segment each, every state but the last kept in the request's draft-state slots. A snapshot at
+        the fed tokens' end and a restore are copies around the forward."""
+        live, base, k = s.request.mirror_slot, self.snapshot_base, len(s.draft)
+        n = s.num_tokens - k
         if s.restore >= 0:
             state.restores.append((live, base + s.restore))
+        if s.resume >= 0:
+            state.restores.append((live, self.draft_state_slot(live, s.resume)))
+        fed_end = self.draft_state_slot(live, 0) if k else live
         first, slot, continues = row0, live, s.start > 0
         for consumed, snapshot in s.saves:
             if consumed == n:
-                state.end_saves.append((base + snapshot, live))
+                state.end_saves.append((base + snapshot, fed_end))
                 continue
-            state.seq_rows.append((first, row0 + consumed - first))
-            state.state_slots.append(slot)
-            state.state_out_slots.append(base + snapshot)
-            state.has_state.append(continues)
+            self._segment(state, first, row0 + consumed - first, slot, base + snapshot, continues)
             first, slot, continues = row0 + consumed, base + snapshot, True
-        state.seq_rows.append((first, row0 + n - first))
-        state.state_slots.append(slot)
-        state.state_out_slots.append(live)
+        self._segment(state, first, row0 + n - first, slot, fed_end, continues)
+        for i in range(1, k + 1):
+            out = self.draft_state_slot(live, i) if i < k else live
+            self._segment(state, row0 + n - 1 + i, 1, self.draft_state_slot(live, i - 1), out, True)
+
+    @staticmethod
+    def _segment(state: StateRows, first: int, count: int, start_slot: int, end_slot: int, continues: bool) -> None:
+        state.seq_rows.append((first, count))
+        state.state_slots.append(start_slot)
+        state.state_out_slots.append(end_slot)
         state.has_state.append(continues)
 
     def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, torch.Tensor]]:
@@ -452,6 +474,8 @@ class ModelRunner:
         sampling = self.sampler.prepare(metas)
         base = self.snapshot_base  # one token a row: every snapshot is at a row's end
         restores = [(s.request.mirror_slot, base + s.restore) for s in batch if s.restore >= 0]
+        restores += [(s.request.mirror_slot, self.draft_state_slot(s.request.mirror_slot, s.resume))
+                     for s in batch if s.resume >= 0]
         saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
         self.steps_submitted += 1
 

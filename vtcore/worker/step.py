@@ -31,6 +31,11 @@ class Scheduled:
     Prefix caching of stateful layers (hybrid families): ``restore``, a snapshot slot whose state the
     request resumes from (copied into its state slot before the step), or -1; ``saves``, (tokens of
     this share consumed, snapshot slot) pairs: the state after that many tokens is written there.
+
+    Speculative decoding: ``draft``, tokens proposed to follow the share's known ones; they are its
+    last ``len(draft)`` tokens, and each of its last ``len(draft) + 1`` rows samples (a verify row).
+    ``resume``: after a verify row that accepted fewer than its draft's tokens, how many it accepted:
+    the stateful layers resume from the state kept after that many (-1: from their slot as it is).
     """
 
     request: StepRequest
@@ -39,6 +44,13 @@ class Scheduled:
     samples: bool
     restore: int = -1
     saves: tuple[tuple[int, int], ...] = ()
+    draft: tuple[int, ...] = ()
+    resume: int = -1
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of this share that sample: none, one, or one per draft token and one more."""
+        return len(self.draft) + 1 if self.samples else 0
 
 
 #: A step's work, in row order.

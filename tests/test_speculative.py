@@ -1,0 +1,204 @@
+"""Speculative decoding with the n-gram proposer: greedy tokens equal plain decoding's (with prefix
+caching, chunked prefill, preemption, stops inside an accepted run), sampled tokens keep the target's
+distribution (chi-square against plain sampling), and the counters add up."""
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+
+from vtcore import LLM, SamplingParams
+from vtcore.conformance.harness import build_engine, run_engine
+from vtcore.config import EngineConfig
+from vtcore.errors import VtcoreError
+from vtcore.spec.config import SpeculativeConfig
+from vtcore.spec.ngram import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=8)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _repetitive(n: int, seed: int) -> list[int]:
+    """A prompt that repeats a short random phrase, so prompt lookup has something to propose."""
+    rng = random.Random(seed)
+    phrase = [rng.randrange(500) for _ in range(rng.randrange(3, 7))]
+    return (phrase * (n // len(phrase) + 1))[:n]
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest occurrence of [1, 2, 3]
+    assert p.propose([4, 5, 6, 4, 5, 8, 5], 3) == [8, 5]  # no 3- or 2-gram earlier: the 1-gram [5], latest
+    assert p.propose([1, 2, 3], 4) == [] and p.propose([7], 2) == [] and p.propose([1, 1], 0) == []
+    assert NgramProposer(2, 2).propose([4, 5, 6, 4, 5, 8, 5], 3) == []  # [8, 5] never occurred before
+
+
+@pytest.mark.parametrize("bad, named", [
+    ('{"method": "ngram"', "not valid JSON"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle', expected one of ['ngram']"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True, expected a positive"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown key(s) ['draft']"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min=3 exceeds prompt_lookup_max=2"),
+])
+def test_a_bad_speculative_config_is_refused_by_name(bad, named) -> None:
+    with pytest.raises(ValueError) as err:
+        EngineConfig(speculative_config=bad)
+    assert named in str(err.value)
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2}').num_speculative_tokens == 2
+
+
+def _arrivals() -> dict[int, list]:
+    return {0: [(f"r{i}", _repetitive(9 + 5 * i, seed=i), greedy(14 + i)) for i in range(4)],
+            3: [("late", _repetitive(30, seed=9), greedy(12))]}
+
+
+@pytest.mark.parametrize("knobs", [{}, {"max_num_batched_tokens": 8}, {"num_kv_blocks": 14},
+                                   {"enable_prefix_caching": False}],
+                         ids=["plain", "chunked", "preempting", "no-prefix-caching"])
+def test_greedy_tokens_equal_plain_decoding(tiny_checkpoint, knobs) -> None:
+    path = tiny_checkpoint[0]
+    preempting, knobs = "num_kv_blocks" in knobs, {**KNOBS, **knobs}
+    plain, _ = run_engine(build_engine(path, "sync", **knobs), _arrivals())
+    engine = build_engine(path, "sync", **knobs, speculative_config=NGRAM)
+    assert engine.depth == 1
+    spec, _ = run_engine(engine, _arrivals())
+    assert spec == plain
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+    assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
+    if preempting:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_logprobs_stops_and_max_tokens_inside_an_accepted_run(tiny_checkpoint) -> None:
+    path = tiny_checkpoint[0]
+    prompt = {"prompt_token_ids": _repetitive(16, seed=3)}
+    plain_llm = LLM(path, **KNOBS)
+    spec_llm = LLM(path, **KNOBS, speculative_config=NGRAM)
+    want = plain_llm.generate(prompt, greedy(20, logprobs=2))[0].outputs[0]
+    got = spec_llm.generate(prompt, greedy(20, logprobs=2))[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    stop = want.token_ids[9]  # a token deep in the output: likely inside an accepted run
+    for params in (greedy(20, stop_token_ids=[stop]), greedy(7)):
+        ours = spec_llm.generate(prompt, params)[0].outputs[0]
+        theirs = plain_llm.generate(prompt, params)[0].outputs[0]
+        assert (ours.token_ids, ours.finish_reason, ours.stop_reason) == \
+               (theirs.token_ids, theirs.finish_reason, theirs.stop_reason)
+    assert spec_llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def _chi_square_p(a: collections.Counter, b: collections.Counter) -> float:
+    """Two-sample chi-square test of equal distributions (categories pooled below 5 expected)."""
+    keys = sorted(set(a) | set(b), key=lambda t: -(a[t] + b[t]))
+    na, nb = sum(a.values()), sum(b.values())
+    rows, rest = [], [0, 0]
+    for t in keys:
+        if (a[t] + b[t]) * min(na, nb) / (na + nb) >= 5:
+            rows.append((a[t], b[t]))
+        else:
+            rest[0] += a[t]
+            rest[1] += b[t]
+    if sum(rest):
+        rows.append(tuple(rest))
+    stat = 0.0
+    for x, y in rows:
+        tot = x + y
+        for obs, n in ((x, na), (y, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    dof = len(rows) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2))) if dof else 1.0
+
+
+class _Fixed:
+    """Proposes one token k times: a likely one, so that verify rows both accept and reject."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, tokens, k: int) -> list[int]:
+        return [self.token] * k
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.8), dict(temperature=1.0, top_k=6),
+                                      dict(temperature=1.2, top_p=0.7)], ids=["t0.8", "top-k", "top-p"])
+def test_sampled_tokens_keep_the_targets_distribution(tiny_checkpoint, sampling) -> None:
+    """Every decode row is a verify row proposing the token plain sampling draws most often after the
+    first; the joint distribution of the 2nd to 4th tokens must be plain sampling's (a rule that
+    accepted proposals more often, or resampled a rejection wrongly, would skew it)."""
+    path = tiny_checkpoint[0]
+    prompt = {"prompt_token_ids": _repetitive(12, seed=5)}
+    n = 400
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, seed=1000 + i, **sampling) for i in range(n)]
+    plain = LLM(path, **{**KNOBS, "max_num_seqs": 64}).generate([prompt] * n, params)
+    likely = collections.Counter(o.outputs[0].token_ids[1] for o in plain).most_common(1)[0][0]
+    llm = LLM(path, **{**KNOBS, "max_num_seqs": 64}, speculative_config=NGRAM)
+    llm.engine.scheduler.proposer = _Fixed(likely)
+    spec = llm.generate([prompt] * n, params)
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    counts = [collections.Counter(tuple(o.outputs[0].token_ids[1:]) for o in outs) for outs in (plain, spec)]
+    assert _chi_square_p(*counts) > 1e-3, counts
+
+
+def test_async_scheduling_with_speculation_is_refused_by_name(tiny_checkpoint) -> None:
+    with pytest.raises(VtcoreError, match="async_scheduling=True with speculative_config"):
+        build_engine(tiny_checkpoint[0], "async", **KNOBS, speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"num_kv_blocks": 16}, {"state_snapshot_interval": 4}],
+                         ids=["plain", "preempting", "snapshots"])
+def test_a_hybrid_family_resumes_its_state_from_the_last_accepted_token(tmp_path, knobs) -> None:
+    """Qwen3.5's Gated DeltaNet state after a verify row must be the state after its last accepted
+    token: replayed proposals with one token changed in a cycle accept every run length; greedy
+    tokens must equal plain decoding's (they differ when the state is not rolled back)."""
+    import json
+
+    from vtcore.spec.replay import ReplayProposer
+    from vtcore_qwen3_5.plugin import dense_example
+
+    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
+    preempting, knobs = "num_kv_blocks" in knobs, {**KNOBS, "load_format": "dummy", **knobs}
+    arrivals = {0: [(f"r{i}", _repetitive(7 + 6 * i, seed=20 + i), greedy(15)) for i in range(3)],
+                2: [("late", _repetitive(9, seed=30), greedy(12))]}
+    plain, _ = run_engine(build_engine(str(tmp_path), "sync", **knobs), arrivals)
+    engine = build_engine(str(tmp_path), "sync", **knobs, speculative_config=NGRAM)
+    prompts = {rid: ids for batch in arrivals.values() for rid, ids, _ in batch}
+    engine.scheduler.proposer = ReplayProposer([prompts[r] + plain[r] for r in plain], 512, reject_every=True)
+    spec, _ = run_engine(engine, arrivals)
+    assert spec == plain
+    per_pos = engine.spec_stats.accepted_per_position
+    assert 0 < per_pos[-1] < per_pos[0] < engine.spec_stats.num_drafts  # full, partial and no acceptance
+    if preempting:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_counters_reach_request_outputs_and_prometheus(tiny_checkpoint) -> None:
+    from vtcore.server.metrics import ServerMetrics
+
+    llm = LLM(tiny_checkpoint[0], **KNOBS, speculative_config=NGRAM)
+    prompts = [{"prompt_token_ids": _repetitive(14 + i, seed=i)} for i in range(3)]
+    outs = llm.generate(prompts, greedy(16))
+    stats = llm.engine.stats()
+    assert sum(o.metrics.num_draft_tokens for o in outs) == stats.spec_decode_num_draft_tokens > 0
+    assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.spec_decode_num_accepted_tokens > 0
+    assert len(stats.spec_decode_accepted_per_position) == NGRAM["num_speculative_tokens"]
+    text = ServerMetrics("m", llm.engine.stats).render()
+    assert f'vtcore:spec_decode_num_accepted_tokens_total{{model_name="m"}} ' \
+           f'{stats.spec_decode_num_accepted_tokens}' in text
+    for pos, n in enumerate(stats.spec_decode_accepted_per_position):
+        assert f'vtcore:spec_decode_num_accepted_tokens_per_pos{{model_name="m",position="{pos}"}} {n}' in text
+    plain = LLM(tiny_checkpoint[0], **KNOBS).generate(prompts[0], greedy(4))[0]
+    assert (plain.metrics.num_draft_tokens, plain.metrics.num_accepted_tokens) == (0, 0)

@@ -1,0 +1,1 @@
+"""Speculative decoding: the config (vLLM's ``speculative_config``) and the proposers behind one interface."""
