@@ -333,7 +333,8 @@ class ModelRunner:
             block_table += table + [0] * (max_blocks - len(table))
             context_lens.append(start + n)
             query_start.append(row0 + n)
-            self._state_rows(state, s, row0)
+            if self.stateful_layers:  # segments, restores and snapshots exist only for their state
+                self._state_rows(state, s, row0)
             for i in range(s.num_sampled):  # a verify row samples after its fed token and each draft token
                 sample_rows.append(row0 + fed - 1 + i)
                 metas.append(SampleMeta(req, req.token_ids[:start + fed - 1] + list(s.draft[:i]),
@@ -472,11 +473,14 @@ class ModelRunner:
         metas = [SampleMeta(s.request, s.request.token_ids[:s.start], s.start + 1 - s.request.num_prompt_tokens)
                  for s in batch]
         sampling = self.sampler.prepare(metas)
-        base = self.snapshot_base  # one token a row: every snapshot is at a row's end
-        restores = [(s.request.mirror_slot, base + s.restore) for s in batch if s.restore >= 0]
-        restores += [(s.request.mirror_slot, self.draft_state_slot(s.request.mirror_slot, s.resume))
-                     for s in batch if s.resume >= 0]
-        saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
+        restores: list[tuple[int, int]] = []
+        saves: list[tuple[int, int]] = []
+        if self.stateful_layers:  # one token a row: every snapshot is at a row's end
+            base = self.snapshot_base
+            restores = [(s.request.mirror_slot, base + s.restore) for s in batch if s.restore >= 0]
+            restores += [(s.request.mirror_slot, self.draft_state_slot(s.request.mirror_slot, s.resume))
+                         for s in batch if s.resume >= 0]
+            saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
