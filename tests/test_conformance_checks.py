@@ -111,6 +111,20 @@ def test_the_prefix_check_holds_the_cache_to_the_hashes(plugins: Plugins, monkey
     assert result.status == "fail" and "'whole-prompt': (0, 24)" in result.detail and "vtcore bug" in result.detail
 
 
+def test_the_draft_model_pass_requires_its_own_example_to_be_accepted(plugins: Plugins,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft engine that proposes one token late (it was fed all but the last token) keeps the output
+    exact, since rejections leave no trace; only the acceptance rule of the draft-model pass catches it."""
+    from vtcore.spec.draft_model import DraftModelProposer
+
+    late = DraftModelProposer.propose_batch
+    monkeypatch.setattr(DraftModelProposer, "propose_batch",
+                        lambda self, requests: late(self, [(tokens[:-1], k) for tokens, k in requests]))
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["speculative"])
+    result = gate.results["speculative"]
+    assert result.status == "fail" and "the family's own example as its draft had" in result.detail, result.detail
+
+
 def test_oracle_checkpoints_hold_no_constant_tensor(make_checkpoint) -> None:
     _, hf = make_checkpoint()
     for name, p in hf.named_parameters():

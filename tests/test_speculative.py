@@ -15,6 +15,7 @@ from vtcore.config import EngineConfig
 from vtcore.errors import VtcoreError
 from vtcore.spec.config import SpeculativeConfig
 from vtcore.spec.ngram import NgramProposer
+from vtcore.spec.proposer import PerSequence
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=200, max_num_seqs=8)
@@ -41,7 +42,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 @pytest.mark.parametrize("bad, named", [
     ('{"method": "ngram"', "not valid JSON"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle', expected one of ['ngram']"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle', expected one of ['ngram', 'draft_model']"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True, expected a positive"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown key(s) ['draft']"),
@@ -78,6 +79,29 @@ def test_greedy_tokens_equal_plain_decoding(tiny_checkpoint, knobs) -> None:
     if preempting:
         assert engine.scheduler.num_preemptions > 0
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_padded_verify_rows_equal_the_general_path(tiny_checkpoint) -> None:
+    """Verify rows padded to k + 1 tokens (the path CUDA graphs capture, eager on CPU), drafts of every
+    length in one batch: the same tokens and logprobs as the unpadded path, every padded token
+    invisible (no KV written for it: the pool comes back whole, later steps still agree)."""
+    path = tiny_checkpoint[0]
+    params = greedy(16, logprobs=2)
+    arrivals = {0: [(f"r{i}", _repetitive(9 + 5 * i, seed=i), params) for i in range(3)],
+                4: [("late", _repetitive(30, seed=9), params)]}
+    runs = {}
+    for eager in (True, False):
+        engine = build_engine(path, "sync", **KNOBS, speculative_config=NGRAM, enforce_eager=eager)
+        finals: dict = {}
+        tokens, batches = run_engine(engine, arrivals, finals=finals)
+        runs[eager] = tokens, finals
+        assert engine.pool.num_free == engine.pool.num_blocks
+        assert (engine.runner.padded_verify_steps > 0) != eager
+        assert engine.spec_stats.num_accepted_tokens > 0
+    assert runs[False][0] == runs[True][0]
+    for rid, want in runs[True][1].items():
+        for a, b in zip(runs[False][1][rid].logprobs, want.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 
 
 def test_logprobs_stops_and_max_tokens_inside_an_accepted_run(tiny_checkpoint) -> None:
@@ -122,7 +146,7 @@ def _chi_square_p(a: collections.Counter, b: collections.Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2))) if dof else 1.0
 
 
-class _Fixed:
+class _Fixed(PerSequence):
     """Proposes one token k times: a likely one, so that verify rows both accept and reject."""
 
     def __init__(self, token: int) -> None:
@@ -202,3 +226,38 @@ def test_counters_reach_request_outputs_and_prometheus(tiny_checkpoint) -> None:
         assert f'vtcore:spec_decode_num_accepted_tokens_per_pos{{model_name="m",position="{pos}"}} {n}' in text
     plain = LLM(tiny_checkpoint[0], **KNOBS).generate(prompts[0], greedy(4))[0]
     assert (plain.metrics.num_draft_tokens, plain.metrics.num_accepted_tokens) == (0, 0)
+
+
+def test_a_draft_model_proposes_for_every_row_in_one_batch(tiny_checkpoint, make_checkpoint) -> None:
+    """The target as its own draft accepts (nearly) everything; a one-layer draft of other weights
+    accepts little; both give plain decoding's greedy tokens, with one draft call a step."""
+    path = tiny_checkpoint[0]
+    plain, _ = run_engine(build_engine(path, "sync", **KNOBS), _arrivals())
+    other = make_checkpoint(num_hidden_layers=1)[0]
+    rates = {}
+    for name, draft in (("self", path), ("other", other)):
+        engine = build_engine(path, "sync", **KNOBS, speculative_config={
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+        spec, batches = run_engine(engine, _arrivals())
+        assert spec == plain, name
+        proposer = engine.scheduler.proposer
+        assert 0 < proposer.calls <= len(batches)  # one batched call a step at most
+        assert not proposer.engine.has_unfinished_requests()
+        rates[name] = engine.spec_stats.acceptance_rate
+    assert rates["self"] > 0.9 > rates["other"]
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "method='draft_model' needs model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "method='ngram' takes none"),
+])
+def test_a_draft_model_config_names_what_is_wrong(bad, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(speculative_config=bad)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tiny_checkpoint, make_checkpoint) -> None:
+    draft = make_checkpoint(vocab_size=256)[0]
+    with pytest.raises(VtcoreError, match="vocab_size=256.*must share the target's vocabulary"):
+        build_engine(tiny_checkpoint[0], "sync", **KNOBS, speculative_config={
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 2})

@@ -24,6 +24,8 @@ from vtcore.testing.runner_probes import withhold_override
 
 BLOCK = 8
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3}
+#: a draft equal to the target proposes the target's greedy tokens: all accepted but for near-ties
+DRAFT_ACCEPTANCE = 0.9
 PROMPT_LENGTHS = (1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK)
 MAX_TOKENS_BRACKET = (*range(1, 9), 16, 33)
 LOGPROB_TOL = 1e-4
@@ -358,9 +360,11 @@ class FamilyGate(CudaChecks):
                f"the oracle's tolerances{', async equal to sync' if len(runs) > 1 else ''}"
 
     def check_speculative(self) -> str:
-        """Speculative decoding, k=3: the n-gram proposer on prompts that repeat a phrase, then a replay
-        of the plain greedy continuations with one proposed token changed in a cycle, so verify rows
-        accept every length from none to all; each continuation teacher-forced against the oracle."""
+        """Speculative decoding, k=3: the n-gram proposer on prompts that repeat a phrase; a replay of the
+        plain greedy continuations with one proposed token changed in a cycle, so verify rows accept
+        every length from none to all; and the family's own example as its draft model (its own engine
+        and KV cache), which must have nearly every proposal accepted. Each continuation is
+        teacher-forced against the oracle."""
         from vtcore.spec.replay import ReplayProposer
 
         rng = random.Random(SEED + 2)
@@ -370,9 +374,14 @@ class FamilyGate(CudaChecks):
         k = SPECULATIVE["num_speculative_tokens"]
         plain = self._cases(self.engine("sync"), [greedy(16)] * len(prompts), prompts)
         report = []
-        for name, proposer in (("n-gram", None), ("replay", ReplayProposer(
-                [ids + out.token_ids for _, ids, _, out in plain], vocab, reject_every=True))):
-            engine = self.engine("sync", speculative_config=SPECULATIVE)
+        path, _ = self._checkpoint()
+        draft = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+        for name, config, proposer in (
+                ("n-gram", SPECULATIVE, None),
+                ("replay", SPECULATIVE, ReplayProposer([ids + out.token_ids for _, ids, _, out in plain], vocab,
+                                                       reject_every=True)),
+                ("draft-model", draft, None)):
+            engine = self.engine("sync", speculative_config=config)
             if proposer is not None:
                 engine.scheduler.proposer = proposer
             self._against_oracle(self._cases(engine, [greedy(16)] * len(prompts), prompts),
@@ -383,6 +392,13 @@ class FamilyGate(CudaChecks):
             stats = engine.spec_stats
             report.append(f"{name}: {stats.num_drafts} verify rows, {stats.num_accepted_tokens} of "
                           f"{stats.num_draft_tokens} proposed tokens accepted")
+            if name == "replay":
+                replayed = stats
+        if stats.num_accepted_tokens < DRAFT_ACCEPTANCE * stats.num_draft_tokens or not stats.num_drafts:
+            raise Failed(f"the family's own example as its draft had {stats.num_accepted_tokens} of "
+                         f"{stats.num_draft_tokens} proposed tokens accepted: a draft equal to the target must "
+                         "propose the target's greedy tokens (the draft engine runs the family as a target does)")
+        stats = replayed
         if not (0 < stats.accepted_per_position[k - 1] < stats.num_drafts):
             raise Failed(f"the replayed proposals accepted {stats.accepted_per_position} tokens per position in "
                          f"{stats.num_drafts} verify rows, not every run length (a vtcore bug)")

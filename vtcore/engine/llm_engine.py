@@ -26,7 +26,9 @@ from vtcore.loading.model_loader import build_model, quant_format
 from vtcore.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.engine.scheduler import Batch, Scheduled
+from vtcore.spec.draft_model import DraftModelProposer
 from vtcore.spec.ngram import NgramProposer
+from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.step import StepOutput
@@ -160,6 +162,7 @@ class LLMEngine:
         model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
                                          config.load_format, config.seed)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
+        proposer = self._proposer()
         self.runner = ModelRunner(model, self.family, RunnerConfig(
             self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
             config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids, config.seed,
@@ -174,15 +177,29 @@ class LLMEngine:
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
         spec = config.speculative_config
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   snapshots, self._proposer(), spec.num_speculative_tokens if spec else 0)
+                                   snapshots, proposer, spec.num_speculative_tokens if spec else 0)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
-    def _proposer(self) -> NgramProposer | None:
-        """The proposer ``speculative_config`` names (None: no speculative decoding)."""
+    def _proposer(self) -> Proposer | None:
+        """The proposer ``speculative_config`` names (None: no speculative decoding). A draft model is
+        built before the target's KV cache is sized: its own cache (at most its max_num_seqs full
+        contexts) comes out of the same memory budget."""
         spec = self.config.speculative_config
-        return None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        c = self.config
+        draft = LLMEngine(attrs.evolve(c, model=spec.model, tokenizer=None, speculative_config=None,
+                                       async_scheduling=False, enable_prefix_caching=True,
+                                       max_model_len=self.max_model_len, num_kv_blocks=None,
+                                       num_state_snapshots=None))
+        if draft.vocab_size != self.vocab_size:
+            raise ConfigError(f"speculative_config: the draft model {spec.model!r} has vocab_size={draft.vocab_size},"
+                              f" the target {c.model!r} {self.vocab_size}: a draft must share the target's vocabulary")
+        return DraftModelProposer(draft)
 
     def _snapshot_interval(self) -> int:
         """Tokens between state snapshots: ``state_snapshot_interval``, or the default in whole blocks."""

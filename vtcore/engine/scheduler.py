@@ -153,13 +153,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
-        """Tokens proposed to follow a decode row whose tokens the host knows, at most what the budget,
-        the request's output limit and the context leave after the token the row samples anyway."""
-        if self.proposer is None or req.num_inflight:
-            return ()
-        k = min(self.num_speculative_tokens, budget - 1, req.max_output - req.num_output_tokens - 1)
-        return tuple(self.proposer.propose(req.token_ids, k)) if k > 0 else ()
+    def _proposals(self) -> dict[str, list[int]]:
+        """One proposer call for every running decode row whose tokens the host knows: up to k tokens
+        each, at most what its output limit leaves after the token the row samples anyway."""
+        if self.proposer is None:
+            return {}
+        rows = [(r, min(self.num_speculative_tokens, r.max_output - r.num_output_tokens - 1)) for r in self.running
+                if r.status == RequestStatus.RUNNING and not r.num_inflight
+                and r.num_tokens_scheduled - r.num_computed_tokens == 1]
+        rows = [(r, k) for r, k in rows if k > 0]
+        drafts = self.proposer.propose_batch([(r.token_ids, k) for r, k in rows]) if rows else []
+        return {r.request_id: d[:k] for (r, k), d in zip(rows, drafts)}
 
     def _take(self, req: Request, budget: int, draft: tuple[int, ...] = ()) -> Scheduled:
         n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
@@ -183,6 +187,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: Batch = []
         preempted = False
+        proposals = self._proposals()
         for req in list(self.running):
             if budget == 0:
                 break
@@ -191,7 +196,7 @@ class Scheduler:
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            draft = self._draft(req, budget) if n == 1 else ()
+            draft = tuple(proposals.get(req.request_id, ())[:budget - 1]) if n == 1 else ()
             while not self.pool.grow(req.block_ids, req.num_computed_tokens + n + len(draft)):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -10,19 +10,21 @@ from typing import Any
 import attrs
 
 #: the proposers this engine knows
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @attrs.frozen
 class SpeculativeConfig:
-    """``method``: "ngram" (prompt lookup over the request's own tokens); ``num_speculative_tokens``: the
-    most tokens proposed for one request a step (k); ``prompt_lookup_min`` / ``prompt_lookup_max``: the
-    n-gram lengths an n-gram proposer matches, longest first."""
+    """``method``: "ngram" (prompt lookup over the request's own tokens) or "draft_model" (a registered
+    family proposes: ``model``, its checkpoint or hub id); ``num_speculative_tokens``: the most tokens
+    proposed for one request a step (k); ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram
+    lengths an n-gram proposer matches, longest first."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":
@@ -51,6 +53,13 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {key}={v!r}, expected a positive integer")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: num_speculative_tokens is required (the tokens proposed a step)")
+        model = value.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config: method='draft_model' needs model (the draft's checkpoint "
+                             f"folder or hub id), got model={model!r}")
+        if method != "draft_model" and model is not None:
+            raise ValueError(f"speculative_config: model={model!r} is the draft of method='draft_model'; "
+                             f"method={method!r} takes none")
         config = cls(**value)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min={config.prompt_lookup_min} exceeds "

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from vtcore.spec.proposer import PerSequence
 
-class NgramProposer:
+
+class NgramProposer(PerSequence):
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from vtcore.spec.proposer import PerSequence
 
-class ReplayProposer:
+
+class ReplayProposer(PerSequence):
     def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int, reject_every: bool = False) -> None:
         self.sequences = [list(s) for s in sequences]
         self.vocab_size = vocab_size

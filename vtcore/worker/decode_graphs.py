@@ -1,17 +1,22 @@
-"""Pure-decode steps padded to fixed batch sizes, and on CUDA one captured graph per size.
+"""Decode steps padded to fixed batch sizes, and on CUDA one captured graph per size.
 
-One flat int64 buffer holds, for padded size P, six sections of P rows (ids, positions, KV slots,
-context lengths, combine slots, mirror slots), then the real rows' block table; a step uploads into
-it with one copy, and the block table is copied into the persistent ``[P, max_blocks]`` table the
-kernels read. The combine (-1: the host id is current) runs inside the graph. Padded rows: id 0,
-position 0, KV slot -1 (never written), context 1, no combine, the dummy mirror slot; their samples
-are never written to the mirror. On CPU the same padded forward runs eagerly (nothing is captured).
+Each row of a padded step has the same query length q: 1 for pure decode, k + 1 for the verify rows
+of speculative decoding (the fed token and k draft slots; a shorter draft is padded). One flat int64
+buffer holds, for padded size P and T = P * q tokens, six sections (ids [T], positions [T], KV slots
+[T], context lengths [P], combine slots [T], mirror slots [P]), then the real rows' block table,
+then (q > 1) the token rows that sample; a step uploads into it with one copy, and the block table
+is copied into the persistent table the kernels read. The combine (-1: the host id is current) runs
+inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context 1, no combine,
+the dummy mirror slot; their samples are never written to the mirror. A verify row's padded tokens:
+id 0, the row's first position, KV slot -1; its context length counts them, so each real token
+sees exactly the keys before it (the causal rule reads the query length from the uniform query
+starts), and no real token sees a padded one. On CPU the same padded forward runs eagerly.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
@@ -20,16 +25,17 @@ from vtcore.worker.step import Batch
 
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
 GRAPH_MAX = 256  # larger decode batches run eagerly
+VERIFY_MAX_TOKENS = 512  # verify steps of more padded tokens run on the general path
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
 
 #: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, block tables, query starts,
-#: max_context_len) -> (fed ids, float32 logits, whether EmbedInto consumed the override)
+#: query len, max_context_len) -> (fed ids, float32 logits, whether EmbedInto consumed the override)
 DecodeForward = Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
 
 
 @attrs.define
 class DecodeInputs:
-    """A pure-decode step on the host: padded size, real rows, block-table width and the sections to stage."""
+    """A padded step on the host: padded size, real rows, block-table width and the sections to stage."""
 
     size: int
     rows: int
@@ -40,75 +46,108 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
+    """The padded steps of query length ``query_len``: 1 (pure decode) or k + 1 (verify rows)."""
+
     def __init__(self, forward: DecodeForward, device: torch.device, block_size: int, max_model_len: int,
-                 max_num_seqs: int, dummy_slot: int, capture: bool) -> None:
-        self.forward, self.device, self.block_size = forward, device, block_size
+                 max_num_seqs: int, dummy_slot: int, capture: bool, query_len: int = 1,
+                 pool: Any = None) -> None:
+        self.forward, self.device, self.block_size, self.q = forward, device, block_size, query_len
+        q = query_len
         self.padding = [0, 0, -1, 1, -1, dummy_slot]
-        largest = min(max_num_seqs, GRAPH_MAX)
-        self.sizes = [p for p in GRAPH_SIZES if p < largest] + [largest]
-        self.max_table = -(-max_model_len // block_size)
-        self.buffer = torch.zeros(6 * largest + largest * self.max_table, dtype=torch.int64, device=device)
+        largest = min(max_num_seqs, GRAPH_MAX if q == 1 else VERIFY_MAX_TOKENS // q)
+        self.sizes = [p for p in GRAPH_SIZES if p < largest] + [largest] if largest else []
+        # wide enough for a verify row's padded positions past max_model_len
+        self.max_table = -(-(max_model_len + q) // block_size)
+        self.buffer = torch.zeros((6 * q + 2) * largest + largest * self.max_table, dtype=torch.int64,
+                                  device=device)
         self.tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=device)
-        self.qstart = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.qstart = torch.arange(0, (largest + 1) * q, q, dtype=torch.int32, device=device)
         # the six sections of padded size p: views fixed once, as the graphs read them
-        self.views = {p: [self.buffer[i * p:(i + 1) * p] for i in range(6)] for p in self.sizes}
+        self.views = {p: self._sections(p) for p in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], bool]] = {}
-        self.steps = self.replays = 0  # padded decode steps run, and how many of them replayed a graph
-        if capture:
-            self._capture(max_model_len)
+        self.steps = self.replays = 0  # padded steps run, and how many of them replayed a graph
+        self.pool = pool
+        # the longest context a padded row can have (a verify row's padding runs past max_model_len)
+        self.max_context_len = max_model_len + (q if q > 1 else 0)
+        if capture and self.sizes:
+            self._capture()
+
+    def _sections(self, p: int) -> list[torch.Tensor]:
+        lengths = [n * (self.q if per_token else 1) for n, per_token in
+                   zip([p] * 6, (True, True, True, False, True, False))]
+        bounds = [sum(lengths[:i]) for i in range(7)]
+        return [self.buffer[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def takes(self, batch: Batch) -> bool:
-        """A pure-decode batch (one sampled token a row) that fits the largest padded size."""
-        return len(batch) <= self.sizes[-1] and all(s.num_tokens == 1 and s.samples for s in batch)
+        """A batch of decode rows (one fed token, sampling) that fits the largest padded size; for
+        q > 1 verify rows, each with a draft of at most q - 1 tokens and one with a draft at all."""
+        if not self.sizes or len(batch) > self.sizes[-1]:
+            return False
+        if self.q == 1:
+            return all(s.num_tokens == 1 and s.samples for s in batch)
+        return any(s.draft for s in batch) and all(
+            s.samples and s.num_tokens == 1 + len(s.draft) < self.q + 1 and s.restore < 0 and not s.saves
+            and s.request.prompt_logprobs is None for s in batch)
 
     def padded_size(self, rows: int) -> int:
         """The padded batch size a decode step of ``rows`` rows runs at."""
         return next(size for size in self.sizes if size >= rows)
 
     def _run(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        return self.forward(*self.views[p], self.tables[:p], self.qstart[:p + 1], max_context_len)
+        return self.forward(*self.views[p], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len)
 
-    def _capture(self, max_model_len: int) -> None:
-        pool = None
+    def _capture(self) -> None:
+        pool = self.pool
         with torch.inference_mode(), _no_collection():
             for p in reversed(self.sizes):  # largest first: the others reuse its memory pool
-                padding = torch.tensor(self.padding, device=self.device)[:, None]
-                self.buffer[:6 * p].view(6, p).copy_(padding)  # all rows padded: the capture writes no KV
-                self._run(p, max_model_len)  # warm-up: compiles kernels, sizes workspaces
+                for view, pad in zip(self.views[p], self.padding):
+                    view.fill_(pad)  # all rows padded: the capture writes no KV
+                self._run(p, self.max_context_len)  # warm-up: compiles kernels, sizes workspaces
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    fed, logits, consumed = self._run(p, max_model_len)
+                    fed, logits, consumed = self._run(p, self.max_context_len)
                 pool = graph.pool()
                 self.graphs[p] = (graph, (fed, logits), consumed)
+        self.pool = pool
         torch.cuda.synchronize(self.device)
 
     def prepare(self, batch: Batch) -> DecodeInputs:
-        """The host side of a padded decode step of ``batch``."""
-        bs, n = self.block_size, len(batch)
+        """The host side of a padded step of ``batch``."""
+        bs, n, q = self.block_size, len(batch), self.q
         p = self.padded_size(n)
         cols: list[list[int]] = [[] for _ in range(6)]
         width = max(len(s.request.block_ids) for s in batch)
         table: list[int] = []
+        sample_rows: list[int] = []
+        mirror: list[int] = []
         stale = False
-        for s in batch:
+        for r, s in enumerate(batch):
             req, pos = s.request, s.start
             known = pos < len(req.token_ids)
             stale |= not known
-            for col, v in zip(cols, (req.token_ids[pos] if known else PLACEHOLDER, pos,
-                                     req.block_ids[pos // bs] * bs + pos % bs, pos + 1,
-                                     -1 if known else req.mirror_slot, req.mirror_slot)):
-                col.append(v)
+            real = 1 + len(s.draft)
+            cols[0] += [req.token_ids[pos] if known else PLACEHOLDER, *s.draft] + [0] * (q - real)
+            cols[1] += [*range(pos, pos + real)] + [pos] * (q - real)
+            cols[2] += [req.block_ids[t // bs] * bs + t % bs for t in range(pos, pos + real)] + [-1] * (q - real)
+            cols[3].append(pos + q)
+            cols[4] += [-1 if known else req.mirror_slot] + [-1] * (q - 1)
+            cols[5].append(req.mirror_slot)
+            sample_rows += range(r * q, r * q + real)
+            mirror += [req.mirror_slot] * real
             table += req.block_ids + [0] * (width - len(req.block_ids))
-        for col, v in zip(cols, self.padding):
-            col += [v] * (p - n)
-        return DecodeInputs(p, n, width, cols + [table], stale, max(s.start for s in batch) + 1)
+        for i, (col, v) in enumerate(zip(cols, self.padding)):
+            col += [v] * ((p - n) * (1 if i in (3, 5) else q))
+        extra = [sample_rows, mirror] if q > 1 else []
+        return DecodeInputs(p, n, width, cols + [table] + extra, stale, max(s.start for s in batch) + q)
 
-    def run(self, inputs: DecodeInputs, table_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The device side, after the sections were uploaded into ``buffer``: (fed ids, logits, consumed)
-        of the real rows; a graph replay where one was captured."""
+    def run(self, inputs: DecodeInputs, staged: list[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+        """The device side, after the sections were uploaded into ``buffer`` (``staged``: their device
+        views): (fed ids, logits, consumed, mirror slots) of the sampled tokens; a graph replay where one
+        was captured."""
         n, width = inputs.rows, inputs.width
-        self.tables[:n, :width].copy_(table_rows.view(n, width))
+        self.tables[:n, :width].copy_(staged[6].view(n, width))
         self.steps += 1
         graph = self.graphs.get(inputs.size)
         if graph is not None:
@@ -117,10 +156,10 @@ class DecodeGraphs:
             (fed, logits), consumed = graph[1], graph[2]
         else:
             fed, logits, consumed = self._run(inputs.size, inputs.max_context_len)
-        return fed[:n], logits[:n], consumed
-
-    def mirror_slots(self, inputs: DecodeInputs) -> torch.Tensor:
-        return self.views[inputs.size][5][:inputs.rows]
+        if self.q == 1:
+            return fed[:n], logits[:n], consumed, self.views[inputs.size][5][:n]
+        rows = staged[7]
+        return fed[rows], logits[rows], consumed, staged[8]
 
 
 @contextlib.contextmanager

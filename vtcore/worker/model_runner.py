@@ -21,7 +21,8 @@ The async device mirror:
    the engine waits on it only when it processes that step, one step later;
 5. host staging (:mod:`vtcore.worker.staging`): each in-flight step owns one of ``depth`` pinned
    buffers, refilled only after its step retired.
-Pure-decode steps take the padded path of :mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
+Pure-decode steps, and the verify steps of speculative decoding for models without stateful layers,
+take the padded path of :mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
 
 ``on_submit`` callbacks see every batch before its preparation and after its enqueue (host time
 measurements: ``vtcore bench``); ``scope`` (the device-token override scope, after the plugins'
@@ -175,6 +176,13 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
                                               capture=self.cuda)
+        # verify rows padded to k + 1 tokens; a stateful layer's per-token state segments stay eager
+        self.verify_graphs: DecodeGraphs | None = None
+        if self.decode_graphs is not None and config.num_speculative_tokens and not self.stateful_layers:
+            self.verify_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
+                                              config.max_model_len, config.max_num_seqs, self.dummy_slot,
+                                              capture=self.cuda, query_len=config.num_speculative_tokens + 1,
+                                              pool=self.decode_graphs.pool)
 
     # ------------------------------------------------------------------ padded decode counters
     @property
@@ -183,16 +191,25 @@ class ModelRunner:
         return self.decode_graphs.sizes if self.decode_graphs else []
 
     @property
+    def _padded(self) -> list[DecodeGraphs]:
+        return [g for g in (self.decode_graphs, self.verify_graphs) if g is not None]
+
+    @property
+    def padded_verify_steps(self) -> int:
+        """Verify steps (speculative decoding) run on the padded path."""
+        return self.verify_graphs.steps if self.verify_graphs else 0
+
+    @property
     def padded_decode_steps(self) -> int:
-        return self.decode_graphs.steps if self.decode_graphs else 0
+        return sum(g.steps for g in self._padded)
 
     @property
     def graph_replays(self) -> int:
-        return self.decode_graphs.replays if self.decode_graphs else 0
+        return sum(g.replays for g in self._padded)
 
     @property
     def captured_graphs(self) -> int:
-        return len(self.decode_graphs.graphs) if self.decode_graphs else 0
+        return sum(len(g.graphs) for g in self._padded)
 
     # ------------------------------------------------------------------ memory
     def _bytes_per_block(self) -> int:
@@ -266,8 +283,9 @@ class ModelRunner:
             callback(batch, False)
         step = self.steps_submitted
         try:
-            if self.decode_graphs is not None and self.decode_graphs.takes(batch):
-                handle = self._submit_decode(batch, step)
+            graphs = next((g for g in self._padded if g.takes(batch)), None)
+            if graphs is not None:
+                handle = self._submit_decode(batch, step, graphs)
             else:
                 handle = self._submit_general(batch, step)
         except BaseException:
@@ -335,10 +353,8 @@ class ModelRunner:
             query_start.append(row0 + n)
             if self.stateful_layers:  # segments, restores and snapshots exist only for their state
                 self._state_rows(state, s, row0)
-            for i in range(s.num_sampled):  # a verify row samples after its fed token and each draft token
-                sample_rows.append(row0 + fed - 1 + i)
-                metas.append(SampleMeta(req, req.token_ids[:start + fed - 1] + list(s.draft[:i]),
-                                        start + fed + i - req.num_prompt_tokens))
+            sample_rows += range(row0 + fed - 1, row0 + fed - 1 + s.num_sampled)
+            metas += _sample_metas(s)
             if req.prompt_logprobs is not None:
                 # Rows predicting prompt tokens 1..P-1 not yet asked for; a recompute after
                 # preemption (or an in-flight earlier chunk) must not ask twice.
@@ -452,12 +468,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ padded decode
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                         combine: torch.Tensor, mirror: torch.Tensor, tables: torch.Tensor, qstart: torch.Tensor,
-                        max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                        query_len: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The padded decode forward: combine, model, logits (captured in a graph on CUDA)."""
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
+        decode = query_len == 1  # verify graphs exist only for models without stateful layers
         set_attention_metadata(AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, context_lens=ctx, query_start_loc=qstart, max_query_len=1,
-            max_context_len=max_context_len, state_index=mirror, state_continues=pos > 0))
+            slot_mapping=slots, block_tables=tables, context_lens=ctx, query_start_loc=qstart,
+            max_query_len=query_len, max_context_len=max_context_len, state_index=mirror if decode else None,
+            state_continues=pos > 0 if decode else None))
         try:
             with self.scope(fed, True) as override:
                 hidden = self.model(ids, pos)
@@ -466,13 +484,10 @@ class ModelRunner:
             set_attention_metadata(None)
         return fed, self.model.compute_logits(hidden).float(), consumed
 
-    def _submit_decode(self, batch: Batch, step: int) -> StepHandle:
-        graphs = self.decode_graphs
+    def _submit_decode(self, batch: Batch, step: int, graphs: DecodeGraphs) -> StepHandle:
         inputs: DecodeInputs = graphs.prepare(batch)
         staged = self.staging.stage(step, inputs.sections, align=1)
-        metas = [SampleMeta(s.request, s.request.token_ids[:s.start], s.start + 1 - s.request.num_prompt_tokens)
-                 for s in batch]
-        sampling = self.sampler.prepare(metas)
+        sampling = self.sampler.prepare([m for s in batch for m in _sample_metas(s)])
         restores: list[tuple[int, int]] = []
         saves: list[tuple[int, int]] = []
         if self.stateful_layers:  # one token a row: every snapshot is at a row's end
@@ -484,13 +499,13 @@ class ModelRunner:
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            table_rows = self.staging.upload(staged, graphs.buffer)[6]
+            sections = self.staging.upload(staged, graphs.buffer)
             with torch.inference_mode():
                 self._copy_states(restores)
-                fed, logits, consumed = graphs.run(inputs, table_rows)
+                fed, logits, consumed, mirror = graphs.run(inputs, sections)
                 self._copy_states(saves)
                 out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
-                self.sample(out, logits, sampling, fed, graphs.mirror_slots(inputs))
+                self.sample(out, logits, sampling, fed, mirror)
             return out
 
         return self._enqueue(step, staged.index, device_work)
@@ -498,6 +513,14 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def _sample_metas(s: Scheduled) -> list[SampleMeta]:
+    """What the sampler needs of each token ``s`` samples: after its last fed token, and in a verify row
+    after each draft token too (the history then holds the draft tokens before it)."""
+    req, fed = s.request, s.num_tokens - len(s.draft)
+    return [SampleMeta(req, req.token_ids[:s.start + fed - 1] + list(s.draft[:i]),
+                       s.start + fed + i - req.num_prompt_tokens) for i in range(s.num_sampled)]
 
 
 def _plp_entries(t: dict[str, torch.Tensor]) -> list[dict[int, tuple[float, int]]]:
