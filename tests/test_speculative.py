@@ -32,6 +32,24 @@ def _repetitive(n: int, seed: int) -> list[int]:
     return (phrase * (n // len(phrase) + 1))[:n]
 
 
+def _ngram_scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The n-gram rule written as the plain scan it is."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_the_vectorised_ngram_search_is_the_plain_scan() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(rng.choice((2, 4, 30))) for _ in range(rng.randrange(1, 60))]
+        lo = rng.randrange(1, 4)
+        hi, k = rng.randrange(lo, 6), rng.randrange(1, 6)
+        assert NgramProposer(lo, hi).propose(tokens, k) == _ngram_scan(tokens, k, lo, hi), (tokens, lo, hi, k)
+
+
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     p = NgramProposer(1, 3)
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest occurrence of [1, 2, 3]

@@ -38,6 +38,10 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
   ``max_model_len // 2`` so every request fits), submitted at once through ``LLM.generate``
   (greedy, ``ignore_eos``); total time is the ``generate`` call's wall time, output tokens are
   counted from the returned outputs.
+* ``--speculative-config JSON`` replaces it with :mod:`vtcore.bench.speculative`: per concurrency, the
+  plain decode step, then for each k of ``--speculative-k`` the verify step and the effective TPOT of a
+  replay proposer (the plain run's own greedy continuations, all accepted: the bound on the speedup),
+  and the configured method's real acceptance.
 
 The engine arguments are every command's (:mod:`vtcore.engine.arg_utils`, vLLM's names); ``--seed`` also
 seeds the prompts. Recorded in the JSON header and the printed header line, with the resulting
@@ -62,6 +66,7 @@ import attrs
 
 from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
+from vtcore.bench.speculative import DEFAULT_KS, format_speculative
 from vtcore.bench.step_stats import NO_CUDA, StepTimer, count_triton_compiles, probe_decode, unavailable
 from vtcore.config import EngineConfig
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
@@ -134,6 +139,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         f"(--num-prompts, default {DEFAULT_OFFLINE_PROMPTS}, random lengths, all at once)")
     p.add_argument("--offline-min-len", type=positive_int("--offline-min-len"), default=DEFAULT_OFFLINE_MIN_LEN)
     p.add_argument("--offline-max-len", type=positive_int("--offline-max-len"), default=DEFAULT_OFFLINE_MAX_LEN)
+    p.add_argument("--speculative-k", type=parse_concurrency, default=list(DEFAULT_KS), metavar="K,K,...",
+                   help="with --speculative-config: instead of the serving sweep, the verify step's cost and the "
+                        "replay proposer's bound at each of these k, beside a plain decode step and the configured "
+                        f"method (default: {','.join(map(str, DEFAULT_KS))}; see vtcore.bench.speculative)")
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write every number as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_bench)
@@ -353,26 +362,42 @@ def run_offline(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any
     }
 
 
+def _resolved_config(args: argparse.Namespace) -> tuple[EngineConfig, Any, dict[str, Any]]:
+    """The engine config with the checkpoint resolved (a hub id: its cached snapshot) and max_model_len
+    filled in, the checkpoint's HF config, and the JSON header."""
+    from vtcore.config import HFConfig
+    from vtcore.loading.hub import resolve_model
+
+    given = bench_engine_config(args)
+    path = resolve_model(given.model, weights=given.load_format != "dummy")
+    hf = HFConfig.from_path(path)
+    max_model_len = given.max_model_len or int(hf.get("max_position_embeddings", 4096))
+    config = attrs.evolve(given, model=path, max_model_len=max_model_len)
+    return config, hf, {"model": given.model, "load_format": config.load_format, "max_model_len": max_model_len,
+                        "seed": config.seed}
+
+
 def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
     """Build the engine, run every concurrency, return every number (the --json document)."""
     from vtcore.bench.roofline import (decode_step_bytes, kv_bytes_per_token, measure_copy_bandwidth,
                                        parameter_bytes, roofline_for_run)
-    from vtcore.config import HFConfig
     from vtcore.engine.async_llm import AsyncLLM
     from vtcore.engine.llm_engine import resolve_device
-    from vtcore.loading.hub import resolve_model
     from vtcore.sampling_params import SamplingParams
 
-    given = bench_engine_config(args)
     peer = getattr(args, "peer", None)
     if getattr(args, "offline", False) and peer:
         raise ValueError("--peer compares against the serving run at concurrency 1; it does not apply with --offline")
-    path = resolve_model(given.model, weights=given.load_format != "dummy")  # a hub id: its cached snapshot
-    hf = HFConfig.from_path(path)
-    max_model_len = given.max_model_len or int(hf.get("max_position_embeddings", 4096))
-    config = attrs.evolve(given, model=path, max_model_len=max_model_len)
-    header = {"model": given.model, "load_format": config.load_format, "max_model_len": max_model_len,
-              "seed": config.seed}
+    config, hf, header = _resolved_config(args)
+    max_model_len = config.max_model_len
+    if config.speculative_config is not None and not getattr(args, "offline", False):
+        from vtcore.bench.speculative import run_speculative
+        from vtcore.engine.llm_engine import LLMEngine
+
+        input_len, clamped = resolve_lengths(max_model_len, args.input_len, args.output_len)
+        return {**header, **run_speculative(config, _concurrency(args), args.speculative_k, input_len,
+                                            args.output_len, getattr(args, "copy_mib", DEFAULT_COPY_MIB),
+                                            LLMEngine), "input_len_clamped": clamped}
     if getattr(args, "offline", False):
         doc = run_offline(args, config)
         return {**header, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
@@ -532,6 +557,9 @@ def run_compared(args: argparse.Namespace, progress: bool = True) -> dict[str, A
     document), each on a fresh engine, the prompts drawn alike from the same seed."""
     if getattr(args, "offline", False):
         raise ValueError("--compare-prefix-caching compares serving sweeps; it does not apply with --offline")
+    if getattr(args, "speculative_config", None) is not None:
+        raise ValueError("--compare-prefix-caching compares serving sweeps; with --speculative-config the bench "
+                         "measures speculative decoding instead")
     off = argparse.Namespace(**{**vars(args), "enable_prefix_caching": False, "peer": None})
     keep = ("concurrency", "prefix_cache_hit_rate", "ttft_s", "tpot_s", "output_throughput_tok_s", "wall_s")
     off_runs = [{k: r[k] for k in keep} for r in run_bench(off, progress)["runs"]]
@@ -558,7 +586,7 @@ def format_comparison(doc: dict[str, Any]) -> list[str]:
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
     doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else run_bench(args, progress)
-    out.write(format_table(doc))
+    out.write(format_speculative(doc) if doc["mode"] == "speculative" else format_table(doc))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
