@@ -20,6 +20,16 @@ def run(eng, arrivals):
     return tokens
 
 
+def _assert_same(got_outs: dict, ref_outs: dict) -> None:
+    """Padded and eager completions: the same tokens, logprobs within 1e-5."""
+    for rid, ref in ref_outs.items():
+        got = got_outs[rid]
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs):
+            assert a.keys() == b.keys()
+            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-5) for t in a)
+
+
 def test_graph_sizes_pad_to_the_next_size(tiny_checkpoint) -> None:
     eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS)
     assert eng.runner.graph_sizes == [1, 2, 4, 8]
@@ -47,12 +57,7 @@ def test_padded_decode_equals_the_unpadded_path(tiny_checkpoint, mode) -> None:
         assert eng.runner.padded_decode_steps == (0 if eager else 11)
         # the dummy slot is named by every padded row and must never receive a sample
         assert eager or eng.runner.last_sampled_tokens[eng.runner.dummy_slot].item() == PLACEHOLDER
-    for rid, ref in outs[True].items():
-        got = outs[False][rid]
-        assert got.token_ids == ref.token_ids
-        for a, b in zip(got.logprobs, ref.logprobs):
-            assert a.keys() == b.keys()
-            assert all(math.isclose(a[t].logprob, b[t].logprob, abs_tol=1e-5) for t in a)
+    _assert_same(outs[False], outs[True])
 
 
 @pytest.mark.parametrize("n", [3, 16])
@@ -121,3 +126,35 @@ def test_no_collection_while_capturing() -> None:
     assert gc.isenabled() and len(freed) == 2
     gc.collect()
     assert len(freed) == 4
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lone_prefill_chunk_runs_padded_and_equals_the_unpadded_path(tiny_checkpoint, mode) -> None:
+    """Steps that are one prefill chunk alone (a whole prompt, a chunk that samples nothing, the last
+    chunk of a prompt cut by max_num_batched_tokens, a prompt past a cached prefix) take the padded
+    chunk path: tokens and logprobs equal the eager path's; a prompt past the largest bucket, or a step
+    of several requests, stays on the general path."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    knobs = {**KNOBS, "max_num_batched_tokens": 32, "max_model_len": 96}
+    prompts = [[5, 9, 2, 7, 7, 1, 3, 8, 6], list(range(1, 71)), [5, 9, 2, 7, 7, 1, 3, 8, 6, 4, 4]]
+    outs, chunk_steps = {}, {}
+    for eager in (True, False):
+        eng = build_engine(tiny_checkpoint[0], mode, **knobs, enforce_eager=eager)
+        done = {}
+        for i, p in enumerate(prompts):  # one at a time: every prefill step is alone
+            eng.add_request(str(i), {"prompt_token_ids": p}, params)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0]
+        outs[eager], chunk_steps[eager] = done, eng.runner.padded_chunk_steps
+        assert [g.q for g in eng.runner.chunk_graphs] == ([] if eager else [16, 32])
+    # prompt 0: one chunk; prompt 1 (70 tokens, 32 a step): 32, 32, 6; prompt 2 past prompt 0's cached block(s)
+    assert chunk_steps == {True: 0, False: 5}
+    _assert_same(outs[False], outs[True])
+
+
+def test_a_step_of_several_prefills_is_not_a_lone_chunk(tiny_checkpoint) -> None:
+    eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS)
+    run(eng, {0: [("a", [3, 1, 4], greedy(2)), ("b", [9, 2], greedy(2))]})
+    assert eng.runner.padded_chunk_steps == 0 and eng.runner.padded_decode_steps == 1

@@ -168,7 +168,8 @@ class LLMEngine:
             config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids, config.seed,
             self.depth, config.enforce_eager, config.enable_prefix_caching, config.num_state_snapshots,
             self._snapshot_interval(),
-            config.speculative_config.num_speculative_tokens if config.speculative_config else 0))
+            config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+            self.max_num_batched_tokens))
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)

@@ -1,16 +1,19 @@
-"""Decode steps padded to fixed batch sizes, and on CUDA one captured graph per size.
+"""Steps padded to fixed shapes, and on CUDA one captured graph per shape.
 
 Each row of a padded step has the same query length q: 1 for pure decode, k + 1 for the verify rows
-of speculative decoding (the fed token and k draft slots; a shorter draft is padded). One flat int64
-buffer holds, for padded size P and T = P * q tokens, six sections (ids [T], positions [T], KV slots
-[T], context lengths [P], combine slots [T], mirror slots [P]), then the real rows' block table,
-then (q > 1) the token rows that sample; a step uploads into it with one copy, and the block table
+of speculative decoding (the fed token and k draft slots; a shorter draft is padded), or (``chunk``)
+a bucket of up to q tokens for a step that is one prefill chunk alone (its launches, hundreds in an
+eager forward, cost the host more than the device spends on a short chunk; logits only at its last
+real token). One flat int64 buffer holds, for padded size P and T = P * q tokens, six sections (ids
+[T], positions [T], KV slots [T], context lengths [P], combine slots [T], mirror slots [P]; chunk: a
+seventh, each row's last real token [P]), then the real rows' block table, then (q > 1) the rows
+that sample and their mirror slots; a step uploads into it with one copy, and the block table
 is copied into the persistent table the kernels read. The combine (-1: the host id is current) runs
 inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context 1, no combine,
-the dummy mirror slot; their samples are never written to the mirror. A verify row's padded tokens:
-id 0, the row's first position, KV slot -1; its context length counts them, so each real token
-sees exactly the keys before it (the causal rule reads the query length from the uniform query
-starts), and no real token sees a padded one. On CPU the same padded forward runs eagerly.
+the dummy mirror slot; their samples are never written to the mirror. A verify row's (or a chunk's)
+padded tokens: id 0, the row's first position, KV slot -1; its context length counts them, so each
+real token sees exactly the keys before it (the causal rule reads the query length from the uniform
+query starts), and no real token sees a padded one. On CPU the same padded forward runs eagerly.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ from vtcore.worker.step import Batch
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
 GRAPH_MAX = 256  # larger decode batches run eagerly
 VERIFY_MAX_TOKENS = 512  # verify steps of more padded tokens run on the general path
+CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # padded lengths of a lone prefill chunk
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
 
-#: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, block tables, query starts,
-#: query len, max_context_len) -> (fed ids, float32 logits, whether EmbedInto consumed the override)
+#: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, [chunk: last rows,]
+#: block tables, query starts, query len, max_context_len) -> (fed ids, float32 logits (chunk: of the
+#: last rows), whether EmbedInto consumed the override)
 DecodeForward = Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
 
 
@@ -46,19 +51,23 @@ class DecodeInputs:
 
 
 class DecodeGraphs:
-    """The padded steps of query length ``query_len``: 1 (pure decode) or k + 1 (verify rows)."""
+    """The padded steps of query length ``query_len``: 1 (pure decode), k + 1 (verify rows), or with
+    ``chunk`` one row of up to ``query_len`` tokens."""
 
     def __init__(self, forward: DecodeForward, device: torch.device, block_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_slot: int, capture: bool, query_len: int = 1,
-                 pool: Any = None) -> None:
+                 pool: Any = None, chunk: bool = False) -> None:
         self.forward, self.device, self.block_size, self.q = forward, device, block_size, query_len
+        self.chunk = chunk
         q = query_len
-        self.padding = [0, 0, -1, 1, -1, dummy_slot]
-        largest = min(max_num_seqs, GRAPH_MAX if q == 1 else VERIFY_MAX_TOKENS // q)
+        self.per_token = (True, True, True, False, True, False) + ((False,) if chunk else ())
+        self.padding = [0, 0, -1, 1, -1, dummy_slot] + ([0] if chunk else [])
+        largest = 1 if chunk else min(max_num_seqs, GRAPH_MAX if q == 1 else VERIFY_MAX_TOKENS // q)
         self.sizes = [p for p in GRAPH_SIZES if p < largest] + [largest] if largest else []
         # wide enough for a verify row's padded positions past max_model_len
         self.max_table = -(-(max_model_len + q) // block_size)
-        self.buffer = torch.zeros((6 * q + 2) * largest + largest * self.max_table, dtype=torch.int64,
+        per_row = sum(q if t else 1 for t in self.per_token)
+        self.buffer = torch.zeros((per_row + 2) * largest + largest * self.max_table, dtype=torch.int64,
                                   device=device)
         self.tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=device)
         self.qstart = torch.arange(0, (largest + 1) * q, q, dtype=torch.int32, device=device)
@@ -73,16 +82,20 @@ class DecodeGraphs:
             self._capture()
 
     def _sections(self, p: int) -> list[torch.Tensor]:
-        lengths = [n * (self.q if per_token else 1) for n, per_token in
-                   zip([p] * 6, (True, True, True, False, True, False))]
-        bounds = [sum(lengths[:i]) for i in range(7)]
+        lengths = [p * (self.q if per_token else 1) for per_token in self.per_token]
+        bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
         return [self.buffer[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def takes(self, batch: Batch) -> bool:
         """A batch of decode rows (one fed token, sampling) that fits the largest padded size; for
-        q > 1 verify rows, each with a draft of at most q - 1 tokens and one with a draft at all."""
+        q > 1 verify rows, each with a draft of at most q - 1 tokens and one with a draft at all; for a
+        chunk, one row of at most q tokens and no draft (the caller asks the smallest bucket first)."""
         if not self.sizes or len(batch) > self.sizes[-1]:
             return False
+        if self.chunk:
+            s = batch[0]
+            return (not s.draft and s.num_tokens <= self.q and s.restore < 0 and not s.saves
+                    and s.request.prompt_logprobs is None)
         if self.q == 1:
             return all(s.num_tokens == 1 and s.samples for s in batch)
         return any(s.draft for s in batch) and all(
@@ -94,7 +107,9 @@ class DecodeGraphs:
         return next(size for size in self.sizes if size >= rows)
 
     def _run(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        return self.forward(*self.views[p], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len)
+        views = self.views[p]
+        return self.forward(*views[:6], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len,
+                            views[6] if self.chunk else None)
 
     def _capture(self) -> None:
         pool = self.pool
@@ -116,28 +131,34 @@ class DecodeGraphs:
         """The host side of a padded step of ``batch``."""
         bs, n, q = self.block_size, len(batch), self.q
         p = self.padded_size(n)
-        cols: list[list[int]] = [[] for _ in range(6)]
         width = max(len(s.request.block_ids) for s in batch)
         table: list[int] = []
         sample_rows: list[int] = []
         mirror: list[int] = []
         stale = False
+        cols: list[list[int]] = [[] for _ in self.per_token]
         for r, s in enumerate(batch):
-            req, pos = s.request, s.start
-            known = pos < len(req.token_ids)
-            stale |= not known
-            real = 1 + len(s.draft)
-            cols[0] += [req.token_ids[pos] if known else PLACEHOLDER, *s.draft] + [0] * (q - real)
+            req, pos, real = s.request, s.start, s.num_tokens
+            fed = real - len(s.draft)
+            known = req.token_ids[pos:pos + fed]
+            missing = fed - len(known)  # the in-flight token (at most one): filled by the combine
+            stale |= missing > 0
+            cols[0] += known + [PLACEHOLDER] * missing + [*s.draft] + [0] * (q - real)
             cols[1] += [*range(pos, pos + real)] + [pos] * (q - real)
             cols[2] += [req.block_ids[t // bs] * bs + t % bs for t in range(pos, pos + real)] + [-1] * (q - real)
             cols[3].append(pos + q)
-            cols[4] += [-1 if known else req.mirror_slot] + [-1] * (q - 1)
+            cols[4] += [-1] * len(known) + [req.mirror_slot] * missing + [-1] * (q - fed)
             cols[5].append(req.mirror_slot)
-            sample_rows += range(r * q, r * q + real)
-            mirror += [req.mirror_slot] * real
+            if self.chunk:
+                cols[6].append(r * q + real - 1)
+                sample_rows += [r] if s.samples else []
+                mirror += [req.mirror_slot] if s.samples else []
+            else:
+                sample_rows += range(r * q, r * q + real)
+                mirror += [req.mirror_slot] * real
             table += req.block_ids + [0] * (width - len(req.block_ids))
-        for i, (col, v) in enumerate(zip(cols, self.padding)):
-            col += [v] * ((p - n) * (1 if i in (3, 5) else q))
+        for col, v, per_token in zip(cols, self.padding, self.per_token):
+            col += [v] * ((p - n) * (q if per_token else 1))
         extra = [sample_rows, mirror] if q > 1 else []
         return DecodeInputs(p, n, width, cols + [table] + extra, stale, max(s.start for s in batch) + q)
 
@@ -146,8 +167,8 @@ class DecodeGraphs:
         """The device side, after the sections were uploaded into ``buffer`` (``staged``: their device
         views): (fed ids, logits, consumed, mirror slots) of the sampled tokens; a graph replay where one
         was captured."""
-        n, width = inputs.rows, inputs.width
-        self.tables[:n, :width].copy_(staged[6].view(n, width))
+        n, width, table = inputs.rows, inputs.width, len(self.per_token)
+        self.tables[:n, :width].copy_(staged[table].view(n, width))
         self.steps += 1
         graph = self.graphs.get(inputs.size)
         if graph is not None:
@@ -158,8 +179,10 @@ class DecodeGraphs:
             fed, logits, consumed = self._run(inputs.size, inputs.max_context_len)
         if self.q == 1:
             return fed[:n], logits[:n], consumed, self.views[inputs.size][5][:n]
-        rows = staged[7]
-        return fed[rows], logits[rows], consumed, staged[8]
+        rows, mirror = staged[table + 1], staged[table + 2]
+        if self.chunk:  # logits of each row's last real token; the fed token there
+            return fed[self.views[inputs.size][6][rows]], logits[rows], consumed, mirror
+        return fed[rows], logits[rows], consumed, mirror
 
 
 @contextlib.contextmanager

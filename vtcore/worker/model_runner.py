@@ -21,8 +21,9 @@ The async device mirror:
    the engine waits on it only when it processes that step, one step later;
 5. host staging (:mod:`vtcore.worker.staging`): each in-flight step owns one of ``depth`` pinned
    buffers, refilled only after its step retired.
-Pure-decode steps, and the verify steps of speculative decoding for models without stateful layers,
-take the padded path of :mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
+Pure-decode steps, and for models without stateful layers the verify steps of speculative decoding
+and steps of one prefill chunk alone (up to 2048 tokens), take the padded path of
+:mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
 
 ``on_submit`` callbacks see every batch before its preparation and after its enqueue (host time
 measurements: ``vtcore bench``); ``scope`` (the device-token override scope, after the plugins'
@@ -44,7 +45,7 @@ from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_
 from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
-from vtcore.worker.decode_graphs import PLACEHOLDER, DecodeGraphs, DecodeInputs
+from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import Batch, Scheduled, StepOutput
@@ -77,6 +78,7 @@ class RunnerConfig:
     num_state_snapshots: int | None = None
     state_snapshot_interval: int = 512
     num_speculative_tokens: int = 0
+    max_num_batched_tokens: int | None = None  # None: max_model_len
 
 
 @attrs.define
@@ -183,6 +185,16 @@ class ModelRunner:
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
                                               capture=self.cuda, query_len=config.num_speculative_tokens + 1,
                                               pool=self.decode_graphs.pool)
+        # a step that is one prefill chunk alone, padded to the next bucket (stateful layers: eager, as above)
+        self.chunk_graphs: list[DecodeGraphs] = []
+        if self.decode_graphs is not None and not self.stateful_layers:
+            pool = self.decode_graphs.pool
+            longest = min(config.max_num_batched_tokens or config.max_model_len, config.max_model_len)
+            for q in reversed([q for q in CHUNK_SIZES if q <= longest]):
+                graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size, config.max_model_len, 1,
+                                      self.dummy_slot, capture=self.cuda, query_len=q, pool=pool, chunk=True)
+                self.chunk_graphs.insert(0, graphs)  # the smallest bucket is asked first
+                pool = graphs.pool
 
     # ------------------------------------------------------------------ padded decode counters
     @property
@@ -192,7 +204,8 @@ class ModelRunner:
 
     @property
     def _padded(self) -> list[DecodeGraphs]:
-        return [g for g in (self.decode_graphs, self.verify_graphs) if g is not None]
+        """Every padded path, in the order a step is offered to them."""
+        return [g for g in (self.decode_graphs, self.verify_graphs) if g is not None] + self.chunk_graphs
 
     @property
     def padded_verify_steps(self) -> int:
@@ -200,8 +213,14 @@ class ModelRunner:
         return self.verify_graphs.steps if self.verify_graphs else 0
 
     @property
+    def padded_chunk_steps(self) -> int:
+        """Steps of one prefill chunk alone run on the padded path."""
+        return sum(g.steps for g in self.chunk_graphs)
+
+    @property
     def padded_decode_steps(self) -> int:
-        return sum(g.steps for g in self._padded)
+        """Decode and verify steps run on the padded path."""
+        return sum(g.steps for g in self._padded if not g.chunk)
 
     @property
     def graph_replays(self) -> int:
@@ -468,8 +487,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ padded decode
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                         combine: torch.Tensor, mirror: torch.Tensor, tables: torch.Tensor, qstart: torch.Tensor,
-                        query_len: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The padded decode forward: combine, model, logits (captured in a graph on CUDA)."""
+                        query_len: int, max_context_len: int, last: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
+        graph on CUDA)."""
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
         decode = query_len == 1  # verify graphs exist only for models without stateful layers
         set_attention_metadata(AttentionMetadata(
@@ -482,12 +503,15 @@ class ModelRunner:
             consumed = bool(override is not None and override.consumed)
         finally:
             set_attention_metadata(None)
+        if last is not None:
+            hidden = hidden[last]
         return fed, self.model.compute_logits(hidden).float(), consumed
 
     def _submit_decode(self, batch: Batch, step: int, graphs: DecodeGraphs) -> StepHandle:
         inputs: DecodeInputs = graphs.prepare(batch)
         staged = self.staging.stage(step, inputs.sections, align=1)
-        sampling = self.sampler.prepare([m for s in batch for m in _sample_metas(s)])
+        metas = [m for s in batch for m in _sample_metas(s)]
+        sampling = self.sampler.prepare(metas)
         restores: list[tuple[int, int]] = []
         saves: list[tuple[int, int]] = []
         if self.stateful_layers:  # one token a row: every snapshot is at a row's end
@@ -505,7 +529,8 @@ class ModelRunner:
                 fed, logits, consumed, mirror = graphs.run(inputs, sections)
                 self._copy_states(saves)
                 out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
-                self.sample(out, logits, sampling, fed, mirror)
+                if metas:  # a chunk before the prompt's last samples nothing
+                    self.sample(out, logits, sampling, fed, mirror)
             return out
 
         return self._enqueue(step, staged.index, device_work)
