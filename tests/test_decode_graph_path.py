@@ -158,3 +158,27 @@ def test_a_step_of_several_prefills_is_not_a_lone_chunk(tiny_checkpoint) -> None
     eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS)
     run(eng, {0: [("a", [3, 1, 4], greedy(2)), ("b", [9, 2], greedy(2))]})
     assert eng.runner.padded_chunk_steps == 0 and eng.runner.padded_decode_steps == 1
+
+
+def test_every_padded_row_has_a_context_as_long_as_its_query(tiny_checkpoint) -> None:
+    """The attention kernels' contract: a row's context length is at least its query length. A padded
+    row whose context was 1 under a query of q > 1 tokens put the causal range at negative positions:
+    block-table reads before the table (an illegal address on CUDA for a 2048-token chunk)."""
+    eng = build_engine(tiny_checkpoint[0], "sync", **KNOBS, speculative_config={"method": "ngram",
+                                                                                "num_speculative_tokens": 3})
+    runner, checked = eng.runner, []
+
+    def check(batch, done):
+        for graphs in runner._padded:
+            if not done and graphs.takes(batch):
+                inputs = graphs.prepare(batch)
+                ctx = inputs.sections[3]
+                assert len(ctx) == inputs.size and min(ctx) >= graphs.q, (graphs.q, ctx)
+                checked.append((graphs.q, graphs.chunk, inputs.size > inputs.rows))
+
+    runner.on_submit.append(check)
+    run(eng, {0: [("a", [5, 6, 5, 6, 5, 6, 5], greedy(12)), ("b", [1, 2, 3], greedy(12)),
+                  ("c", [7, 7, 7], greedy(12))]})
+    run(eng, {0: [("d", list(range(1, 20)), greedy(2))]})
+    assert {(q, chunk) for q, chunk, _ in checked} >= {(1, False), (4, False), (32, True)}
+    assert any(padded for *_, padded in checked)

@@ -9,7 +9,7 @@ real token). One flat int64 buffer holds, for padded size P and T = P * q tokens
 seventh, each row's last real token [P]), then the real rows' block table, then (q > 1) the rows
 that sample and their mirror slots; a step uploads into it with one copy, and the block table
 is copied into the persistent table the kernels read. The combine (-1: the host id is current) runs
-inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context 1, no combine,
+inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context q, no combine,
 the dummy mirror slot; their samples are never written to the mirror. A verify row's (or a chunk's)
 padded tokens: id 0, the row's first position, KV slot -1; its context length counts them, so each
 real token sees exactly the keys before it (the causal rule reads the query length from the uniform
@@ -61,7 +61,9 @@ class DecodeGraphs:
         self.chunk = chunk
         q = query_len
         self.per_token = (True, True, True, False, True, False) + ((False,) if chunk else ())
-        self.padding = [0, 0, -1, 1, -1, dummy_slot] + ([0] if chunk else [])
+        # a padded row's context counts its q tokens: a context shorter than the query would put the
+        # attention's causal range at negative positions (block-table reads before the table)
+        self.padding = [0, 0, -1, q, -1, dummy_slot] + ([0] if chunk else [])
         largest = 1 if chunk else min(max_num_seqs, GRAPH_MAX if q == 1 else VERIFY_MAX_TOKENS // q)
         self.sizes = [p for p in GRAPH_SIZES if p < largest] + [largest] if largest else []
         # wide enough for a verify row's padded positions past max_model_len
