@@ -269,12 +269,14 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("use_beam_search", dict(extra_body={"use_beam_search": True})),
     # vLLM extensions not implemented here: refused, not answered with unconstrained text
     ("guided_choice", dict(extra_body={"guided_choice": ["yes", "no"]})),
-    ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": ["yes"]}})),
+    ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": "yes"}})),  # not a list
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [261]})),
     ("bad_words", dict(extra_body={"bad_words": [" fair"]})),
     ("prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
     ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 10})),
-    ("response_format", dict(extra_body={"response_format": {"type": "json_object"}})),
+    ("response_format", dict(extra_body={"response_format": {"type": "xml"}})),
+    ("response_format.json_schema.schema", dict(extra_body={"response_format": {"type": "json_schema",
+                                                                                "json_schema": {"name": "x"}}})),
 ])
 def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: dict[str, Any]) -> None:
     args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8)
@@ -293,7 +295,7 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
     ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
     ("max_completion_tokens", dict(max_completion_tokens=-2)),
     ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
-    ("response_format", dict(response_format={"type": "json_object"})),
+    ("response_format", dict(response_format={"type": "xml"})),
     ("messages", dict(messages=[{"role": "user"}, {"content": "no role"}])),
     ("messages", dict(messages=[])),
     ("messages", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from vtcore.errors import NotSupportedError
+from vtcore.structured.params import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.Enum):
@@ -52,8 +53,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __attrs_post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams (or its fields as a dict)")
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "a positive integer (samples of the prompt)")
         if self.best_of not in (None, 1):

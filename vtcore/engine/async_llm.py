@@ -67,6 +67,13 @@ class AsyncLLM(EngineFrontEnd):
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
             self._streams[request_id] = (loop, stream)
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            try:  # compiled (once per distinct constraint) off the engine thread; add_request finds it cached
+                await loop.run_in_executor(None, self.engine.compile_grammar, sampling_params.structured_outputs)
+            except BaseException:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                raise
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("add", request_id, prompt, sampling_params or SamplingParams(), added))
         self._wake.set()

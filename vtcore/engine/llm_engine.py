@@ -30,6 +30,8 @@ from vtcore.spec.draft_model import DraftModelProposer
 from vtcore.spec.ngram import NgramProposer
 from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
+from vtcore.structured import StructuredOutputsParams
+from vtcore.structured.grammar import GrammarCache
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.step import StepOutput
 
@@ -182,6 +184,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self._grammar_cache: GrammarCache | None = None
 
     def _proposer(self) -> Proposer | None:
         """The proposer ``speculative_config`` names (None: no speculative decoding). A draft model is
@@ -201,6 +204,20 @@ class LLMEngine:
             raise ConfigError(f"speculative_config: the draft model {spec.model!r} has vocab_size={draft.vocab_size},"
                               f" the target {c.model!r} {self.vocab_size}: a draft must share the target's vocabulary")
         return DraftModelProposer(draft)
+
+    def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        """Compile ``constraint`` into the engine's grammar cache (thread-safe; ``AsyncLLM`` calls it off
+        the engine thread); a constraint xgrammar refuses raises ``ValueError`` naming the field."""
+        self._grammars().compile(constraint)
+
+    def _grammars(self) -> GrammarCache:
+        """The grammar compiler for this model's tokenizer and vocabulary, built at the first
+        constrained request."""
+        if self._grammar_cache is None:
+            if self.tokenizer is None:
+                raise RequestRejected("structured_outputs: the model has no tokenizer, and a grammar is over text")
+            self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_cache
 
     def _snapshot_interval(self) -> int:
         """Tokens between state snapshots: ``state_snapshot_interval``, or the default in whole blocks."""
@@ -330,6 +347,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.structured_outputs is not None:
+            req.grammar = self._grammars().matcher(params.structured_outputs)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
@@ -516,6 +535,12 @@ class LLMEngine:
             self.scheduler.finish(req, "stop")
         elif req.num_output_tokens >= req.max_output:
             self.scheduler.finish(req, "length")
+        if req.grammar is not None and not req.is_finished:
+            if not req.grammar.accept(token):  # the sampler masked every other token: a vtcore bug
+                log.error("request %r: token %d is outside its grammar; aborted", req.request_id, token)
+                self.scheduler.finish(req, "abort")
+            elif req.grammar.terminated:
+                self.scheduler.finish(req, "stop")
 
     def _piece(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])

@@ -46,6 +46,7 @@ class Request:
         self.prompt_logprobs_scheduled = 1  # prompt positions whose logprobs a submitted step computes
         self.cumulative_logprob = 0.0
         self.generator: Any = None  # a per-request torch.Generator when params.seed is set
+        self.grammar: Any = None  # its RequestGrammar when params.structured_outputs is set
         self.detok: Any = None  # the incremental detokenizer, when the engine has a tokenizer
         self.num_preemptions = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, this request's

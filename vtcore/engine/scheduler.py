@@ -159,7 +159,7 @@ class Scheduler:
         if self.proposer is None:
             return {}
         rows = [(r, min(self.num_speculative_tokens, r.max_output - r.num_output_tokens - 1)) for r in self.running
-                if r.status == RequestStatus.RUNNING and not r.num_inflight
+                if r.status == RequestStatus.RUNNING and not r.num_inflight and r.grammar is None
                 and r.num_tokens_scheduled - r.num_computed_tokens == 1]
         rows = [(r, k) for r, k in rows if k > 0]
         drafts = self.proposer.propose_batch([(r.token_ids, k) for r, k in rows]) if rows else []
@@ -193,6 +193,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.grammar is not None and req.num_inflight:
+                continue  # its next token's grammar mask needs the token still in flight (async)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
                 continue

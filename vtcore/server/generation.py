@@ -27,6 +27,7 @@ from vtcore.server.errors import APIError, to_api_error
 from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, GenerationRequest
 from vtcore.server.serving import Serving
 from vtcore.server.sse import DONE, EventStream, sse, unless_disconnected
+from vtcore.server.structured import RESPONSE_FORMATS, structured_outputs
 
 Body = TypeVar("Body", bound=GenerationRequest)
 #: the logprob shown for -inf (JSON has no infinities; OpenAI shows -9999.0)
@@ -290,9 +291,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
         if body.use_beam_search:
             raise APIError(400, "use_beam_search=true: beam search is not supported", "use_beam_search",
                            "unsupported")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format type {body.response_format.type!r}: only 'text' is supported",
-                           "response_format", "unsupported")
+        if body.response_format is not None and body.response_format.type not in RESPONSE_FORMATS:
+            raise APIError(400, f"response_format type {body.response_format.type!r}: expected one of "
+                                f"{list(RESPONSE_FORMATS)}", "response_format", "unsupported")
         for field, harmless in self.refused_extensions.items():
             value = (body.model_extra or {}).get(field, harmless)
             if value is not None and value != harmless:
@@ -322,6 +323,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                    "logit_bias") from None
                 bias[tid] = max(-100.0, min(100.0, value))
             kw["logit_bias"] = bias
+        structured = structured_outputs(body)
+        if structured is not None:
+            kw["structured_outputs"] = structured
         return kw
 
     def make_params(self, kw: dict[str, Any], renames: dict[str, str]) -> SamplingParams:

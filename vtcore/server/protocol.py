@@ -27,7 +27,7 @@ MAX_CHAT_TOP_LOGPROBS = 20
 #: (sent with any other value, the request is refused with a 400 naming the field)
 UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "structured_outputs": None, "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
+    "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
     "truncate_prompt_tokens": None, "logits_processors": None, "return_tokens_as_token_ids": False,
     "length_penalty": 1.0, "spaces_between_special_tokens": True, "add_generation_prompt": True,
     "continue_final_message": False, "chat_template": None,
@@ -138,7 +138,7 @@ class GenerationRequest(BoundedModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
-    response_format: ResponseFormat | None = None  # only type "text" is served (vLLM takes it on both routes)
+    response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)
 
 
 class CompletionRequest(GenerationRequest):

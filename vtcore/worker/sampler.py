@@ -1,6 +1,6 @@
 """Turns a step's logits into tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds.
 
-Order, per row: logit_bias, min_tokens (stop ids masked), repetition / presence / frequency
+Order, per row: the grammar's allowed tokens (structured outputs), logit_bias, min_tokens (stop ids masked), repetition / presence / frequency
 penalties, then greedy argmax or: temperature, top-k, top-p (over the top-k renormalised),
 min-p (relative to the top probability), and a draw. A draw is ``argmax(p / q)`` with
 ``q ~ Exp(1)`` per vocabulary entry (the exponential race, equal in law to sampling from p);
@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
+from vtcore.structured.grammar import unpack_bitmask
 from vtcore.worker.step import StepRequest
 
 
@@ -69,6 +70,9 @@ class Sampler:
         edits = []
         for row, m in enumerate(metas):
             p, edit = m.request.params, {}
+            grammar = m.request.grammar
+            if grammar is not None:  # the request's tokens so far are all on the host (the scheduler's rule)
+                edit["allowed"] = to_device(grammar.bitmask()[None].tolist(), torch.int32, self.device)
             if p.logit_bias:
                 edit["bias_ids"] = self._up(list(p.logit_bias))
                 edit["bias"] = self._up(list(p.logit_bias.values()), torch.float32)
@@ -96,6 +100,8 @@ class Sampler:
         logits = logits.clone()
         for row, e in batch.edits:
             p = batch.metas[row].request.params
+            if "allowed" in e:
+                logits[row].masked_fill_(~unpack_bitmask(e["allowed"], logits.shape[1])[0], float("-inf"))
             if "bias" in e:
                 logits[row].index_add_(0, e["bias_ids"], e["bias"])
             if "stops" in e:

@@ -1,0 +1,130 @@
+"""Structured outputs (xgrammar): every sampled output of the embedded default model satisfies its
+constraint, bad constraints are refused by name, and the async engine gives a constrained request
+the same tokens as sync."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from vtcore import LLM, SamplingParams
+from vtcore.conformance.harness import build_engine, run_engine
+from vtcore.config import DEFAULT_MODEL
+from vtcore.structured import StructuredOutputsParams
+
+_INT = {"type": "integer", "minimum": -50, "maximum": 50}
+_NAME = {"type": "string", "maxLength": 8}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": _NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "array", "items": _INT, "minItems": 1, "maxItems": 4},
+    {"type": "string", "enum": ["red", "green", "blue"]},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": _INT, "y": _INT},
+                                                "required": ["x", "y"]}}, "required": ["point"]},
+    {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "minItems": 2, "maxItems": 3},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": _NAME, "maxItems": 2}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"id": _INT, "note": _NAME}, "required": ["id"]},  # an optional field
+    {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0,
+                                                                                   "maximum": 4}},
+     "required": ["kind", "legs"]},
+    {"type": "array", "items": {"type": "object", "properties": {"v": {"type": "boolean"}}, "required": ["v"]},
+     "maxItems": 2},
+    {"type": "string", "pattern": "^[a-c]{2,4}$"},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": -1, "maximum": 1}}, "required": ["score"]},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
+    {"type": "object", "properties": {"m": {"type": "array", "items": {"type": "array", "items": _INT, "maxItems": 2},
+                                            "maxItems": 2}}, "required": ["m"]},
+    {"type": "string", "minLength": 2, "maxLength": 5},
+    {"type": "object", "properties": {"a": {"type": "null"}, "b": {"const": "x"}}, "required": ["a", "b"]},
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}}, "required": ["level"]},
+    {"type": "array", "prefixItems": [{"type": "boolean"}, _INT], "minItems": 2, "maxItems": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu", max_num_seqs=32)
+
+
+def _constrained(llm: LLM, constraints: list[dict], seed: int = 0, max_tokens: int = 400) -> list:
+    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_tokens,
+                             structured_outputs=StructuredOutputsParams(**c)) for i, c in enumerate(constraints)]
+    return [o.outputs[0] for o in llm.generate(["Answer in JSON: "] * len(params), params, use_tqdm=False)]
+
+
+def test_every_sampled_output_validates_against_its_schema(llm: LLM) -> None:
+    for seed in (0, 100):
+        outs = _constrained(llm, [{"json": s} for s in SCHEMAS], seed)
+        for schema, out in zip(SCHEMAS, outs):
+            assert out.finish_reason == "stop", (schema, out.text)
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    outs = _constrained(llm, [{"regex": r"[a-z]{3}-[0-9]{2}"}, {"choice": ["alpha", "beta (2)", "c.d"]},
+                              {"grammar": grammar}, {"json_object": True}], max_tokens=200)
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", outs[0].text), outs[0].text
+    assert outs[1].text in ("alpha", "beta (2)", "c.d")
+    assert re.fullmatch(r"yes|no|maybe [0-9]", outs[2].text), outs[2].text
+    assert outs[3].finish_reason == "stop" and isinstance(json.loads(outs[3].text), dict), outs[3].text
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_untouched(llm: LLM) -> None:
+    plain = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("Hello", plain, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(["Hello", "Hello"], [plain, SamplingParams(
+        temperature=1.0, seed=8, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMAS[0]))],
+        use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({}, "no constraint given"),
+    ({"json": {"type": "object"}, "regex": "a"}, "['json', 'regex'] given"),
+    ({"json": "{not json"}, "StructuredOutputsParams.json: not valid JSON"),
+    ({"choice": "abc"}, "StructuredOutputsParams.choice='abc': expected a non-empty list of strings"),
+    ({"regex": ""}, "StructuredOutputsParams.regex='': expected a non-empty string"),
+])
+def test_a_bad_constraint_is_refused_by_name(bad, named) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        StructuredOutputsParams(**bad)
+
+
+@pytest.mark.parametrize("bad, named", [
+    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar: xgrammar cannot compile it"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex: xgrammar cannot compile it"),
+    ({"json": {"type": "no-such-type"}}, "structured_outputs.json: xgrammar cannot compile it"),
+])
+def test_a_constraint_xgrammar_cannot_compile_fails_alone(llm: LLM, bad, named) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**bad)),
+                     use_tqdm=False)
+    assert llm.generate("x", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids  # still serves
+
+
+def test_a_schema_is_compiled_once(llm: LLM) -> None:
+    _constrained(llm, [{"json": SCHEMAS[1]}] * 3, max_tokens=60)
+    compiled = llm.engine._grammar_cache._compiled
+    assert sum(1 for kind, _ in compiled if kind == "json" and json.loads(_) == SCHEMAS[1]) == 1
+
+
+def test_async_gives_a_constrained_request_the_tokens_sync_gives() -> None:
+    """Under async scheduling a constrained request waits for its in-flight token (its mask needs it),
+    while the unconstrained ones keep the overlap; every request's tokens equal sync's."""
+    so = StructuredOutputsParams(json=SCHEMAS[8])
+    arrivals = {0: [("c0", [5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=120, structured_outputs=so)),
+                    ("u0", [8, 9], SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True))],
+                3: [("c1", [1, 2], SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so))]}
+    knobs = dict(device="cpu", max_num_seqs=8)
+    sync, _ = run_engine(build_engine(DEFAULT_MODEL, "sync", **knobs), arrivals)
+    asyn, _ = run_engine(build_engine(DEFAULT_MODEL, "async", **knobs), arrivals)
+    assert asyn == sync

@@ -1,0 +1,43 @@
+"""The OpenAI and vLLM request fields that constrain the output, as ``StructuredOutputsParams``.
+
+``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ...,
+"schema": {...}, "strict": ...}}`` (OpenAI); ``structured_outputs``: vLLM's object of one of ``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``. A bad one is a 400 naming the field.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vtcore.server.errors import APIError
+from vtcore.structured import StructuredOutputsParams
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def structured_outputs(body: Any) -> StructuredOutputsParams | None:
+    """The constraint a request body asks for (None: none); both fields at once is a 400."""
+    extra = (body.model_extra or {}).get("structured_outputs")
+    fmt = body.response_format
+    asked = fmt is not None and fmt.type != "text"
+    if extra is not None and asked:
+        raise APIError(400, "response_format and structured_outputs both constrain the output; send one",
+                       "structured_outputs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise APIError(400, f"structured_outputs={extra!r}: expected an object with one of json, regex, choice, "
+                                "grammar, json_object", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**extra)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, f"structured_outputs: {exc}", "structured_outputs") from None
+    if not asked:
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = (fmt.model_extra or {}).get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format.json_schema.schema: expected the JSON schema object (response_format "
+                            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})',
+                       "response_format.json_schema.schema")
+    return StructuredOutputsParams(json=schema)

@@ -1,0 +1,93 @@
+"""Grammars compiled with xgrammar, one compile per distinct constraint, and a request's matcher.
+
+The engine's host fills each constrained sampling row's token bitmask from the request's matcher
+(the tokens the host has applied so far), the sampler applies it on the device before any other
+logit edit, and each applied token advances the matcher; a matcher that has terminated (the
+grammar is complete and accepted a stop token) ends its request.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from vtcore.structured.params import StructuredOutputsParams
+
+
+class GrammarCache:
+    """Compiles constraints for one tokenizer and model vocabulary (logits width); thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info)
+        self.vocab_size = vocab_size
+        self._compiled: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of ``params`` (cached); a constraint xgrammar refuses raises ``ValueError``
+        naming the field and xgrammar's reason."""
+        key = params.key()
+        with self._lock:
+            if key in self._compiled:
+                return self._compiled[key]
+        kind, value = key
+        c = self.compiler
+        try:
+            if kind == "json":
+                grammar = c.compile_json_schema(value)
+            elif kind == "json_object":  # a JSON object (OpenAI's JSON mode), not any JSON value
+                grammar = c.compile_json_schema('{"type": "object"}')
+            elif kind == "regex":
+                grammar = c.compile_regex(value)
+            elif kind == "choice":
+                grammar = c.compile_regex("|".join(_regex_literal(s) for s in json.loads(value)))
+            else:
+                grammar = c.compile_grammar(value)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for a bad input
+            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {exc}") from None
+        with self._lock:
+            self._compiled[key] = grammar
+        return grammar
+
+    def matcher(self, params: StructuredOutputsParams) -> "RequestGrammar":
+        return RequestGrammar(self._xgr.GrammarMatcher(self.compile(params)), self)
+
+
+class RequestGrammar:
+    """A request's place in its grammar: the bitmask of its next token, and the tokens it accepts."""
+
+    def __init__(self, matcher: Any, cache: GrammarCache) -> None:
+        self.matcher, self.cache = matcher, cache
+
+    def bitmask(self) -> torch.Tensor:
+        """The next token's allowed set, packed 32 a word (int32 [ceil(vocab / 32)]), on the host."""
+        mask = self.cache._xgr.allocate_token_bitmask(1, self.cache.vocab_size)
+        self.matcher.fill_next_token_bitmask(mask)
+        return mask[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False when the grammar does not allow it."""
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regular expression matching exactly it."""
+    return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/" else ch for ch in text)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [rows, W] (bit j of word i: token 32 i + j allowed) -> bool [rows, vocab_size]."""
+    bits = torch.arange(32, device=words.device, dtype=torch.int32)
+    allowed = (words[:, :, None] >> bits) & 1
+    return allowed.reshape(words.shape[0], -1)[:, :vocab_size].bool()
