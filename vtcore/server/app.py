@@ -30,6 +30,7 @@ from vtcore.server.metrics import CONTENT_TYPE
 from vtcore.server.openapi import errors, json_or_stream, openapi_document
 from vtcore.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                     TokenizeRequest, TokenizeResponse, bounded)
+from vtcore.server.reasoning import REASONING_PARSERS
 from vtcore.server.serving import Serving
 from vtcore.server.tokenization import Tokenization
 
@@ -63,13 +64,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 8 << 20) -> FastAPI:
+              max_request_bytes: int = 8 << 20, reasoning_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine``; see the module docstring. ``app.state.server`` is
-    its ``Serving`` (draining, ``abort_all``: ``vtcore serve``'s graceful shutdown uses them)."""
+    its ``Serving`` (draining, ``abort_all``: ``vtcore serve``'s graceful shutdown uses them).
+    ``reasoning_parser``: a name of :data:`vtcore.server.reasoning.REASONING_PARSERS` (None: off)."""
     if not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected a positive number of bytes")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={reasoning_parser!r}: expected one of {sorted(REASONING_PARSERS)}")
     serving = Serving(engine, served_model_name)
-    completions, chat, tokenization = CompletionsEndpoint(serving), ChatEndpoint(serving), Tokenization(serving)
+    parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    completions, chat, tokenization = CompletionsEndpoint(serving), ChatEndpoint(serving, parser), Tokenization(serving)
     CompletionBody = bounded(CompletionRequest, serving.limits)
     DetokenizeBody = bounded(DetokenizeRequest, serving.limits)
     app = FastAPI(title="vtcore", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",

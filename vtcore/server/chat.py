@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: a conversation through the chat template (``render_chat``, which
-``/tokenize`` shares), text content only, no tools; OpenAI's chat logprobs form."""
+``/tokenize`` shares), text content only, no tools; OpenAI's chat logprobs form; with a reasoning
+parser (:mod:`vtcore.server.reasoning`) the thinking block as ``reasoning_content``."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +10,8 @@ from vtcore.outputs import PositionLogprobs
 from vtcore.server.errors import APIError
 from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Prompts, finite
 from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatCompletionRequest, ChatMessage
+from vtcore.server.reasoning import ThinkSplitter, split_reasoning
+from vtcore.server.serving import Serving
 
 #: apply_chat_template's own arguments: a request may not set them through chat_template_kwargs (a
 #: custom template would get round the refusal of the top-level field)
@@ -51,6 +54,10 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     chunk_object = "chat.completion.chunk"
     refused_extensions = {**UNSUPPORTED_EXTENSIONS, "echo": False}
 
+    def __init__(self, serving: Serving, reasoning_parser: type[ThinkSplitter] | None = None) -> None:
+        super().__init__(serving)
+        self.reasoning_parser = reasoning_parser
+
     def check(self, body: ChatCompletionRequest) -> None:
         for field in ("tools", "functions"):
             if getattr(body, field):
@@ -74,7 +81,10 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
     def response_choice(self, body: ChatCompletionRequest, choice: Choice) -> dict[str, Any]:
         logprobs = self.logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0) if body.logprobs else None
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        if self.reasoning_parser is not None:
+            message["reasoning_content"], message["content"] = split_reasoning(self.reasoning_parser(), choice.text)
+        return {"index": choice.index, "message": message,
                 "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
     def stream(self, body: ChatCompletionRequest) -> _ChatChunks:
@@ -101,6 +111,8 @@ class _ChatChunks:
         self.endpoint = endpoint
         self.body = body
         self.opened: set[int] = set()
+        parser = endpoint.reasoning_parser
+        self.splitters: dict[int, ThinkSplitter] | None = None if parser is None else {}
 
     def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:
         out = []
@@ -114,6 +126,19 @@ class _ChatChunks:
         if self.body.logprobs and delta.token_ids:
             logprobs = self.endpoint.logprobs(delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        if self.splitters is not None:
+            content = self._split(choice.index, delta.text, delta.finish_reason is not None)
         out.append(({"index": choice.index, "delta": content, "logprobs": logprobs,
                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}, delta.num_tokens))
         return out
+
+    def _split(self, index: int, text: str, last: bool) -> dict[str, str]:
+        """A delta's text as its ``reasoning_content`` and ``content`` parts (a part held back as a possible
+        tag comes with a later delta, or the last)."""
+        splitter = self.splitters.setdefault(index, self.endpoint.reasoning_parser())
+        reasoning, content = splitter.feed(text)
+        if last:
+            r, c = splitter.flush()
+            reasoning, content = reasoning + r, content + c
+        parts = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        return parts or ({} if last else {"content": ""})

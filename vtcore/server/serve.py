@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generator, Sequence, TextIO
 
 from vtcore.config import DEFAULT_MODEL
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args
+from vtcore.server.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from vtcore.config import EngineConfig
@@ -45,6 +46,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's thinking block into the chat message's reasoning_content "
+                        "(qwen3: <think>...</think>, for Qwen3 and Qwen3.5)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -173,7 +177,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         sock.close()
         raise
     try:
-        app = build_app(engine, name, api_key, args.max_request_bytes)
+        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
                                 access_log=args.log_level == "debug")
