@@ -294,7 +294,10 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
     ("top_logprobs", dict(top_logprobs=2)),  # without logprobs=true
     ("top_logprobs", dict(logprobs=True, top_logprobs=21)),
     ("max_completion_tokens", dict(max_completion_tokens=-2)),
-    ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+    ("functions", dict(functions=[{"name": "f", "parameters": {}}])),
+    ("tool_choice", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                         tool_choice={"type": "function", "function": {"name": "g"}})),
+    ("tool_choice", dict(tool_choice="required")),
     ("response_format", dict(response_format={"type": "xml"})),
     ("messages", dict(messages=[{"role": "user"}, {"content": "no role"}])),
     ("messages", dict(messages=[])),

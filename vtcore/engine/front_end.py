@@ -33,6 +33,12 @@ class EngineFrontEnd:
         """The checkpoint's Hugging Face tokenizer, or None when it has none."""
         return self.engine.tokenizer
 
+    def tool_parser(self) -> Any:
+        """The served family's tool-call parser (the ``vtcore_tool_parser`` hook), or None."""
+        from vtcore.plugins.manager import get_plugins
+
+        return get_plugins().pm.hook.vtcore_tool_parser(family=self.engine.family)
+
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt exactly as ``generate`` would take it (no special tokens
         added); a ``ValueError`` names what is wrong (ids outside the vocabulary, no tokenizer)."""

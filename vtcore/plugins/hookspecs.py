@@ -78,6 +78,18 @@ def vtcore_device_token_scope(family: ModelFamily, scope: ScopeFactory) -> Scope
 
 
 @hookspec(firstresult=True)
+def vtcore_tool_parser(family: ModelFamily) -> Any:
+    """Supply the tool-call format of ``family``'s models, for the server's ``tools``.
+
+    Called when the server parses a chat completion that offered tools. Return a class with the
+    ``vtcore.server.tool_calls.ToolParser`` contract (the block tags, ``parse_block``, and
+    ``block_grammar`` for tool_choice "required" or a named function; ``HermesToolParser`` is
+    Qwen's format), or None. A family no plugin answers for serves no tools: a request offering
+    them is refused with a 400. Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
 def vtcore_conformance_example(family: ModelFamily) -> ConformanceExample | None:
     """Provide the conformance example of ``family``: a tiny HF config and its oracle class.
 

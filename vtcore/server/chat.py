@@ -3,6 +3,7 @@
 parser (:mod:`vtcore.server.reasoning`) the thinking block as ``reasoning_content``."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vtcore.engine.front_end import EngineFrontEnd
@@ -11,6 +12,8 @@ from vtcore.server.errors import APIError
 from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Prompts, finite
 from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatCompletionRequest, ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
+from vtcore.server.tool_calls import CallStream, call_id, split_calls
+from vtcore.structured import StructuredOutputsParams
 from vtcore.server.serving import Serving
 
 #: apply_chat_template's own arguments: a request may not set them through chat_template_kwargs (a
@@ -20,12 +23,16 @@ _RESERVED_TEMPLATE_KWARGS = {"chat_template", "conversation", "tokenize", "add_g
 
 
 def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage],
-                template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+                template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat template
-    (text parts joined by newlines); what is wrong with it is an APIError naming the field."""
+    (text parts joined by newlines; ``tools`` and the messages' ``tool_calls`` / ``tool_call_id`` passed
+    to it); what is wrong with it is an APIError naming the field."""
     conversation = []
     for i, m in enumerate(messages):
-        content = m.content
+        if m.content is None and not (m.role == "assistant" and (m.model_extra or {}).get("tool_calls")):
+            raise APIError(400, f"messages[{i}].content: null; only an assistant message of tool_calls may have "
+                                "no content", "messages")
+        content = "" if m.content is None else m.content
         if isinstance(content, list):
             parts = []
             for part in content:
@@ -34,18 +41,38 @@ def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage],
                                         "are supported", "messages", "unsupported")
                 parts.append(part.text)
             content = "\n".join(parts)
-        msg = {"role": m.role, "content": content}
+        msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        for key in ("tool_calls", "tool_call_id"):
+            if (m.model_extra or {}).get(key) is not None:
+                msg[key] = _template_calls(m.model_extra[key]) if key == "tool_calls" else m.model_extra[key]
         conversation.append(msg)
     reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is not a template variable the server lets a "
                             "request set", "chat_template_kwargs", "unsupported")
     try:
-        return engine.chat_prompt(conversation, **(template_kwargs or {}))
+        return engine.chat_prompt(conversation, **(template_kwargs or {}), **({"tools": tools} if tools else {}))
     except Exception as exc:  # noqa: BLE001 - the template rejected the conversation
         raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages") from None
+
+
+def _template_calls(calls: Any) -> Any:
+    """An assistant message's OpenAI tool calls as chat templates read them: the function, its arguments
+    parsed from their JSON text (Qwen's templates write a dict as JSON, a string as it is)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"messages: tool_calls={calls!r}: expected a list of tool calls", "messages")
+    out = []
+    for call in calls:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass  # the template writes the text as it came
+        out.append({**call, "function": {**fn, "arguments": args}, "name": fn.get("name"), "arguments": args})
+    return out
 
 
 class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
@@ -59,12 +86,16 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         self.reasoning_parser = reasoning_parser
 
     def check(self, body: ChatCompletionRequest) -> None:
-        for field in ("tools", "functions"):
-            if getattr(body, field):
-                raise APIError(400, f"{field}: tool and function calling are not supported", field, "unsupported")
-        for field in ("tool_choice", "function_call"):
-            if getattr(body, field) not in (None, "none"):
-                raise APIError(400, f"{field}: tool and function calling are not supported", field, "unsupported")
+        if body.functions:
+            raise APIError(400, "functions: the legacy function calling is not supported; send tools",
+                           "functions", "unsupported")
+        if body.function_call not in (None, "none"):
+            raise APIError(400, "function_call: the legacy function calling is not supported; send tool_choice",
+                           "function_call", "unsupported")
+        if body.tools and self.engine.tool_parser() is None:
+            raise APIError(400, f"tools: the served model's family {self.engine.engine.family.name!r} has no tool-call "
+                                "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
+        choose(body)  # a bad tool_choice is a 400 before anything runs
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
 
@@ -73,10 +104,19 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         kw: dict[str, Any] = {"max_tokens": body.max_completion_tokens if given else body.max_tokens}
         if body.logprobs:
             kw["logprobs"] = body.top_logprobs or 0
+        forced = choose(body)
+        if forced is not None:
+            if body.response_format is not None and body.response_format.type != "text":
+                raise APIError(400, "tool_choice: a required or named tool call is itself the output's format; leave "
+                                    "response_format out", "tool_choice")
+            many = forced is body.tools and body.parallel_tool_calls is not False
+            kw["structured_outputs"] = StructuredOutputsParams(grammar=self.engine.tool_parser().block_grammar(
+                forced, many))
         return kw, {"max_tokens": "max_completion_tokens" if given else "max_tokens", "logprobs": "top_logprobs"}
 
     def prompts(self, body: ChatCompletionRequest) -> Prompts:
-        prompt = render_chat(self.engine, body.messages, body.chat_template_kwargs)
+        prompt = render_chat(self.engine, body.messages, body.chat_template_kwargs,
+                             body.tools if body.tool_choice != "none" else None)
         return Prompts([(prompt["prompt"], prompt["prompt_token_ids"])], "messages")
 
     def response_choice(self, body: ChatCompletionRequest, choice: Choice) -> dict[str, Any]:
@@ -84,8 +124,15 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         if self.reasoning_parser is not None:
             message["reasoning_content"], message["content"] = split_reasoning(self.reasoning_parser(), choice.text)
+        finish = choice.finish_reason
+        if offers_tools(body):
+            content, calls = split_calls(self.engine.tool_parser(), message["content"])
+            message["content"] = content or None
+            message["tool_calls"] = [_call_entry(name, args) for name, args in calls]
+            if calls and finish == "stop":
+                finish = "tool_calls"
         return {"index": choice.index, "message": message,
-                "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "logprobs": logprobs, "finish_reason": finish, "stop_reason": choice.stop_reason}
 
     def stream(self, body: ChatCompletionRequest) -> _ChatChunks:
         return _ChatChunks(self, body)
@@ -113,6 +160,8 @@ class _ChatChunks:
         self.opened: set[int] = set()
         parser = endpoint.reasoning_parser
         self.splitters: dict[int, ThinkSplitter] | None = None if parser is None else {}
+        self.tools = endpoint.engine.tool_parser() if offers_tools(body) else None
+        self.calls: dict[int, tuple[CallStream, list[int]]] = {}  # per choice: its stream, calls sent
 
     def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:
         out = []
@@ -128,9 +177,32 @@ class _ChatChunks:
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         if self.splitters is not None:
             content = self._split(choice.index, delta.text, delta.finish_reason is not None)
+        finish = delta.finish_reason
+        if self.tools is not None:
+            content, called = self._tool_calls(choice.index, content, finish is not None)
+            if called and finish == "stop":
+                finish = "tool_calls"
         out.append(({"index": choice.index, "delta": content, "logprobs": logprobs,
-                     "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}, delta.num_tokens))
+                     "finish_reason": finish, "stop_reason": delta.stop_reason}, delta.num_tokens))
         return out
+
+    def _tool_calls(self, index: int, delta: dict[str, Any], last: bool) -> tuple[dict[str, Any], bool]:
+        """The delta with its content run through the choice's call stream: text outside call blocks stays
+        content, each completed call comes as one ``tool_calls`` entry (OpenAI's streamed form, the
+        arguments whole); whether this choice has sent a call."""
+        stream, sent = self.calls.setdefault(index, (CallStream(self.tools), []))
+        content, calls = stream.feed(delta.get("content", ""))
+        if last:
+            rest, more = stream.flush()
+            content, calls = content + rest, calls + more
+        out = {k: v for k, v in delta.items() if k != "content"}
+        if content or (not last and not out and not calls):
+            out["content"] = content
+        if calls:
+            out["tool_calls"] = [{"index": len(sent) + i, **_call_entry(name, args)}
+                                 for i, (name, args) in enumerate(calls)]
+            sent += [1] * len(calls)
+        return out, bool(sent)
 
     def _split(self, index: int, text: str, last: bool) -> dict[str, str]:
         """A delta's text as its ``reasoning_content`` and ``content`` parts (a part held back as a possible
@@ -142,3 +214,40 @@ class _ChatChunks:
             reasoning, content = reasoning + r, content + c
         parts = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
         return parts or ({} if last else {"content": ""})
+
+
+def offers_tools(body: ChatCompletionRequest) -> bool:
+    """Whether the model was offered tools (and may call them) in this request."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def choose(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools ``tool_choice`` forces a call of (``"required"``: every offered tool; a named function:
+    that one), or None (``"auto"``, ``"none"``, unset); a bad choice is a 400 naming it."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    tools = body.tools or []
+    if not tools:
+        raise APIError(400, f"tool_choice={choice!r}: requires tools", "tool_choice")
+    for i, t in enumerate(tools):
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str)):
+            raise APIError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                                "\"parameters\": {...}}}}", "tools")
+    if choice == "required":
+        return tools
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError(400, f"tool_choice={choice!r}: expected 'none', 'auto', 'required' or {{\"type\": "
+                            "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise APIError(400, f"tool_choice: the function {name!r} is not among the tools "
+                            f"{[t['function']['name'] for t in tools]}", "tool_choice")
+    return named
+
+
+def _call_entry(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+

@@ -164,7 +164,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: Text | list[ContentPart] = Field(description="Text, or a list of text parts (the only kind served).")
+    content: Text | list[ContentPart] | None = Field(
+        description="Text, or a list of text parts (the only kind served); null for an assistant message of "
+                    "tool_calls.")
     name: str | None = None
 
 
@@ -177,6 +179,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template

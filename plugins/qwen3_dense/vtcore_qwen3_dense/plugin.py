@@ -1,4 +1,5 @@
-"""Hook implementations of the Qwen3 dense plugin: the family and its conformance example."""
+"""Hook implementations of the Qwen3 dense plugin: the family, its conformance example and its
+tool-call format (hermes, as Qwen3's chat template writes tools)."""
 from __future__ import annotations
 
 from vtcore import hookimpl
@@ -14,6 +15,14 @@ def vtcore_model_families() -> list[ModelFamily]:
         consumes_device_tokens=True,
         conformance_example="vtcore_qwen3_dense.plugin:conformance_example",
     )]
+
+
+@hookimpl
+def vtcore_tool_parser(family: ModelFamily) -> type | None:
+    if family.name != "qwen3_dense":
+        return None
+    from vtcore.server.tool_calls import HermesToolParser
+    return HermesToolParser
 
 
 def conformance_example() -> ConformanceExample:

@@ -1,0 +1,115 @@
+"""Tool calls in a model's output: the parser contract a family supplies (``vtcore_tool_parser``), the
+hermes format Qwen3 and Qwen3.5 write, and the grammar that enforces ``tool_choice`` "required" or a
+named function.
+
+Hermes (Qwen's chat templates): each call is ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
+text outside the blocks is the message's content. A block whose JSON does not parse stays content.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Protocol
+
+
+class ToolParser(Protocol):
+    """What the server needs of a family's tool-call format."""
+
+    start: str  # the text that opens a call block (streaming holds output back from here)
+    end: str
+
+    @staticmethod
+    def parse_block(block: str) -> tuple[str, str] | None:
+        """A call block's inside -> (function name, arguments as JSON text), or None: not a call."""
+        ...
+
+    @staticmethod
+    def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
+        """An EBNF grammar (xgrammar's dialect) of one call block of one of ``tools`` (``many``: one or
+        more blocks), for tool_choice "required" or a named function."""
+        ...
+
+
+class HermesToolParser:
+    start, end = "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def parse_block(block: str) -> tuple[str, str] | None:
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", {})
+        return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+    @staticmethod
+    def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
+        import xgrammar as xgr
+
+        calls = [xgr.Grammar.from_json_schema(json.dumps({
+            "type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                             "arguments": t["function"].get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"]}), any_whitespace=False) for t in tools]
+        body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+        block = str(xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
+                                       xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"')))
+        if not many:
+            return block
+        return 'root ::= tool_block ("\\n" tool_block)*\n' + block.replace("root ::=", "tool_block ::=", 1)
+
+
+def call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+def split_calls(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """A whole output's (content outside the call blocks, [(name, arguments)])."""
+    stream = CallStream(parser)
+    content, calls = stream.feed(text)
+    rest, more = stream.flush()
+    return (content + rest).strip(), calls + more
+
+
+class CallStream:
+    """One output fed in deltas: ``feed``/``flush`` give (content delta, calls completed in it)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.held = ""
+        self.in_block = False
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        content, calls = "", []
+        text, self.held = self.held + text, ""
+        p = self.parser
+        while text:
+            if self.in_block:
+                end = text.find(p.end)
+                if end < 0:
+                    self.held, text = text, ""
+                    break
+                block, text = text[:end], text[end + len(p.end):]
+                self.in_block = False
+                call = p.parse_block(block.strip())
+                if call is None:
+                    content += p.start + block + p.end
+                else:
+                    calls.append(call)
+            else:
+                start = text.find(p.start)
+                if start >= 0:
+                    content += text[:start]
+                    text, self.in_block = text[start + len(p.start):], True
+                    continue
+                keep = next((n for n in range(min(len(p.start) - 1, len(text)), 0, -1)
+                             if p.start.startswith(text[-n:])), 0)
+                content += text[:len(text) - keep]
+                self.held, text = text[len(text) - keep:], ""
+        return content, calls
+
+    def flush(self) -> tuple[str, list[tuple[str, str]]]:
+        """What was held back once the output ended: an unclosed block is content."""
+        held, self.held = self.held, ""
+        return (self.parser.start + held if self.in_block else held), []
