@@ -54,7 +54,7 @@ def test_plugins_lists_qwen3_dense_and_its_hooks() -> None:
     lines = out.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("qwen3_dense "))
     assert lines[i].split() == ["qwen3_dense", "vtcore-qwen3-dense", "0.1.0"]
-    assert lines[i + 1].strip() == "vtcore_model_families"
+    assert lines[i + 1].strip() == "vtcore_model_families, vtcore_tool_parser"
     j = next(i for i, line in enumerate(lines) if line.startswith("vtcore.builtin "))
     assert lines[j + 1].strip() == "vtcore_conformance_example, vtcore_loaders"
     assert "FAILED" not in out
@@ -66,7 +66,7 @@ def test_plugins_json() -> None:
     entries = {e["name"]: e for e in json.loads(out)}
     assert entries["qwen3_dense"] == {"name": "qwen3_dense", "module": "vtcore_qwen3_dense.plugin",
                                       "dist": "vtcore-qwen3-dense", "version": "0.1.0",
-                                      "hooks": ["vtcore_model_families"], "error": None}
+                                      "hooks": ["vtcore_model_families", "vtcore_tool_parser"], "error": None}
     assert entries["vtcore.builtin"]["error"] is None
     assert (entries["vtcore.builtin"]["dist"], entries["vtcore.builtin"]["version"]) == \
         ("vtcore", md.version("vtcore"))  # the built-in plugin shows vtcore's own version
@@ -81,7 +81,7 @@ def test_plugins_json_reports_a_broken_plugin() -> None:
                                         "dist": None, "version": None, "hooks": [],
                                         "error": "RuntimeError: fixture plugin exploded at import"}
     assert entries["qwen3_dense"]["error"] is None
-    assert entries["qwen3_dense"]["hooks"] == ["vtcore_model_families"]
+    assert entries["qwen3_dense"]["hooks"] == ["vtcore_model_families", "vtcore_tool_parser"]
 
     rc, out = run_cli("plugins")
     assert rc == 1

@@ -48,7 +48,7 @@ def real_eps() -> list[md.EntryPoint]:
 def assert_qwen3_fine(plugins: Plugins) -> None:
     info = plugins.infos["qwen3_dense"]
     assert info.error is None
-    assert info.hooks == ["vtcore_model_families"]
+    assert info.hooks == ["vtcore_model_families", "vtcore_tool_parser"]
     assert info.dist == "vtcore-qwen3-dense"
     fam = plugins.family_for("Qwen3ForCausalLM")
     assert (fam.name, fam.plugin, fam.consumes_device_tokens) == ("qwen3_dense", "qwen3_dense", True)
