@@ -38,6 +38,8 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
   ``max_model_len // 2`` so every request fits), submitted at once through ``LLM.generate``
   (greedy, ``ignore_eos``); total time is the ``generate`` call's wall time, output tokens are
   counted from the returned outputs.
+* ``--base-url URL`` replaces it with the same closed loop over OpenAI streaming HTTP against a running
+  server (:mod:`vtcore.bench.http`; no engine in this process, so no step or device columns).
 * ``--speculative-config JSON`` replaces it with :mod:`vtcore.bench.speculative`: per concurrency, the
   plain decode step, then for each k of ``--speculative-k`` the verify step and the effective TPOT of a
   replay proposer (the plain run's own greedy continuations, all accepted: the bound on the speedup),
@@ -68,6 +70,7 @@ from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
 from vtcore.bench.speculative import DEFAULT_KS, format_speculative
 from vtcore.bench.step_stats import NO_CUDA, StepTimer, count_triton_compiles, probe_decode, unavailable
+from vtcore.bench.summary import summarize
 from vtcore.config import EngineConfig
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
 
@@ -143,30 +146,15 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --speculative-config: instead of the serving sweep, the verify step's cost and the "
                         "replay proposer's bound at each of these k, beside a plain decode step and the configured "
                         f"method (default: {','.join(map(str, DEFAULT_KS))}; see vtcore.bench.speculative)")
+    p.add_argument("--base-url", default=None, metavar="URL",
+                   help="instead of an engine in this process: the same closed loop over OpenAI streaming HTTP "
+                        "against the server at URL (e.g. http://127.0.0.1:8000/v1; any OpenAI-compatible one), "
+                        "--concurrency, --num-prompts, --input-len (default 1024), --output-len, --seed; see "
+                        "vtcore.bench.http")
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write every number as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_bench)
     return p
-
-
-# ---------------------------------------------------------------------------------------- statistics
-def _percentile(sorted_xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default) of an ascending list."""
-    if len(sorted_xs) == 1:
-        return sorted_xs[0]
-    pos = (len(sorted_xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
-
-
-def summarize(xs: Sequence[float]) -> dict[str, float | None]:
-    """mean, median, p90, p99 (seconds) of ``xs``; None each when there is nothing to summarize."""
-    if not xs:
-        return {"mean": None, "median": None, "p90": None, "p99": None, "count": 0}
-    s = sorted(xs)
-    return {"mean": sum(s) / len(s), "median": _percentile(s, 50), "p90": _percentile(s, 90),
-            "p99": _percentile(s, 99), "count": len(s)}
 
 
 # ---------------------------------------------------------------------------------------- the run
@@ -585,8 +573,16 @@ def format_comparison(doc: dict[str, Any]) -> list[str]:
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
-    doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else run_bench(args, progress)
-    out.write(format_speculative(doc) if doc["mode"] == "speculative" else format_table(doc))
+    if getattr(args, "base_url", None):
+        from vtcore.bench.http import format_http, run_http
+
+        doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
+                       args.output_len, getattr(args, "seed", None) or 0)
+        out.write(format_http(doc))
+    else:
+        doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else \
+            run_bench(args, progress)
+        out.write(format_speculative(doc) if doc["mode"] == "speculative" else format_table(doc))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

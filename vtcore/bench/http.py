@@ -1,0 +1,124 @@
+"""``vtcore bench --base-url URL``: the closed-loop benchmark over OpenAI streaming HTTP, against any
+OpenAI-compatible server (``vtcore serve``, vLLM, SGLang).
+
+Each request is a streamed ``/v1/completions`` of ``--input-len`` random token ids (below
+``PROMPT_ID_BOUND``, a vocabulary every served model has), ``max_tokens=--output-len``, greedy,
+``ignore_eos`` (vLLM's extension) and ``stream_options.include_usage``. Timestamps are taken as each
+server-sent event arrives (``time.perf_counter``): TTFT is the first event that carries text, ITL the
+gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
+from the final usage chunk (an event may carry several tokens). The statistics have the in-process
+bench's names, so the two compare field by field.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any, Sequence
+
+from vtcore.bench.summary import summarize
+
+PROMPT_ID_BOUND = 1000
+
+
+async def _one(client: Any, url: str, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    arrivals: list[float] = []
+    tokens = None
+    finish = None
+    sent = time.perf_counter()
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"POST {url}: HTTP {response.status_code}: {text[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[len("data: "):])
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    arrivals.append(now)
+                finish = choice.get("finish_reason") or finish
+            if event.get("usage"):
+                tokens = event["usage"].get("completion_tokens")
+    done = time.perf_counter()
+    ttft = arrivals[0] - sent if arrivals else None
+    latency = done - sent
+    return {"prompt_tokens": len(prompt), "output_tokens": tokens, "finish_reason": finish, "latency_s": latency,
+            "ttft_s": ttft, "tpot_s": (latency - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1
+            else None, "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+async def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len: int, output_len: int,
+                       rng: random.Random) -> dict[str, Any]:
+    import httpx
+
+    prompts = [[rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)] for _ in range(num_prompts)]
+    url = base_url.rstrip("/") + "/completions"
+    results: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await _one(client, url, model, prompts[0][:8], 2)  # untimed: connection set-up, a first request
+        next_index = 0
+
+        async def worker() -> None:
+            nonlocal next_index
+            while next_index < num_prompts:
+                i = next_index
+                next_index += 1
+                results.append(await _one(client, url, model, prompts[i], output_len))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(c)))
+        wall = time.perf_counter() - start
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    output_tokens = sum(r["output_tokens"] or 0 for r in results)
+    return {"concurrency": c, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+            "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "total_throughput_tok_s": (prompt_tokens + output_tokens) / wall,
+            "output_throughput_tok_s": output_tokens / wall, "request_throughput_req_s": len(results) / wall,
+            "ttft_s": summarize([r["ttft_s"] for r in results if r["ttft_s"] is not None]),
+            "tpot_s": summarize([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
+            "itl_s": summarize([g for r in results for g in r["itl_s"]]),
+            "latency_s": summarize([r["latency_s"] for r in results]),
+            "finish_reasons": sorted({str(r["finish_reason"]) for r in results})}
+
+
+def served_model(base_url: str) -> str:
+    """The first model ``GET /models`` lists (what the server serves)."""
+    import httpx
+
+    r = httpx.get(base_url.rstrip("/") + "/models", timeout=30.0)
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"GET {base_url}/models lists no model")
+    return data[0]["id"]
+
+
+def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None, input_len: int, output_len: int,
+             seed: int, model: str | None = None) -> dict[str, Any]:
+    """Every concurrency against ``base_url`` (ending in ``/v1``); the --json document."""
+    model = model or served_model(base_url)
+    rng = random.Random(seed)
+    runs = [asyncio.run(_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng))
+            for c in concurrency]
+    return {"mode": "http", "base_url": base_url, "model": model, "input_len": input_len, "output_len": output_len,
+            "seed": seed, "timer": "time.perf_counter", "runs": runs}
+
+
+def format_http(doc: dict[str, Any]) -> str:
+    def ms(s: dict[str, Any]) -> str:
+        return "/".join("-" if s.get(k) is None else f"{s[k] * 1e3:.2f}" for k in ("mean", "median", "p90", "p99"))
+
+    lines = [f"served: {doc['base_url']} model={doc['model']} input_len={doc['input_len']} "
+             f"output_len={doc['output_len']} (OpenAI streaming /completions)",
+             " conc  reqs   wall s  out tok/s  TTFT ms mean/med/p90/p99  TPOT ms mean/med/p90/p99  "
+             "ITL ms mean/med/p90/p99"]
+    for r in doc["runs"]:
+        lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} {r['output_throughput_tok_s']:>10.1f}"
+                     f"  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}")
+    return "\n".join(lines) + "\n"
