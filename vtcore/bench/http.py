@@ -4,8 +4,8 @@ OpenAI-compatible server (``vtcore serve``, vLLM, SGLang).
 Each request is a streamed ``/v1/completions`` of ``--input-len`` random token ids (below
 ``PROMPT_ID_BOUND``, a vocabulary every served model has), ``max_tokens=--output-len``, greedy,
 ``ignore_eos`` (vLLM's extension) and ``stream_options.include_usage``. Timestamps are taken as each
-server-sent event arrives (``time.perf_counter``): TTFT is the first event that carries text, ITL the
-gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
+server-sent event arrives (``time.perf_counter``): TTFT is the first event with a choice (new tokens), ITL
+the gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
 from the final usage chunk (an event may carry several tokens). The statistics have the in-process
 bench's names, so the two compare field by field.
 """
@@ -38,9 +38,10 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], output_len:
                 continue
             now = time.perf_counter()
             event = json.loads(line[len("data: "):])
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    arrivals.append(now)
+            choices = event.get("choices") or []
+            if choices:  # a chunk of new tokens (its text may be empty: a model served without a tokenizer)
+                arrivals.append(now)
+            for choice in choices:
                 finish = choice.get("finish_reason") or finish
             if event.get("usage"):
                 tokens = event["usage"].get("completion_tokens")
