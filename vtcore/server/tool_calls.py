@@ -113,3 +113,62 @@ class CallStream:
         """What was held back once the output ended: an unclosed block is content."""
         held, self.held = self.held, ""
         return (self.parser.start + held if self.in_block else held), []
+
+
+class Qwen3XMLToolParser:
+    """Qwen3.5's (and Qwen3-Coder's) XML calls: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
+    </parameter>\\n...</function>\\n</tool_call>``. A value that reads as JSON (a number, a bool, an object)
+    is that value, anything else the text itself. ``block_grammar`` writes every required parameter, in
+    the schema's order: a string as one line of text without ``<`` (its enum, or its min/max length), any
+    other type as the JSON its schema allows."""
+
+    start, end = "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def parse_block(block: str) -> tuple[str, str] | None:
+        import re
+
+        fn = re.fullmatch(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", block, re.DOTALL)
+        if fn is None:
+            return None
+        args: dict[str, Any] = {}
+        for key, value in re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", fn.group(2), re.DOTALL):
+            try:
+                args[key] = json.loads(value)
+            except json.JSONDecodeError:
+                args[key] = value
+        return fn.group(1).strip(), json.dumps(args, ensure_ascii=False)
+
+    @staticmethod
+    def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
+        import xgrammar as xgr
+
+        def lit(text: str) -> Any:
+            return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))
+
+        calls = []
+        for t in tools:
+            params = t["function"].get("parameters") or {}
+            parts = [lit(f"<tool_call>\n<function={t['function']['name']}>\n")]
+            for key in params.get("required", []):
+                prop = params.get("properties", {}).get(key, {})
+                value = (xgr.Grammar.from_regex(_text_regex(prop)) if prop.get("type") == "string" else
+                         xgr.Grammar.from_json_schema(json.dumps(prop), any_whitespace=False))
+                parts += [lit(f"<parameter={key}>\n"), value, lit("\n</parameter>\n")]
+            parts.append(lit("</function>\n</tool_call>"))
+            calls.append(xgr.Grammar.concat(*parts))
+        block = str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
+        if not many:
+            return block
+        return 'root ::= tool_block ("\\n" tool_block)*\n' + block.replace("root ::=", "tool_block ::=", 1)
+
+
+def _text_regex(prop: dict[str, Any]) -> str:
+    """A string parameter's raw text as a regex: one of its enum, or a line without ``<`` of its lengths."""
+    import re
+
+    if prop.get("enum"):
+        return "|".join(re.escape(str(v)) for v in prop["enum"])
+    lo, hi = int(prop.get("minLength", 0)), prop.get("maxLength")
+    return f"[^<\\n]{{{lo},{'' if hi is None else int(hi)}}}"
+

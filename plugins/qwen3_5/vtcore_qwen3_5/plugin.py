@@ -1,4 +1,5 @@
-"""Hook implementations: the Qwen3.5 dense and MoE families and their conformance examples."""
+"""Hook implementations: the Qwen3.5 dense and MoE families, their conformance examples and their
+tool-call format (Qwen3.5's XML calls)."""
 from __future__ import annotations
 
 from typing import Any
@@ -34,6 +35,14 @@ def vtcore_model_families() -> list[ModelFamily]:
                     model_cls="vtcore_qwen3_5.model:Qwen3_5MoeForCausalLM", consumes_device_tokens=True,
                     conformance_example="vtcore_qwen3_5.plugin:moe_example", quant_ignore=_MOE_IGNORE),
     ]
+
+
+@hookimpl
+def vtcore_tool_parser(family: ModelFamily) -> type | None:
+    if family.name not in ("qwen3_5", "qwen3_5_moe"):
+        return None
+    from vtcore.server.tool_calls import Qwen3XMLToolParser
+    return Qwen3XMLToolParser
 
 
 def dense_example() -> ConformanceExample:

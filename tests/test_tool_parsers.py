@@ -1,0 +1,49 @@
+"""The tool-call formats the family plugins supply: each parser reads what its grammar (tool_choice
+"required" / named) makes the embedded default model write, arguments valid against the schema."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from vtcore import LLM, SamplingParams
+from vtcore.server.tool_calls import HermesToolParser, Qwen3XMLToolParser, split_calls
+from vtcore.structured import StructuredOutputsParams
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+                                                                            "required": []}}}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu", max_num_seqs=8)
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser, Qwen3XMLToolParser])
+@pytest.mark.parametrize("many", [False, True])
+def test_the_grammar_writes_what_the_parser_reads(llm: LLM, parser, many) -> None:
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300, structured_outputs=StructuredOutputsParams(
+        grammar=parser.block_grammar(TOOLS, many))) for s in range(4)]
+    for out in llm.generate(["Call a tool:"] * len(params), params, use_tqdm=False):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        content, calls = split_calls(parser, text)
+        assert content == "" and calls and (many or len(calls) == 1), text
+        for name, args in calls:
+            assert name in ("get_weather", "ping")
+            if name == "get_weather":
+                jsonschema.validate(json.loads(args), WEATHER)
+
+
+def test_xml_values_read_as_json_where_they_parse() -> None:
+    block = ("<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n<parameter=s>\nhello world\n</parameter>\n"
+             "<parameter=o>\n{\"a\": [1]}\n</parameter>\n</function>\n</tool_call>")
+    assert split_calls(Qwen3XMLToolParser, "x " + block) == (
+        "x", [("f", json.dumps({"n": 3, "s": "hello world", "o": {"a": [1]}}))])
+    assert split_calls(Qwen3XMLToolParser, "<tool_call>no function</tool_call>") == (
+        "<tool_call>no function</tool_call>", [])
