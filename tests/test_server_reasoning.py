@@ -4,6 +4,7 @@ whole response. The embedded default model does not think, so a regex constraint
 thinking block."""
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator
 
 import pytest
@@ -57,3 +58,38 @@ def test_an_unknown_parser_is_refused_by_name(engine: Any) -> None:  # noqa: F81
 
     with pytest.raises(ValueError, match=r"reasoning_parser='deepseek': expected one of \['qwen3'\]"):
         build_app(engine, MODEL, reasoning_parser="deepseek")
+
+
+def test_a_response_format_constrains_the_answer_not_the_thought(client: Any) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    thought = 0  # a schema over the whole output would never let it open a thinking block
+    for seed in range(6):
+        choice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Think, then JSON"}],
+                                                max_tokens=200, temperature=1.0, seed=seed,
+                                                response_format=fmt).choices[0]
+        thought += choice.message.model_extra["reasoning_content"] is not None
+        if choice.finish_reason == "length":  # a thought that ran to max_tokens leaves no answer
+            assert choice.message.model_extra["reasoning_content"] and not choice.message.content
+            continue
+        assert json.loads(choice.message.content) in ({"ok": True}, {"ok": False}), choice.message
+    assert thought
+
+
+def test_the_thinking_grammar_takes_a_thought_then_the_answer() -> None:
+    from vtcore.config import DEFAULT_MODEL
+    from vtcore.engine.tokenizer import load_tokenizer
+    from vtcore.structured import StructuredOutputsParams
+    from vtcore.structured.grammar import GrammarCache, after_thinking
+
+    tok = load_tokenizer(DEFAULT_MODEL)
+    cache = GrammarCache(tok, 2048, [2])
+    params = after_thinking(StructuredOutputsParams(regex="[a-z]{2}"), "<think>", "</think>")
+
+    def accepts(text: str) -> bool:
+        grammar = cache.matcher(params)
+        return all(grammar.accept(t) for t in tok.encode(text, add_special_tokens=False)) and grammar.accept(2)
+
+    assert accepts("<think>\nsome </thin </ thought\n</think>\n\nok") and accepts("ok")
+    assert not accepts("<think>a</think>b</think>ok")  # the end tag inside the thought ends it
+    assert not accepts("<think>a</think>okk")

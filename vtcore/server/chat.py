@@ -13,7 +13,9 @@ from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoi
 from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatCompletionRequest, ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.tool_calls import CallStream, call_id, split_calls
+from vtcore.server.structured import structured_outputs
 from vtcore.structured import StructuredOutputsParams
+from vtcore.structured.grammar import after_thinking
 from vtcore.server.serving import Serving
 
 #: apply_chat_template's own arguments: a request may not set them through chat_template_kwargs (a
@@ -112,6 +114,13 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             many = forced is body.tools and body.parallel_tool_calls is not False
             kw["structured_outputs"] = StructuredOutputsParams(grammar=self.engine.tool_parser().block_grammar(
                 forced, many))
+        # response_format and a forced tool call shape the answer, not the thought; vLLM's structured_outputs
+        # field constrains the output as written (a grammar may itself spell out the thinking block)
+        fmt = body.response_format is not None and body.response_format.type != "text"
+        constraint = kw.get("structured_outputs") or (structured_outputs(body) if fmt else None)
+        if constraint is not None and self.reasoning_parser is not None:
+            parser = self.reasoning_parser
+            kw["structured_outputs"] = after_thinking(constraint, parser.START, parser.END)
         return kw, {"max_tokens": "max_completion_tokens" if given else "max_tokens", "logprobs": "top_logprobs"}
 
     def prompts(self, body: ChatCompletionRequest) -> Prompts:

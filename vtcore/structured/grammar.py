@@ -37,21 +37,7 @@ class GrammarCache:
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]
-        kind, value = key
-        c = self.compiler
-        try:
-            if kind == "json":
-                grammar = c.compile_json_schema(value)
-            elif kind == "json_object":  # a JSON object (OpenAI's JSON mode), not any JSON value
-                grammar = c.compile_json_schema('{"type": "object"}')
-            elif kind == "regex":
-                grammar = c.compile_regex(value)
-            elif kind == "choice":
-                grammar = c.compile_regex("|".join(_regex_literal(s) for s in json.loads(value)))
-            else:
-                grammar = c.compile_grammar(value)
-        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for a bad input
-            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {exc}") from None
+        grammar = _refused_as_value_error(key[0], lambda: self.compiler.compile_grammar(grammar_of(params)))
         with self._lock:
             self._compiled[key] = grammar
         return grammar
@@ -79,6 +65,50 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+
+def grammar_of(params: StructuredOutputsParams) -> Any:
+    """The xgrammar ``Grammar`` (not yet compiled) of a constraint; one xgrammar refuses raises
+    ``ValueError`` naming the field and xgrammar's reason."""
+    import xgrammar as xgr
+
+    kind, value = params.key()
+
+    def build() -> Any:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(value)
+        if kind == "json_object":  # a JSON object (OpenAI's JSON mode), not any JSON value
+            return xgr.Grammar.from_json_schema('{"type": "object"}')
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        if kind == "choice":
+            return xgr.Grammar.from_regex("|".join(_regex_literal(s) for s in json.loads(value)))
+        return xgr.Grammar.from_ebnf(value)
+
+    return _refused_as_value_error(kind, build)
+
+
+def after_thinking(params: StructuredOutputsParams, start: str, end: str) -> StructuredOutputsParams:
+    """``params`` applied to the answer only: an optional thinking block (``start``, text without ``end``,
+    ``end``, newlines) before it, for a server that splits reasoning from the answer."""
+    import re
+
+    import xgrammar as xgr
+
+    # text in which ``end`` never occurs: any character but its first, or a proper prefix of it cut short
+    first = re.escape(end[0])
+    cut = [re.escape(end[:i]) + "[^" + re.escape(end[i]) + "]" for i in range(1, len(end))]
+    body = "(" + "|".join([f"[^{first}]", *cut]) + ")*"
+    think = xgr.Grammar.from_regex(re.escape(start) + body + re.escape(end) + "\n*")
+    optional = xgr.Grammar.union(think, xgr.Grammar.from_ebnf('root ::= ""'))
+    return StructuredOutputsParams(grammar=str(xgr.Grammar.concat(optional, grammar_of(params))))
+
+
+def _refused_as_value_error(kind: str, build: Any) -> Any:
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for a bad input
+        raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {exc}") from None
 
 
 def _regex_literal(text: str) -> str:
