@@ -566,3 +566,20 @@ def test_too_many_turns_are_refused_naming_the_flags(tmp_path):
                                  "--output-len", "4", "--max-model-len", "128"])
     with pytest.raises(ValueError, match=r"--turns=40 .* reach 480 tokens, over max_model_len=128"):
         args.func(args, io.StringIO())
+
+
+def test_a_structured_share_is_reported_apart(tmp_path) -> None:
+    """--structured-share 0.5: half the requests (interleaved) JSON-schema constrained, each group's
+    throughput and TPOT reported apart, adding up to the run's."""
+    doc, table = _run(tmp_path, ["--concurrency", "2", "--num-prompts", "4", "--input-len", "8", "--output-len", "40",
+                                 "--structured-share", "0.5", "--copy-mib", COPY_MIB])
+    (run,) = doc["runs"]
+    assert run["structured_share"] == 0.5
+    groups = run["groups"]
+    assert groups["constrained"]["requests"] == groups["unconstrained"]["requests"] == 2
+    assert groups["unconstrained"]["output_tokens"] == 2 * 40  # ignore_eos: the plain ones run to max_tokens
+    assert sum(g["output_tokens"] for g in groups.values()) == run["output_tokens"]
+    assert [r["constrained"] for r in run["requests"]] == [False, True, False, True]
+    assert "c=2 constrained: 2 requests" in table
+    with pytest.raises(ValueError, match="--structured-share=1.5: expected a fraction"):
+        _run(tmp_path, ["--concurrency", "1", "--structured-share", "1.5", "--copy-mib", COPY_MIB])

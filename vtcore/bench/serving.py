@@ -80,6 +80,9 @@ DEFAULT_OUTPUT_LEN = 128
 DEFAULT_OFFLINE_PROMPTS = 256
 DEFAULT_OFFLINE_MIN_LEN, DEFAULT_OFFLINE_MAX_LEN = 100, 1024
 DEFAULT_OFFLINE_MAX_NUM_SEQS = 256
+#: what --structured-share constrains requests to: long enough to decode for a while, always finishable
+BENCH_SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "maxItems": 64, "items": {
+    "type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["values"]}
 #: how the header records ``async_scheduling``: not given (the family decides), ``--async-scheduling``,
 #: ``--no-async-scheduling``
 ASYNC_SCHEDULING_LABELS = {None: "auto", True: "on", False: "off"}
@@ -128,6 +131,11 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="multi-turn chat replay: each of --num-prompts conversations sends T requests in turn, "
                         "each resending the conversation so far (prompts and outputs) plus --input-len new "
                         "tokens (default: 1)")
+    p.add_argument("--structured-share", type=float, default=0.0, metavar="F",
+                   help="constrain this share of the requests (evenly interleaved) to a JSON schema "
+                        "(BENCH_SCHEMA: an object of up to 64 integers; xgrammar); each run then reports the "
+                        "constrained and the unconstrained requests' output throughput and TPOT apart "
+                        "(default: 0)")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run the sweep twice in one call, prefix caching off then on (fresh engines), and "
                         "report TTFT and throughput of the two side by side")
@@ -199,18 +207,22 @@ async def _one_request(engine: Any, rid: str, prompt_ids: list[int], params: Any
 
 async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int, output_len: int,
                            vocab_size: int, rng: random.Random, progress: bool,
-                           probe_rng: random.Random | None = None, prefix_len: int = 0, turns: int = 1
-                           ) -> dict[str, Any]:
+                           probe_rng: random.Random | None = None, prefix_len: int = 0, turns: int = 1,
+                           structured_share: float = 0.0) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
 
     from vtcore.sampling_params import SamplingParams
+    from vtcore.structured import StructuredOutputsParams
 
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     # conversation i's new tokens of each turn; a turn resends the conversation so far, then its own
     fresh = [[[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(turns)] for _ in range(num_prompts)]
     prompts = [prefix + f[0] for f in fresh]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    constrained = attrs.evolve(params, structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
+    # request i is constrained when the share's running count steps up at it: evenly interleaved
+    is_constrained = [int((i + 1) * structured_share) > int(i * structured_share) for i in range(num_prompts)]
     inner = engine.engine
     queries0, hits0 = inner.pool.queries, inner.pool.hits
     cuda = inner.device.type == "cuda"
@@ -228,7 +240,9 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
             next_index += 1
             history = prompts[i]
             for t in range(turns):
-                result = await _one_request(engine, f"bench-c{c}-{i * turns + t}", history, params)
+                result = await _one_request(engine, f"bench-c{c}-{i * turns + t}", history,
+                                            constrained if is_constrained[i] else params)
+                result["constrained"] = is_constrained[i]
                 results.append(result)
                 history = history + result.pop("_ids") + (fresh[i][t + 1] if t + 1 < turns else [])
                 bar.update(1)
@@ -269,9 +283,22 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
         "step_host_s": {"decode": summarize(decode_t), "other": summarize(other_t)},
         "decode_device": device_stats,
         "peak_gpu_memory_bytes": peak,
+        "structured_share": structured_share,
+        "groups": {name: _group(rs, wall) for name, rs in (
+            ("constrained", [r for r in results if r["constrained"]]),
+            ("unconstrained", [r for r in results if not r["constrained"]])) if rs} if structured_share else None,
         "requests": results,
         "_prompts": prompts,  # popped by run_bench (the HF peer reuses the concurrency-1 prompts)
     }
+
+
+def _group(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """One group's share of a run (structured outputs on or off): its requests, output tokens over the
+    run's wall time, TPOT."""
+    tokens = sum(r["output_tokens"] for r in results)
+    return {"requests": len(results), "output_tokens": tokens, "output_throughput_tok_s": tokens / wall,
+            "tpot_s": summarize([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
+            "finish_reasons": sorted({str(r["finish_reason"]) for r in results})}
 
 
 def _concurrency(args: argparse.Namespace) -> list[int]:
@@ -395,6 +422,9 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     if prefix_len < 0:
         raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
     turns = getattr(args, "turns", 1) or 1
+    share = getattr(args, "structured_share", 0.0) or 0.0
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--structured-share={share}: expected a fraction of the requests, 0 to 1")
     input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
     longest = prefix_len + turns * (input_len + args.output_len)
     if longest > max_model_len:
@@ -431,7 +461,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
             with count_triton_compiles() as compiled:
                 runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
                                                    progress, random.Random(config.seed * 1_000_003 + c), prefix_len,
-                                                   turns))
+                                                   turns, share))
             runs[-1]["triton_compiles"] = compiled
         return runs
 
@@ -533,6 +563,11 @@ def format_table(doc: dict[str, Any]) -> str:
                      + ("" if d["reason"] is None else f" ({d['reason']})")
                      + f"; Triton compiles while measured: {len(r['triton_compiles'])}"
                      + (f" ({', '.join(sorted(set(r['triton_compiles'])))})" if r["triton_compiles"] else ""))
+    for r in doc["runs"]:
+        for name, g in (r.get("groups") or {}).items():
+            lines.append(f"c={r['concurrency']} {name}: {g['requests']} requests, output "
+                         f"{g['output_throughput_tok_s']:.1f} tok/s, TPOT median {_ms(g['tpot_s']['median'])} ms, "
+                         f"finish {','.join(g['finish_reasons'])}")
     if doc.get("prefix_caching_off"):
         lines += format_comparison(doc)
     if doc.get("peer"):
