@@ -207,7 +207,7 @@ class EngineConfig:
                     "registered family of the same vocabulary proposes)", "default_help": "off",
             "metavar": "JSON"})
     enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
-        "help": "run decode steps eagerly, without CUDA graphs"})
+        "help": "run every step eagerly, without CUDA graphs (decode, verify and lone prefill-chunk steps)"})
     async_scheduling: bool | None = attrs.field(default=None, validator=_bool, metadata={
         "help": "prepare and submit step N+1 before step N's tokens are back",
         "default_help": "on for model families that consume device token ids"})
