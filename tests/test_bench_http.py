@@ -31,9 +31,13 @@ def test_the_http_bench_counts_every_token_and_request(server: ServerThread, tmp
     assert "served: " in out.getvalue() and "    3     3" in out.getvalue()
 
 
-def test_an_unreachable_server_is_an_error_naming_it(tmp_path: Any) -> None:
-    import httpx
+def test_engine_only_flags_are_refused_with_a_base_url(capsys: Any) -> None:
+    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--compare-prefix-caching"], out=io.StringIO()) == 2
+    assert "--base-url measures a server as it runs; --compare-prefix-caching needs" in capsys.readouterr().err
 
-    with pytest.raises(httpx.ConnectError):
-        main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1", "--input-len", "4",
-              "--output-len", "2"], out=io.StringIO())
+
+def test_an_unreachable_server_is_an_error_naming_it(capsys: Any) -> None:
+    rc = main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1", "--input-len", "4",
+               "--output-len", "2"], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert rc == 2 and "--base-url http://127.0.0.1:9/v1: GET /models failed" in err and "Traceback" not in err

@@ -111,6 +111,19 @@ def test_the_prefix_check_holds_the_cache_to_the_hashes(plugins: Plugins, monkey
     assert result.status == "fail" and "'whole-prompt': (0, 24)" in result.detail and "vtcore bug" in result.detail
 
 
+def test_the_prefix_check_requires_lone_chunks_on_the_padded_path(plugins: Plugins,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cache hits leave a chunk alone in its step, which the padded chunk path serves; a runner that stopped
+    sending them there fails the check (naming vtcore) instead of passing unchecked."""
+    from vtcore.worker.decode_graphs import DecodeGraphs
+
+    takes = DecodeGraphs.takes
+    monkeypatch.setattr(DecodeGraphs, "takes", lambda self, batch: not self.chunk and takes(self, batch))
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["prefix-cache"])
+    result = gate.results["prefix-cache"]
+    assert result.status == "fail" and "took the padded chunk path" in result.detail, result.detail
+
+
 def test_the_draft_model_pass_requires_its_own_example_to_be_accepted(plugins: Plugins,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A draft engine that proposes one token late (it was fed all but the last token) keeps the output

@@ -32,6 +32,17 @@ def _repetitive(n: int, seed: int) -> list[int]:
     return (phrase * (n // len(phrase) + 1))[:n]
 
 
+def test_replay_proposes_what_followed_shorter_and_longer_prefixes() -> None:
+    """Sequences are indexed by their first tokens; a prefix shorter than the key is still found."""
+    from vtcore.spec.replay import KEY_TOKENS, ReplayProposer
+
+    long = list(range(10, 10 + KEY_TOKENS + 6))
+    p = ReplayProposer([[1, 2, 3, 4, 5], long, [1, 2, 9]], 512)
+    assert p.propose([1, 2, 3], 2) == [4, 5] and p.propose([1, 2], 1) == [3]
+    assert p.propose(long[:KEY_TOKENS + 2], 3) == long[KEY_TOKENS + 2:KEY_TOKENS + 5]
+    assert p.propose([1, 2, 9], 2) == [] and p.propose([7], 2) == []
+
+
 def _ngram_scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The n-gram rule written as the plain scan it is."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):

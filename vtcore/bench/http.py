@@ -92,8 +92,12 @@ def served_model(base_url: str) -> str:
     """The first model ``GET /models`` lists (what the server serves)."""
     import httpx
 
-    r = httpx.get(base_url.rstrip("/") + "/models", timeout=30.0)
-    r.raise_for_status()
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/models", timeout=30.0)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:  # OSError: the CLI reports it as an error line, not a traceback
+        raise ConnectionError(f"--base-url {base_url}: GET /models failed ({type(exc).__name__}: {exc}); expected "
+                              "an OpenAI-compatible server's /v1 URL, e.g. http://127.0.0.1:8000/v1") from None
     data = r.json().get("data") or []
     if not data:
         raise RuntimeError(f"GET {base_url}/models lists no model")

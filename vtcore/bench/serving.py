@@ -611,6 +611,13 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
+        local = [flag for flag, on in (("--compare-prefix-caching", args.compare_prefix_caching),
+                                       ("--offline", args.offline), ("--peer", args.peer),
+                                       ("--structured-share", args.structured_share),
+                                       ("--speculative-config", getattr(args, "speculative_config", None)))
+                 if on]
+        if local:
+            raise ValueError(f"--base-url measures a server as it runs; {local[0]} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0)
         out.write(format_http(doc))

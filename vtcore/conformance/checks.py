@@ -351,6 +351,9 @@ class FamilyGate(CudaChecks):
                              f"{wrong} (a vtcore bug, not the family's)")
             self._against_oracle([(rid, ids, params, finals[rid]) for rid, (ids, params) in prompts.items()],
                                  lambda rids: f" ({mode}; {_cached_hint(rids, cached, stateful)})")
+            if engine.runner.chunk_graphs and not engine.runner.padded_chunk_steps:
+                raise Failed(f"{mode}: no prefill chunk after a cache hit took the padded chunk path, which serves "
+                             "them (a vtcore bug: the gate no longer checks that path)")
             runs[mode] = (first, second)
         if len(runs) > 1 and runs["async"] != runs["sync"]:
             raise Failed("async scheduled different batches or tokens than sync with prefix caching")
