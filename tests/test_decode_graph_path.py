@@ -182,3 +182,29 @@ def test_every_padded_row_has_a_context_as_long_as_its_query(tiny_checkpoint) ->
     run(eng, {0: [("d", list(range(1, 20)), greedy(2))]})
     assert {(q, chunk) for q, chunk, _ in checked} >= {(1, False), (4, False), (32, True)}
     assert any(padded for *_, padded in checked)
+
+
+@pytest.mark.parametrize("q, chunk", [(4, False), (16, True)])
+def test_the_widest_padded_step_fits_its_upload_buffer(q, chunk) -> None:
+    """Every row full (verify: a whole draft, each token sampling), every block-table row as wide as the
+    table: the staged sections still fit the persistent buffer the step uploads into."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vtcore.worker.decode_graphs import DecodeGraphs
+
+    bs, max_len = 4, 64
+    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), bs, max_len, 8, 8, capture=False, query_len=q,
+                          chunk=chunk)
+    blocks = list(range(graphs.max_table))
+    start = max_len - q
+
+    def row(i: int) -> SimpleNamespace:
+        req = SimpleNamespace(token_ids=list(range(start + 1)), block_ids=blocks, mirror_slot=i)
+        draft = () if chunk else tuple(range(q - 1))
+        return SimpleNamespace(request=req, start=start, num_tokens=q if chunk else 1 + len(draft), draft=draft,
+                               samples=True)
+
+    inputs = graphs.prepare([row(i) for i in range(graphs.sizes[-1])])
+    assert sum(len(s) for s in inputs.sections) <= graphs.buffer.numel()

@@ -86,6 +86,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def __init__(self, serving: Serving, reasoning_parser: type[ThinkSplitter] | None = None) -> None:
         super().__init__(serving)
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = self.engine.tool_parser()  # the served family's, asked of the plugins once
 
     def check(self, body: ChatCompletionRequest) -> None:
         if body.functions:
@@ -94,7 +95,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         if body.function_call not in (None, "none"):
             raise APIError(400, "function_call: the legacy function calling is not supported; send tool_choice",
                            "function_call", "unsupported")
-        if body.tools and self.engine.tool_parser() is None:
+        if body.tools and self.tool_parser is None:
             raise APIError(400, f"tools: the served model's family {self.engine.engine.family.name!r} has no tool-call "
                                 "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
         choose(body)  # a bad tool_choice is a 400 before anything runs
@@ -112,7 +113,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                 raise APIError(400, "tool_choice: a required or named tool call is itself the output's format; leave "
                                     "response_format out", "tool_choice")
             many = forced is body.tools and body.parallel_tool_calls is not False
-            kw["structured_outputs"] = StructuredOutputsParams(grammar=self.engine.tool_parser().block_grammar(
+            kw["structured_outputs"] = StructuredOutputsParams(grammar=self.tool_parser.block_grammar(
                 forced, many))
         # response_format and a forced tool call shape the answer, not the thought; vLLM's structured_outputs
         # field constrains the output as written (a grammar may itself spell out the thinking block)
@@ -135,7 +136,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             message["reasoning_content"], message["content"] = split_reasoning(self.reasoning_parser(), choice.text)
         finish = choice.finish_reason
         if offers_tools(body):
-            content, calls = split_calls(self.engine.tool_parser(), message["content"])
+            content, calls = split_calls(self.tool_parser, message["content"])
             message["content"] = content or None
             message["tool_calls"] = [_call_entry(name, args) for name, args in calls]
             if calls and finish == "stop":
@@ -169,7 +170,7 @@ class _ChatChunks:
         self.opened: set[int] = set()
         parser = endpoint.reasoning_parser
         self.splitters: dict[int, ThinkSplitter] | None = None if parser is None else {}
-        self.tools = endpoint.engine.tool_parser() if offers_tools(body) else None
+        self.tools = endpoint.tool_parser if offers_tools(body) else None
         self.calls: dict[int, tuple[CallStream, list[int]]] = {}  # per choice: its stream, calls sent
 
     def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:

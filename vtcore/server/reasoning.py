@@ -38,7 +38,7 @@ class ThinkSplitter:
                     reasoning += text[:end]
                     text, self.state = text[end + len(self.END):], "after"
                 else:
-                    keep = _partial_suffix(text, self.END)
+                    keep = partial_suffix(text, self.END)
                     reasoning += text[:len(text) - keep]
                     self.held, text = text[len(text) - keep:], ""
             elif self.state == "after":
@@ -56,7 +56,7 @@ class ThinkSplitter:
         return (held, "") if self.state == "reasoning" else ("", held if self.state in ("start", "content") else "")
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of ``text`` that begins ``tag`` (it may continue as the tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

@@ -11,6 +11,8 @@ import json
 import uuid
 from typing import Any, Protocol
 
+from vtcore.server.reasoning import partial_suffix
+
 
 class ToolParser(Protocol):
     """What the server needs of a family's tool-call format."""
@@ -103,8 +105,7 @@ class CallStream:
                     content += text[:start]
                     text, self.in_block = text[start + len(p.start):], True
                     continue
-                keep = next((n for n in range(min(len(p.start) - 1, len(text)), 0, -1)
-                             if p.start.startswith(text[-n:])), 0)
+                keep = partial_suffix(text, p.start)
                 content += text[:len(text) - keep]
                 self.held, text = text[len(text) - keep:], ""
         return content, calls

@@ -69,8 +69,9 @@ class DecodeGraphs:
         # wide enough for a verify row's padded positions past max_model_len
         self.max_table = -(-(max_model_len + q) // block_size)
         per_row = sum(q if t else 1 for t in self.per_token)
-        self.buffer = torch.zeros((per_row + 2) * largest + largest * self.max_table, dtype=torch.int64,
-                                  device=device)
+        # after the table: the rows that sample and their mirror slots (verify: every token; chunk: one a row)
+        samples = 0 if q == 1 else 2 * (1 if chunk else q)
+        self.buffer = torch.zeros((per_row + samples + self.max_table) * largest, dtype=torch.int64, device=device)
         self.tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=device)
         self.qstart = torch.arange(0, (largest + 1) * q, q, dtype=torch.int32, device=device)
         # the six sections of padded size p: views fixed once, as the graphs read them

@@ -23,8 +23,11 @@ from vtcore.structured.grammar import unpack_bitmask
 from vtcore.worker.step import StepRequest
 
 
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Upload a host list without blocking the host (pinned memory on CUDA)."""
+def to_device(data: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Upload a host list (or CPU tensor) without blocking the host (pinned memory on CUDA)."""
+    if torch.is_tensor(data):
+        host = data.to(dtype)
+        return host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
@@ -72,7 +75,7 @@ class Sampler:
             p, edit = m.request.params, {}
             grammar = m.request.grammar
             if grammar is not None:  # the request's tokens so far are all on the host (the scheduler's rule)
-                edit["allowed"] = to_device(grammar.bitmask()[None].tolist(), torch.int32, self.device)
+                edit["allowed"] = to_device(grammar.bitmask()[None], torch.int32, self.device)
             if p.logit_bias:
                 edit["bias_ids"] = self._up(list(p.logit_bias))
                 edit["bias"] = self._up(list(p.logit_bias.values()), torch.float32)
