@@ -161,7 +161,11 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # null content is for an assistant message of tool_calls only (the server refuses it elsewhere; the
+    # document says so, so that clients and fuzzers read the same rule)
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "if": {"properties": {"content": {"type": "null"}}, "required": ["content"]},
+        "then": {"properties": {"role": {"const": "assistant"}}, "required": ["tool_calls"]}})
 
     role: str
     content: Text | list[ContentPart] | None = Field(
