@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -117,14 +119,43 @@ def test_a_schema_is_compiled_once(llm: LLM) -> None:
     assert sum(1 for kind, _ in compiled if kind == "json" and json.loads(_) == SCHEMAS[1]) == 1
 
 
+def test_concurrent_requests_for_one_schema_compile_it_once(llm: LLM) -> None:
+    """``AsyncLLM`` compiles on executor threads: a wave of requests for a new schema waits for one compile."""
+    cache = llm.engine._grammars()
+    original, calls = cache.compiler, []
+
+    class Counting:
+        def compile_grammar(self, grammar):
+            calls.append(1)
+            time.sleep(0.2)  # long enough that every thread asks while it runs
+            return original.compile_grammar(grammar)
+
+    cache.compiler = Counting()
+    try:
+        so = StructuredOutputsParams(json={"type": "array", "items": {"type": "boolean"}, "maxItems": 3})
+        threads = [threading.Thread(target=cache.compile, args=(so,)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        cache.compiler = original
+    assert len(calls) == 1 and so.key() in cache._compiled
+
+
 def test_async_gives_a_constrained_request_the_tokens_sync_gives() -> None:
-    """Under async scheduling a constrained request waits for its in-flight token (its mask needs it),
-    while the unconstrained ones keep the overlap; every request's tokens equal sync's."""
+    """Under async scheduling a constrained request runs in every step, its token still in flight: its
+    row is drawn late, once that token landed and its mask exists; every request's tokens equal sync's
+    (seeded draws included: a late row's first, unused draw takes nothing from its generator)."""
     so = StructuredOutputsParams(json=SCHEMAS[8])
     arrivals = {0: [("c0", [5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=120, structured_outputs=so)),
                     ("u0", [8, 9], SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True))],
                 3: [("c1", [1, 2], SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so))]}
     knobs = dict(device="cpu", max_num_seqs=8)
-    sync, _ = run_engine(build_engine(DEFAULT_MODEL, "sync", **knobs), arrivals)
-    asyn, _ = run_engine(build_engine(DEFAULT_MODEL, "async", **knobs), arrivals)
-    assert asyn == sync
+    sync, sync_batches = run_engine(build_engine(DEFAULT_MODEL, "sync", **knobs), arrivals)
+    asyn, batches = run_engine(build_engine(DEFAULT_MODEL, "async", **knobs), arrivals)
+    assert asyn == sync and batches == sync_batches
+    for rid in ("c0", "c1"):
+        steps = [i for i, batch in enumerate(batches) if any(row[0] == rid for row in batch)]
+        assert len(sync[rid]) > 5 and len(steps) == len(sync[rid])  # one step a token: the prefill, then decodes
+        assert steps == list(range(steps[0], steps[0] + len(steps)))  # in consecutive steps, none skipped

@@ -73,6 +73,7 @@ from vtcore.bench.step_stats import NO_CUDA, StepTimer, count_triton_compiles, p
 from vtcore.bench.summary import summarize
 from vtcore.config import EngineConfig
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
+from vtcore.structured import StructuredOutputsParams
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 DEFAULT_INPUT_LEN = 1024
@@ -213,7 +214,6 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
     from tqdm import tqdm
 
     from vtcore.sampling_params import SamplingParams
-    from vtcore.structured import StructuredOutputsParams
 
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     # conversation i's new tokens of each turn; a turn resends the conversation so far, then its own
@@ -443,12 +443,15 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
 
     async def warm_up(c: int) -> None:
         """Untimed: c requests of the measured prompt length, so lazy setup and Triton's compilation of
-        size-specialised kernel variants happen before the clock starts (own rng: prompts unchanged)."""
+        size-specialised kernel variants happen before the clock starts (own rng: prompts unchanged);
+        with --structured-share, every other one constrained: the bench schema is compiled by then."""
         wr, warm = random.Random(-1 - c), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        held = attrs.evolve(warm, structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
 
         async def one(i: int) -> None:
             ids = [wr.randrange(inner.vocab_size) for _ in range(input_len)]
-            async for _ in engine.generate({"prompt_token_ids": ids}, warm, request_id=f"bench-warmup-{c}-{i}"):
+            params = held if share and i % 2 else warm
+            async for _ in engine.generate({"prompt_token_ids": ids}, params, request_id=f"bench-warmup-{c}-{i}"):
                 pass
 
         await asyncio.gather(*(one(i) for i in range(c)))

@@ -424,6 +424,8 @@ class LLMEngine:
                 elif s.samples:
                     self._apply(s.request, result, row)
                 row += s.num_sampled
+            for _, later in self.inflight:  # their late rows' masks may exist now
+                later.draw_late()
             for s in done:
                 if s.request.prompt_logprobs is not None and s.request.request_id in result.prompt_logprobs:
                     s.request.prompt_logprobs.extend(

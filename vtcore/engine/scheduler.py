@@ -193,8 +193,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if req.grammar is not None and req.num_inflight:
-                continue  # its next token's grammar mask needs the token still in flight (async)
+            if req.grammar is not None and req.grammar.masked < req.num_output_tokens + req.num_inflight:
+                continue  # its in-flight token is not drawn yet (a late row): the forward would read no token
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
                 continue

@@ -3,7 +3,10 @@
 The engine's host fills each constrained sampling row's token bitmask from the request's matcher
 (the tokens the host has applied so far), the sampler applies it on the device before any other
 logit edit, and each applied token advances the matcher; a matcher that has terminated (the
-grammar is complete and accepted a stop token) ends its request.
+grammar is complete and accepted a stop token) ends its request. A row's mask exists once the
+matcher stands at the row's output position (every earlier token accepted): under async
+scheduling the row is drawn late, once its request's in-flight token has landed
+(``vtcore.worker.sampler``).
 """
 from __future__ import annotations
 
@@ -28,18 +31,26 @@ class GrammarCache:
         self.compiler = xgr.GrammarCompiler(self.info)
         self.vocab_size = vocab_size
         self._compiled: dict[tuple[str, str], Any] = {}
+        self._compiling: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        """The compiled grammar of ``params`` (cached); a constraint xgrammar refuses raises ``ValueError``
-        naming the field and xgrammar's reason."""
+        """The compiled grammar of ``params`` (cached; requests that ask for one being compiled wait for
+        that compile); a constraint xgrammar refuses raises ``ValueError`` naming the field and xgrammar's
+        reason."""
         key = params.key()
         with self._lock:
             if key in self._compiled:
                 return self._compiled[key]
-        grammar = _refused_as_value_error(key[0], lambda: self.compiler.compile_grammar(grammar_of(params)))
-        with self._lock:
-            self._compiled[key] = grammar
+            one = self._compiling.setdefault(key, threading.Lock())
+        with one:
+            with self._lock:
+                if key in self._compiled:
+                    return self._compiled[key]
+            grammar = _refused_as_value_error(key[0], lambda: self.compiler.compile_grammar(grammar_of(params)))
+            with self._lock:
+                self._compiled[key] = grammar
+                self._compiling.pop(key, None)
         return grammar
 
     def matcher(self, params: StructuredOutputsParams) -> "RequestGrammar":
@@ -47,24 +58,39 @@ class GrammarCache:
 
 
 class RequestGrammar:
-    """A request's place in its grammar: the bitmask of its next token, and the tokens it accepts."""
+    """A request's place in its grammar: the tokens it accepted, and the output positions whose masked
+    draw is on the device (``masked``: the next position that has none)."""
 
     def __init__(self, matcher: Any, cache: GrammarCache) -> None:
         self.matcher, self.cache = matcher, cache
+        self.accepted = 0
+        self.masked = 0
 
-    def bitmask(self) -> torch.Tensor:
-        """The next token's allowed set, packed 32 a word (int32 [ceil(vocab / 32)]), on the host."""
-        mask = self.cache._xgr.allocate_token_bitmask(1, self.cache.vocab_size)
-        self.matcher.fill_next_token_bitmask(mask)
-        return mask[0]
+    def stands_at(self, position: int) -> bool:
+        """Whether the mask of output ``position`` can be filled now: every earlier token accepted."""
+        return self.accepted == position and not self.matcher.is_terminated()
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False when the grammar does not allow it."""
-        return bool(self.matcher.accept_token(token))
+        ok = bool(self.matcher.accept_token(token))
+        self.accepted += ok
+        return ok
 
     @property
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+
+def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], vocab_size: int) -> torch.Tensor:
+    """The masks of ``(grammar, output position)`` rows whose grammars stand at their positions, packed
+    32 tokens a word (int32 [rows, ceil(vocab / 32)]) on the host; each position is then ``masked``."""
+    import xgrammar as xgr
+
+    masks = xgr.allocate_token_bitmask(len(rows), vocab_size)
+    for i, (grammar, position) in enumerate(rows):
+        grammar.matcher.fill_next_token_bitmask(masks, i)
+        grammar.masked = position + 1
+    return masks
 
 
 def grammar_of(params: StructuredOutputsParams) -> Any:

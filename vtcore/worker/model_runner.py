@@ -111,15 +111,29 @@ class StateRows:
 
 
 class StepHandle:
-    """A submitted step; ``result()`` waits for its tokens (once) and retires its staging buffer."""
+    """A submitted step; ``result()`` waits for its tokens (once) and retires its staging buffer.
 
-    def __init__(self, runner: "ModelRunner", step: int, staging_index: int, wait: Callable[[], StepOutput]) -> None:
+    A step with late rows (constrained rows whose mask needed a token still in flight, see
+    :mod:`vtcore.worker.sampler`) draws them in ``draw_late()`` once their masks exist (the engine
+    calls it after applying each earlier step); ``result()`` waits for that draw."""
+
+    def __init__(self, runner: "ModelRunner", step: int, staging_index: int, wait: Callable[[], StepOutput],
+                 late: Callable[[bool], Callable[[], StepOutput] | None] | None = None) -> None:
         self.runner, self.step, self.staging_index, self._wait = runner, step, staging_index, wait
+        self._late = late
         self._result: StepOutput | None = None
+
+    def draw_late(self, force: bool = False) -> None:
+        """Enqueue the late rows' draw once every one of them can be masked (``force``: now)."""
+        if self._late is not None:
+            wait = self._late(force)
+            if wait is not None:
+                self._wait, self._late = wait, None
 
     def result(self) -> StepOutput:
         if self._result is None:
             try:
+                self.draw_late(force=True)
                 self._result = self._wait()
             finally:  # a step that failed holds its staging buffer no longer
                 self.runner.staging.retire(self.staging_index)
@@ -333,7 +347,7 @@ class ModelRunner:
                         logits, targets, req.params.prompt_logprobs).items()}
             return out
 
-        return self._enqueue(step, inputs.staged.index, device_work)
+        return self._enqueue(step, inputs.staged.index, device_work, [inputs.metas[i] for i in inputs.sampling.late])
 
     def prepare_inputs(self, batch: Batch, step: int) -> StepInputs:
         """Phase 1 (host): the flat rows of every scheduled request, staged for one upload."""
@@ -452,10 +466,28 @@ class ModelRunner:
 
     def sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
                mirror_slots: torch.Tensor) -> None:
-        """Phase 3 (device): sample, write the tokens into the device mirror, start their copies to the host."""
+        """Phase 3 (device): sample, write the tokens into the device mirror, start their copies to the host
+        (a step with late rows keeps their logits and copies once they are drawn: ``_draw_late``)."""
         sampled = self.sampler.sample(logits, sampling, fed)
         self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
+        if sampling.late:
+            rows = to_device(sampling.late, torch.int64, self.device)
+            out["late"] = (sampled, rows, logits[rows], fed[rows], mirror_slots[rows])
+        else:
+            out.update({k: self._to_host(v) for k, v in sampled.items()})
+
+    def _draw_late(self, out: dict[str, Any], sampling: Any) -> dict[str, Any]:
+        """Phase 3, late (device): draw the late rows with their masks over the logits kept for them; write
+        their tokens into the mirror and the step's results; start the copies to the host."""
+        sampled, rows, logits, fed, mirror_slots = out.pop("late")
+        with torch.inference_mode():
+            drawn = self.sampler.sample(logits, sampling, fed)
+            self.last_sampled_tokens[mirror_slots] = drawn["tokens"]
+            for key in ("tokens", "logprobs", "ranks"):  # the top logprobs are the raw model's: unchanged
+                if key in drawn and key in sampled:
+                    sampled[key][rows] = drawn[key]
         out.update({k: self._to_host(v) for k, v in sampled.items()})
+        return out
 
     def publish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:
         """Phase 4 (host): wait for the step's copies and hand back its results."""
@@ -472,17 +504,38 @@ class ModelRunner:
                           out["ranks"].tolist() if lp else None, out["top_ids"].tolist() if lp else None,
                           out["top_logprobs"].tolist() if lp else None, plp)
 
-    def _enqueue(self, step: int, index: int, device_work: Callable[[], dict[str, Any]]) -> StepHandle:
-        """Run ``device_work`` (on the worker thread on CPU at depth > 1) and hand back its handle."""
+    def _enqueue(self, step: int, index: int, device_work: Callable[[], dict[str, Any]],
+                 late: Sequence[SampleMeta] = ()) -> StepHandle:
+        """Run ``device_work`` (on the worker thread on CPU at depth > 1) and hand back its handle, whose
+        ``draw_late`` draws ``late``, the step's late rows."""
         if self._worker is not None:
             future: Future = self._worker.submit(device_work)
-            return StepHandle(self, step, index, lambda: self.publish(future.result(), None))
-        out = device_work()
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return StepHandle(self, step, index, lambda: self.publish(out, event))
+            wait: Callable[[], StepOutput] = lambda: self.publish(future.result(), None)
+        else:
+            out = device_work()
+            event = self._record()
+            wait = lambda: self.publish(out, event)  # noqa: E731
+
+        def draw_late(force: bool) -> Callable[[], StepOutput] | None:
+            if not force and not all(m.request.is_finished or m.request.grammar.stands_at(m.num_outputs)
+                                     for m in late):
+                return None
+            sampling = self.sampler.prepare(list(late), final=True)  # the masks: host work, now
+            if self._worker is not None:
+                drawn: Future = self._worker.submit(lambda: self._draw_late(future.result(), sampling))
+                return lambda: self.publish(drawn.result(), None)
+            done, done_event = self._draw_late(out, sampling), self._record()
+            return lambda: self.publish(done, done_event)
+
+        return StepHandle(self, step, index, wait, draw_late if late else None)
+
+    def _record(self) -> torch.cuda.Event | None:
+        """An event after the device work enqueued so far (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     # ------------------------------------------------------------------ padded decode
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
@@ -533,7 +586,7 @@ class ModelRunner:
                     self.sample(out, logits, sampling, fed, mirror)
             return out
 
-        return self._enqueue(step, staged.index, device_work)
+        return self._enqueue(step, staged.index, device_work, [metas[i] for i in sampling.late])
 
     def shutdown(self) -> None:
         if self._worker is not None:

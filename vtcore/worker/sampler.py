@@ -11,6 +11,11 @@ Split in two so the async engine never waits on the device: ``prepare`` decides 
 the host and uploads the per-row parameters without blocking; ``sample`` is device work only.
 The token each sampling row was fed (the in-flight token, in async) comes from the device, so
 penalties see it even before the host does.
+
+A constrained row whose grammar does not yet stand at its position (its request's previous token
+is in flight) is *late*: ``prepare`` leaves it greedy and unedited, and the runner draws it again
+over the same logits with its mask once that token has landed (``prepare(final=True)`` over the
+late rows); the first draw is never used, and it takes nothing from a seeded request's generator.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from vtcore.structured.grammar import unpack_bitmask
+from vtcore.structured.grammar import fill_bitmasks, unpack_bitmask
 from vtcore.worker.step import StepRequest
 
 
@@ -51,8 +56,12 @@ class SamplingBatch:
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     random_rows: torch.Tensor | None
+    random_list: list[int]  # random_rows on the host
     edits: list[tuple[int, dict[str, Any]]]  # per-row logit edits: (row, tensors)
     max_logprobs: int | None
+    masked_rows: torch.Tensor | None = None  # rows held to a grammar's bitmask
+    bitmasks: torch.Tensor | None = None  # int32 [len(masked_rows), ceil(vocab / 32)]
+    late: list[int] = attrs.Factory(list)  # rows drawn again once their mask exists (module doc)
 
 
 class Sampler:
@@ -65,17 +74,27 @@ class Sampler:
     def _up(self, data: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    def prepare(self, metas: list[SampleMeta]) -> SamplingBatch:
-        """Host side of a step's sampling: flags and per-row tensors, uploaded without waiting."""
+    def prepare(self, metas: list[SampleMeta], final: bool = False) -> SamplingBatch:
+        """Host side of a step's sampling: flags and per-row tensors, uploaded without waiting.
+        ``final``: no row is late; a grammar that still does not stand at its row's position belongs
+        to a request that ended meanwhile (the engine drops its token), and masks nothing."""
+        masked: list[tuple[int, Any]] = []
+        late: list[int] = []
+        for row, m in enumerate(metas):
+            grammar = m.request.grammar
+            if grammar is not None and grammar.stands_at(m.num_outputs):
+                masked.append((row, grammar))
+            elif grammar is not None and not final and not m.request.is_finished:
+                late.append(row)
         params = [m.request.params for m in metas]
-        random = [i for i, p in enumerate(params) if not p.greedy]
+        drawn_late = set(late)
+        random = [i for i, p in enumerate(params) if not p.greedy and i not in drawn_late]
         rnd = [params[i] for i in random]
         edits = []
         for row, m in enumerate(metas):
+            if row in drawn_late:
+                continue
             p, edit = m.request.params, {}
-            grammar = m.request.grammar
-            if grammar is not None:  # the request's tokens so far are all on the host (the scheduler's rule)
-                edit["allowed"] = to_device(grammar.bitmask()[None], torch.int32, self.device)
             if p.logit_bias:
                 edit["bias_ids"] = self._up(list(p.logit_bias))
                 edit["bias"] = self._up(list(p.logit_bias.values()), torch.float32)
@@ -96,15 +115,20 @@ class Sampler:
             else None,
             top_p=self._up([p.top_p for p in rnd], torch.float32) if any(p.top_p < 1 for p in rnd) else None,
             min_p=self._up([p.min_p for p in rnd], torch.float32) if any(p.min_p > 0 for p in rnd) else None,
-            random_rows=self._up(random) if random else None, edits=edits,
-            max_logprobs=max(wanted) if wanted else None)
+            random_rows=self._up(random) if random else None, random_list=random, edits=edits,
+            max_logprobs=max(wanted) if wanted else None,
+            masked_rows=self._up([row for row, _ in masked]) if masked else None,
+            bitmasks=to_device(fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked], self.vocab_size),
+                               torch.int32, self.device) if masked else None,
+            late=late)
 
     def _edit(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
+        if batch.bitmasks is not None:
+            rows = batch.masked_rows
+            logits[rows] = logits[rows].masked_fill(~unpack_bitmask(batch.bitmasks, logits.shape[1]), float("-inf"))
         for row, e in batch.edits:
             p = batch.metas[row].request.params
-            if "allowed" in e:
-                logits[row].masked_fill_(~unpack_bitmask(e["allowed"], logits.shape[1])[0], float("-inf"))
             if "bias" in e:
                 logits[row].index_add_(0, e["bias_ids"], e["bias"])
             if "stops" in e:
@@ -127,7 +151,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> dict[str, torch.Tensor]:
         """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed."""
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
-        if batch.edits:
+        if batch.edits or batch.bitmasks is not None:
             logits = self._edit(logits, batch, fed)
         tokens = logits.argmax(dim=-1)
         if not batch.greedy:
@@ -155,7 +179,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if batch.min_p is not None:
             probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        reqs = [batch.metas[i].request for i in range(len(batch.metas)) if not batch.metas[i].request.params.greedy]
+        reqs = [batch.metas[i].request for i in batch.random_list]
         q = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(reqs) if r.generator is None]
         if len(unseeded) == len(reqs):

@@ -17,6 +17,7 @@ class StepRequest(Protocol):
     request_id: str
     token_ids: list[int]  # prompt, then the outputs the host knows
     grammar: Any  # a RequestGrammar (structured outputs) or None
+    is_finished: bool  # ended (stopped or aborted), perhaps while a step of it was in flight
     num_prompt_tokens: int
     block_ids: list[int]  # its KV blocks, in position order
     mirror_slot: int  # its stable row of the device mirror and of the state caches while it runs
