@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from typing import Any
 
 import pytest
@@ -31,7 +32,31 @@ def test_the_http_bench_counts_every_token_and_request(server: ServerThread, tmp
     assert "served: " in out.getvalue() and "    3     3" in out.getvalue()
 
 
+def test_client_processes_share_the_streams_and_merge_every_request(server: ServerThread,  # noqa: F811
+                                                                      tmp_path: Any) -> None:
+    path = tmp_path / "http.json"
+    rc = main(["bench", "--base-url", f"{server.url}/v1", "--concurrency", "3", "--num-prompts", "5",
+               "--input-len", "7", "--output-len", "4", "--client-processes", "2", "--json", str(path)],
+              out=io.StringIO())
+    assert rc == 0
+    (r,) = json.loads(path.read_text())["runs"]
+    assert r["client_processes"] == 2 and r["num_prompts"] == 5
+    assert r["output_tokens"] == 5 * 4 and r["prompt_tokens"] == 5 * 7  # 3 prompts in one process, 2 in the other
+    assert r["ttft_s"]["count"] == 5 and r["latency_s"]["count"] == 5
+    assert r["wall_s"] >= r["latency_s"]["p99"]  # one window over both processes
+
+
+def test_client_processes_default_to_one_per_32_streams() -> None:
+    from vtcore.bench.http import client_processes
+
+    assert client_processes(1) == 1 and client_processes(32) == 1
+    assert client_processes(33) == min(2, os.cpu_count() or 1)
+    assert client_processes(3, asked=8) == 3  # never more processes than streams
+
+
 def test_engine_only_flags_are_refused_with_a_base_url(capsys: Any) -> None:
+    assert main(["bench", "--client-processes", "2", "--model", "x"], out=io.StringIO()) == 2
+    assert "--client-processes=2: only with --base-url" in capsys.readouterr().err
     assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--compare-prefix-caching"], out=io.StringIO()) == 2
     assert "--base-url measures a server as it runs; --compare-prefix-caching needs" in capsys.readouterr().err
 

@@ -28,6 +28,7 @@ from vtcore.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention,
     paged_prefill_attention_ref,
+    prefill_num_splits,
     write_kv_cache,
     write_kv_cache_ref,
 )
@@ -274,10 +275,37 @@ def test_prefill_kernel_matches_reference(heads, kv_heads, bs, table_dtype):
     pc = _paged(ctx, kv_heads, dim, bs, seed=heads * 3 + bs, table_dtype=table_dtype)
     q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=8, dtype=torch.float32)
     args = (qsl, pc.context_lens, scale, bs, max(qlens), max(ctx))
-    out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, block_m=16, block_n=16)
     ref = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, *args)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # key splits: 3 (splits whose first tiles are causal ones a row sees nothing of, splits with no tile),
+    # and more splits than any block has tiles
+    for splits in (1, 3, 7):
+        out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, block_m=16, block_n=16,
+                                      num_splits=splits)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@interp
+def test_prefill_splits_leave_padding_rows_unwritten_and_name_bad_counts():
+    heads, kv_heads, dim, bs = 2, 1, 32, 8
+    qlens, ctx = [3], [70]
+    pc = _paged(ctx, kv_heads, dim, bs, seed=4)
+    q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=5, dtype=torch.float32)
+    padded = torch.cat((q, torch.randn(5, heads, dim)))  # a graph bucket's padding rows after the real ones
+    out = torch.full_like(padded, 7.0)
+    args = (qsl, pc.context_lens, 0.3, bs, 8, 4096)
+    paged_prefill_attention(padded, pc.k_nan, pc.v_nan, pc.block_tables, *args, out=out, block_m=16, block_n=16,
+                            num_splits=4)
+    torch.testing.assert_close(out[:3], paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables,
+                                                                    qsl, pc.context_lens, 0.3, bs, 3, 70))
+    assert torch.equal(out[3:], torch.full_like(out[3:], 7.0))
+    with pytest.raises(ValueError, match="num_splits=0"):
+        paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, num_splits=0)
+    cpu = torch.device("cpu")  # the heuristic on the H200's 132 SMs (the interpreter's count)
+    assert prefill_num_splits(128, 32, 1, 2176, cpu) == 4  # a 128-token chunk after a 2048-token prefix
+    assert prefill_num_splits(16, 32, 1, 40960, cpu) == 8  # capped
+    assert prefill_num_splits(128, 32, 1, 300, cpu) == 1  # a short context: no split holds 4 tiles
+    assert prefill_num_splits(2048, 32, 1, 2048, cpu) == 1  # a long prompt fills the chip already
 
 
 @interp
@@ -343,6 +371,8 @@ def test_cuda_prefill_bf16_real_shapes(heads, kv_heads):
     qlens = [300, 1, 512, 77, 1, 1000] + [1] * 10  # prompts, chunks over cached context, decode rows
     ctx = [300, 1200, 2048, 1077, 999, 1000] + [1000 + 50 * i for i in range(10)]
     _check_prefill("cuda", torch.bfloat16, heads, kv_heads, qlens, ctx, BF16)
+    _check_prefill("cuda", torch.bfloat16, heads, kv_heads, [128], [2176], BF16)  # a hit's chunk: key splits
+    _check_prefill("cuda", torch.bfloat16, heads, kv_heads, [16, 3], [5000, 70], BF16)  # 8 splits, some empty
 
 
 @triton.jit

@@ -7,12 +7,15 @@ Each request is a streamed ``/v1/completions`` of ``--input-len`` random token i
 server-sent event arrives (``time.perf_counter``): TTFT is the first event with a choice (new tokens), ITL
 the gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
 from the final usage chunk (an event may carry several tokens). The statistics have the in-process
-bench's names, so the two compare field by field.
+bench's names, so the two compare field by field. A concurrency is driven by several client processes
+(``client_processes``; ``--client-processes``), started together on a barrier, their requests merged: one
+process parsing every stream's events would measure itself.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from typing import Any, Sequence
@@ -53,31 +56,72 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], output_len:
             else None, "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
-async def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len: int, output_len: int,
-                       rng: random.Random) -> dict[str, Any]:
+#: streams one client process drives: parsing server-sent events in Python caps one process near 3,500
+#: events a second (docs/BENCHMARKS.md), so higher concurrencies spread over several processes
+STREAMS_PER_PROCESS = 32
+
+
+def client_processes(concurrency: int, asked: int | None = None) -> int:
+    """Client processes for a concurrency: ``asked``, else one per ``STREAMS_PER_PROCESS`` streams (at most
+    the machine's cores); never more than the concurrency."""
+    n = asked or min(-(-concurrency // STREAMS_PER_PROCESS), os.cpu_count() or 1)
+    return max(1, min(n, concurrency))
+
+
+async def _closed_loop(base_url: str, model: str, c: int, prompts: list[list[int]], output_len: int,
+                       start: Any = None) -> tuple[list[dict[str, Any]], float, float]:
+    """``c`` streams over ``prompts`` (each takes the next one not yet sent); after a first untimed request
+    (connection set-up), and ``start`` (a barrier across processes) when given. Returns the requests' results
+    and the loop's start and end (``time.perf_counter``, one clock for every process of the machine)."""
     import httpx
 
-    prompts = [[rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)] for _ in range(num_prompts)]
     url = base_url.rstrip("/") + "/completions"
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await _one(client, url, model, prompts[0][:8], 2)  # untimed: connection set-up, a first request
+        await _one(client, url, model, prompts[0][:8], 2)
+        if start is not None:
+            await asyncio.get_running_loop().run_in_executor(None, start.wait)
         next_index = 0
 
         async def worker() -> None:
             nonlocal next_index
-            while next_index < num_prompts:
+            while next_index < len(prompts):
                 i = next_index
                 next_index += 1
                 results.append(await _one(client, url, model, prompts[i], output_len))
 
-        start = time.perf_counter()
+        begin = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
+    return results, begin, end
+
+
+def _client_process(args: tuple) -> tuple[list[dict[str, Any]], float, float]:
+    *loop_args, start = args
+    return asyncio.run(_closed_loop(*loop_args, start=start))
+
+
+def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len: int, output_len: int,
+                 rng: random.Random, processes: int) -> dict[str, Any]:
+    prompts = [[rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)] for _ in range(num_prompts)]
+    if processes == 1:
+        results, begin, end = asyncio.run(_closed_loop(base_url, model, c, prompts, output_len))
+    else:  # process p: every processes-th prompt from the p-th, and its share of the streams
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # the caller may run threads (a server under test)
+        with ctx.Manager() as manager, ctx.Pool(processes) as pool:
+            start = manager.Barrier(processes)
+            parts = pool.map(_client_process, [(base_url, model, c // processes + (p < c % processes),
+                                                prompts[p::processes], output_len, start) for p in range(processes)])
+        results = [r for part in parts for r in part[0]]
+        begin, end = min(p[1] for p in parts), max(p[2] for p in parts)
+    wall = end - begin
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     output_tokens = sum(r["output_tokens"] or 0 for r in results)
     return {"concurrency": c, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+            "client_processes": processes,
             "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_throughput_tok_s": (prompt_tokens + output_tokens) / wall,
             "output_throughput_tok_s": output_tokens / wall, "request_throughput_req_s": len(results) / wall,
@@ -105,12 +149,13 @@ def served_model(base_url: str) -> str:
 
 
 def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None, input_len: int, output_len: int,
-             seed: int, model: str | None = None) -> dict[str, Any]:
-    """Every concurrency against ``base_url`` (ending in ``/v1``); the --json document."""
+             seed: int, model: str | None = None, processes: int | None = None) -> dict[str, Any]:
+    """Every concurrency against ``base_url`` (ending in ``/v1``), each over ``client_processes(c,
+    processes)`` client processes; the --json document."""
     model = model or served_model(base_url)
     rng = random.Random(seed)
-    runs = [asyncio.run(_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng))
-            for c in concurrency]
+    runs = [_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng,
+                         client_processes(c, processes)) for c in concurrency]
     return {"mode": "http", "base_url": base_url, "model": model, "input_len": input_len, "output_len": output_len,
             "seed": seed, "timer": "time.perf_counter", "runs": runs}
 
@@ -122,8 +167,8 @@ def format_http(doc: dict[str, Any]) -> str:
     lines = [f"served: {doc['base_url']} model={doc['model']} input_len={doc['input_len']} "
              f"output_len={doc['output_len']} (OpenAI streaming /completions)",
              " conc  reqs   wall s  out tok/s  TTFT ms mean/med/p90/p99  TPOT ms mean/med/p90/p99  "
-             "ITL ms mean/med/p90/p99"]
+             "ITL ms mean/med/p90/p99  clients"]
     for r in doc["runs"]:
         lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} {r['output_throughput_tok_s']:>10.1f}"
-                     f"  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}")
+                     f"  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}  {r['client_processes']:>7}")
     return "\n".join(lines) + "\n"

@@ -39,7 +39,8 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
   (greedy, ``ignore_eos``); total time is the ``generate`` call's wall time, output tokens are
   counted from the returned outputs.
 * ``--base-url URL`` replaces it with the same closed loop over OpenAI streaming HTTP against a running
-  server (:mod:`vtcore.bench.http`; no engine in this process, so no step or device columns).
+  server (:mod:`vtcore.bench.http`; no engine in this process, so no step or device columns), driven by
+  one client process per 32 streams unless ``--client-processes N`` says otherwise.
 * ``--speculative-config JSON`` replaces it with :mod:`vtcore.bench.speculative`: per concurrency, the
   plain decode step, then for each k of ``--speculative-k`` the verify step and the effective TPOT of a
   replay proposer (the plain run's own greedy continuations, all accepted: the bound on the speedup),
@@ -160,6 +161,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "against the server at URL (e.g. http://127.0.0.1:8000/v1; any OpenAI-compatible one), "
                         "--concurrency, --num-prompts, --input-len (default 1024), --output-len, --seed; see "
                         "vtcore.bench.http")
+    p.add_argument("--client-processes", type=positive_int("--client-processes"), default=None, metavar="N",
+                   help="with --base-url: client processes sharing each concurrency's streams (default: one per "
+                        "32 streams, at most the cores)")
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write every number as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_bench)
@@ -622,9 +626,11 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
         if local:
             raise ValueError(f"--base-url measures a server as it runs; {local[0]} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
-                       args.output_len, getattr(args, "seed", None) or 0)
+                       args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes)
         out.write(format_http(doc))
     else:
+        if args.client_processes:
+            raise ValueError(f"--client-processes={args.client_processes}: only with --base-url (the HTTP client)")
         doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else \
             run_bench(args, progress)
         out.write(format_speculative(doc) if doc["mode"] == "speculative" else format_table(doc))

@@ -28,13 +28,20 @@ from vtcore.kernels.pdl import pdl_launch, wait_prior
 from vtcore.kernels.workspace import arrival_counters
 
 __all__ = [
-    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_num_splits",
+    "write_kv_cache", "paged_decode_attention", "paged_prefill_attention", "decode_num_splits", "prefill_num_splits",
     "write_kv_cache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
 ]
 
 _LOG2E = 1.4426950408889634
 _BLOCK_N = 64  # decode key tile (positions)
 _PREFILL_BLOCK_M = 64  # prefill query rows a program
+_PREFILL_BLOCK_N = 64  # prefill key tile (positions)
+# Prefill key splits (paged_prefill_attention's num_splits): aimed at this many programs an SM, each split
+# with at least this many key tiles, at most this many splits (partials cost 8 bytes a head-dim value a split)
+_PREFILL_PROGRAMS_PER_SM = 2
+_PREFILL_MIN_TILES = 4
+_PREFILL_MAX_SPLITS = 8
+_M_FLOOR = tl.constexpr(-1.0e30)  # the prefill's running-max start: finite, so a row that has seen no key yet stays NaN-free
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
 _MAX_SPLITS = 32  # ... but no more splits than this (programs past the context still cost their start)
 # Early reads (paged_decode_attention's early_reads) only for grids of at most this many programs an SM (one
@@ -385,20 +392,29 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_cs, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
+    stride_pt, stride_ph, stride_pk,
+    stride_mt, stride_mh, stride_mk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
 ):
-    """Program (query block, head, seq): BLOCK_M queries of one head, causal over the paged context.
+    """Program (query block x split, head, seq): BLOCK_M queries of one head, causal over the paged
+    context, over every ``num_splits``-th key tile from the ``split``-th of each of the two ranges below.
 
     Keys below the block's first query position (rounded down to BLOCK_N) are visible to every row
-    and run unmasked; the tiles up to the last row's position run with the causal mask.
+    and run unmasked; the tiles up to the last row's position run with the causal mask. ``SPLIT_OUT``:
+    the unnormalised partial (acc, max, sum) goes to scratch for ``_prefill_combine_kernel``; a split
+    may hold no tile, or only tiles some of its rows see nothing of, so the running max starts at a
+    finite floor (a row that saw nothing keeps it, with sum 0, and weighs 0 in the combine).
+    Otherwise (one split) the program writes the normalised output.
     """
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -417,47 +433,89 @@ def _prefill_kernel(
                 mask=row_mask, other=0.0)
     q_pos = ctx - qlen + offs_m
     first_pos = ctx - qlen + m0
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    causal_end = tl.minimum(ctx, first_pos + BLOCK_M)
+    full_tiles = (first_pos + 1) // BLOCK_N
+    causal_tiles = tl.cdiv(tl.minimum(ctx, first_pos + BLOCK_M), BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), _M_FLOOR, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head_off = (h // GROUP) * stride_ch
-    for s0 in range(0, full_end, BLOCK_N):
+    for t in range(split, full_tiles, num_splits):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, s0, ctx, q_pos, scale_log2,
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, t * BLOCK_N, ctx, q_pos, scale_log2,
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
             BLOCK_SIZE=BLOCK_SIZE, BOUNDED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
         )
-    for s0 in range(full_end, causal_end, BLOCK_N):
+    for t in range(full_tiles + split, causal_tiles, num_splits):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, s0, ctx, q_pos, scale_log2,
+            q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, t * BLOCK_N, ctx, q_pos, scale_log2,
             stride_cs, stride_cd, offs_n, offs_d, d_mask,
             BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
         )
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    if SPLIT_OUT:
+        part = rows[:, None] * stride_pt + h * stride_ph + split * stride_pk + offs_d[None, :]
+        tl.store(part_ptr + part, acc, mask=row_mask)
+        ml = rows * stride_mt + h * stride_mh + split * stride_mk
+        tl.store(ml_ptr + ml, m_i, mask=offs_m < qlen)
+        tl.store(ml_ptr + ml + 1, l_i, mask=offs_m < qlen)
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _prefill_combine_kernel(
+    part_ptr, ml_ptr, qsl_ptr, out_ptr, num_splits, num_seqs, num_heads,
+    stride_pt, stride_ph, stride_pk, stride_mt, stride_mh, stride_mk, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Program (query row, head block): the row's split partials combined in split order; rows past
+    the last sequence's end (padding) are left unwritten."""
+    t = tl.program_id(0)
+    if t >= tl.load(qsl_ptr + num_seqs):
+        return
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_heads
+    d_mask = offs_d < HEAD_DIM
+    row = t.to(tl.int64)
+    o = _combine_splits(part_ptr + row * stride_pt, ml_ptr + row * stride_mt, num_splits, stride_ph, stride_pk,
+                        stride_mh, stride_mk, offs_h, h_mask, offs_d, d_mask, CHUNK)
+    tl.store(out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+def prefill_num_splits(max_query_len: int, heads: int, seqs: int, max_context_len: int, device: torch.device,
+                       block_m: int = _PREFILL_BLOCK_M, block_n: int = _PREFILL_BLOCK_N) -> int:
+    """Key splits per (query block, head, seq): with few query blocks over a long context (a chunk
+    after a cached prefix, a short prompt's tail), enough for ``_PREFILL_PROGRAMS_PER_SM`` programs an
+    SM, each split keeping at least ``_PREFILL_MIN_TILES`` key tiles; at most ``_PREFILL_MAX_SPLITS``."""
+    programs = triton.cdiv(max_query_len, block_m) * heads * seqs
+    wanted = _PREFILL_PROGRAMS_PER_SM * num_sms(device) // max(1, programs)
+    return max(1, min(wanted, triton.cdiv(max_context_len, block_n) // _PREFILL_MIN_TILES, _PREFILL_MAX_SPLITS))
 
 
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
     max_query_len: int, max_context_len: int, out: torch.Tensor | None = None, *,
-    block_m: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    block_m: int | None = None, block_n: int = _PREFILL_BLOCK_N, num_splits: int | None = None, num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal varlen attention of new query rows over the paged cache (chunked prefill included).
 
     ``q`` [tokens, heads, head_dim] (any strides): sequence ``b`` owns rows
     ``query_start_loc[b]:query_start_loc[b + 1]`` ([seqs + 1], int32/int64), the last ``qlen`` of
     its ``context_lens[b]`` positions, all already in the cache; query ``i`` sees positions
-    ``<= context_lens[b] - qlen + i``. ``max_query_len`` (host int) sizes the grid and
-    ``max_context_len`` is only needed by the reference (the kernel reads lengths on the device).
-    Returns ``out`` [tokens, heads, head_dim] in q's dtype; rows past ``query_start_loc[-1]`` are
-    left unwritten. ``block_m`` defaults to 64 whatever the batch, so that no batch shape makes
-    Triton compile another variant mid-run (docs/BENCHMARKS.md); ``block_m``/``block_n`` must be
-    powers of two >= 16.
+    ``<= context_lens[b] - qlen + i``. ``max_query_len`` and ``max_context_len`` (host ints, each at
+    least the batch's) size the grid. Returns ``out`` [tokens, heads, head_dim] in q's dtype; rows
+    past ``query_start_loc[-1]`` are left unwritten. ``block_m`` defaults to 64 whatever the batch,
+    so that no batch shape makes Triton compile another variant mid-run (docs/BENCHMARKS.md);
+    ``block_m``/``block_n`` must be powers of two >= 16. ``num_splits`` (default
+    :func:`prefill_num_splits`) > 1 splits each block's key tiles over that many programs, whose
+    float32 partials ``[tokens, heads, splits, head_dim]`` and ``[tokens, heads, splits, 2]``
+    (allocated per call, sized by host ints) a second launch combines in split order.
     """
     tokens, heads, head_dim = q.shape
     seqs = query_start_loc.shape[0] - 1
@@ -465,17 +523,36 @@ def paged_prefill_attention(
         out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0 or seqs == 0 or max_query_len == 0:
         return out
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
     bm = block_m or _PREFILL_BLOCK_M
-    _prefill_kernel[(triton.cdiv(max_query_len, bm), heads, seqs)](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * _LOG2E,
+    splits = num_splits or prefill_num_splits(max_query_len, heads, seqs, max_context_len, q.device, bm, block_n)
+    block_d = triton.next_power_of_2(head_dim)
+    part = ml = out
+    pml_strides = (0,) * 6
+    if splits > 1:
+        part = torch.empty((tokens, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        ml = torch.empty((tokens, heads, splits, 2), dtype=torch.float32, device=q.device)
+        pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
+    _prefill_kernel[(triton.cdiv(max_query_len, bm) * splits, heads, seqs)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, part, ml, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
+        *pml_strides,
         GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), SPLIT_OUT=splits > 1, num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        block_h = min(triton.next_power_of_2(heads), 32)
+        _prefill_combine_kernel[(tokens, triton.cdiv(heads, block_h))](
+            part, ml, query_start_loc, out, splits, seqs, heads, *pml_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+            CHUNK=max(1, _COMBINE_VALUES // (block_h * block_d)), num_warps=4,
+        )
     return out
 
 
