@@ -39,7 +39,7 @@ def make_request(params: SamplingParams, prompt: Sequence[int] = (0,), output: S
 
 def _batch(sampler: Sampler, reqs: Sequence[Request]) -> tuple[Any, torch.Tensor]:
     """The runner's view of a sampling step: each request was fed its last token."""
-    metas = [SampleMeta(r, r.token_ids[:-1], r.num_output_tokens) for r in reqs]
+    metas = [SampleMeta(r, len(r.token_ids) - 1, r.num_output_tokens) for r in reqs]
     return sampler.prepare(metas), torch.tensor([r.token_ids[-1] for r in reqs])
 
 

@@ -46,6 +46,41 @@ def test_split_characters_are_held_until_complete(tokenizer) -> None:
     assert "".join(pieces) == TEXT == fast.decode(ids)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decode_stream_streams_what_two_decodes_stream(tokenizer, skip, monkeypatch) -> None:
+    """The fast path (``tokenizers``' DecodeStream) against the two-``decode`` algorithm it replaces, piece by
+    piece: the fixture's split characters, and the embedded default's tokenizer over random ids (special
+    tokens among them) after a prompt."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from vtcore.config import DEFAULT_MODEL
+    from vtcore.engine import detokenizer
+
+    default = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    rng = random.Random(3)
+    cases = [(tokenizer[0], [], tokenizer[0].encode(TEXT)),
+             (default, [rng.randrange(len(default)) for _ in range(9)], [rng.randrange(len(default)) for _ in range(300)])]
+
+    def pieces(tok, prompt, ids):
+        detok = IncrementalDetokenizer(tok, prompt, skip, [], False)
+        out = []
+        for token in ids:
+            before = len(detok.text)
+            detok.add(token)
+            out.append(detok.text[before:])
+        detok.flush()
+        return out, detok.text, detok._stream is not None
+
+    for tok, prompt, ids in cases:
+        fast, fast_text, streamed = pieces(tok, prompt, ids)
+        with monkeypatch.context() as m:
+            m.setattr(detokenizer, "_decode_stream", lambda *a: (None, None))
+            slow, slow_text, _ = pieces(tok, prompt, ids)
+        assert streamed and fast == slow and fast_text == slow_text
+
+
 def test_stop_string_is_cut_and_never_streamed(tokenizer) -> None:
     fast, _ = tokenizer
     ids = fast.encode(TEXT)

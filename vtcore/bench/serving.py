@@ -70,7 +70,8 @@ import attrs
 from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
 from vtcore.bench.speculative import DEFAULT_KS, format_speculative
-from vtcore.bench.step_stats import NO_CUDA, StepTimer, count_triton_compiles, probe_decode, unavailable
+from vtcore.bench.step_stats import (NO_CUDA, StepTimer, count_triton_compiles, init_profiler_on_this_thread,
+                                     probe_decode, unavailable)
 from vtcore.bench.summary import summarize
 from vtcore.config import EngineConfig
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
@@ -436,6 +437,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
                          f"--prefix-len={prefix_len} reach {longest} tokens, over max_model_len={max_model_len}")
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
     copy = measure_copy_bandwidth(resolve_device(config.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
+    if resolve_device(config.device).type == "cuda":
+        init_profiler_on_this_thread()  # before the engine thread profiles its decode window
     engine = AsyncLLM(**attrs.asdict(config))
     inner = engine.engine
     knobs_rec = knobs_doc(inner)

@@ -177,6 +177,19 @@ def unavailable(reason: str) -> dict[str, Any]:
     return {**aggregate_device([], 0, None), "reason": reason, "profiled": False}
 
 
+def init_profiler_on_this_thread() -> None:
+    """Start and stop an empty CPU + CUDA profile here, on the thread that imported torch.
+
+    Kineto runs its client's init callback only on the thread that registered the client (torch's
+    import); the first profile started on another thread (the engine thread, where the decode window
+    opens) prints "ERROR: External init callback must run in same thread as registerClient" and skips
+    that init. Done once here first, later profiles on any thread find it done."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        pass
+
+
 class TorchProfiler:
     """The :class:`DecodeWindow` backend: ``torch.profiler`` over ``activities`` (default CPU + CUDA)."""
 

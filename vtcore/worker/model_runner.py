@@ -597,8 +597,8 @@ def _sample_metas(s: Scheduled) -> list[SampleMeta]:
     """What the sampler needs of each token ``s`` samples: after its last fed token, and in a verify row
     after each draft token too (the history then holds the draft tokens before it)."""
     req, fed = s.request, s.num_tokens - len(s.draft)
-    return [SampleMeta(req, req.token_ids[:s.start + fed - 1] + list(s.draft[:i]),
-                       s.start + fed + i - req.num_prompt_tokens) for i in range(s.num_sampled)]
+    return [SampleMeta(req, s.start + fed - 1, s.start + fed + i - req.num_prompt_tokens, s.draft[:i])
+            for i in range(s.num_sampled)]
 
 
 def _plp_entries(t: dict[str, torch.Tensor]) -> list[dict[int, tuple[float, int]]]:

@@ -40,11 +40,19 @@ def to_device(data: list | torch.Tensor, dtype: torch.dtype, device: torch.devic
 
 @attrs.define
 class SampleMeta:
-    """A sampling row: its request, the tokens before the fed one (host), outputs in the fed sequence."""
+    """A sampling row: its request, the tokens before the fed one (host), outputs in the fed sequence.
+
+    The tokens before the fed one are the request's first ``prior_end`` tokens, then ``draft_head`` (a
+    verify row's draft tokens before it); copied out only for penalties (``prior_tokens``)."""
 
     request: StepRequest
-    prior_tokens: list[int]
+    prior_end: int
     num_outputs: int
+    draft_head: tuple[int, ...] = ()
+
+    @property
+    def prior_tokens(self) -> list[int]:
+        return self.request.token_ids[:self.prior_end] + list(self.draft_head)
 
 
 @attrs.define
