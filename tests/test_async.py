@@ -197,6 +197,30 @@ def test_async_llm_streams_and_equals_offline(tiny_checkpoint, async_llm) -> Non
         assert stream[-1].outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_a_step_wakes_the_event_loop_once_for_all_its_requests(async_llm) -> None:
+    """The engine thread hands a step's outputs over in one call per event loop, not one per request."""
+    prompts = [[i + 1, 3, 9] for i in range(8)]
+    steps0 = async_llm.engine.runner.steps_submitted
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real, calls = loop.call_soon_threadsafe, []
+
+        def counting(*args):
+            calls.append(args)
+            return real(*args)
+
+        loop.call_soon_threadsafe = counting
+        outs = await asyncio.gather(*[_collect(async_llm, f"w{i}", p, greedy(12)) for i, p in enumerate(prompts)])
+        return outs, len(calls)
+
+    streams, wakeups = asyncio.run(main())
+    steps = async_llm.engine.runner.steps_submitted - steps0
+    assert all(len(s[-1].outputs[0].token_ids) == 12 for s in streams)
+    assert sum(len(s) for s in streams) >= 8 * 6  # outputs streamed step by step, not only at the end
+    assert wakeups <= steps + len(prompts)  # one a step, and one per add (its future): not one a request a step
+
+
 def test_async_llm_deltas_abort_and_duplicates(async_llm) -> None:
     async def main():
         delta = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

@@ -56,7 +56,7 @@ def test_client_processes_default_to_one_per_32_streams() -> None:
 
 def test_engine_only_flags_are_refused_with_a_base_url(capsys: Any) -> None:
     assert main(["bench", "--client-processes", "2", "--model", "x"], out=io.StringIO()) == 2
-    assert "--client-processes=2: only with --base-url" in capsys.readouterr().err
+    assert "--client-processes=2: only with --base-url or --serve" in capsys.readouterr().err
     assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--compare-prefix-caching"], out=io.StringIO()) == 2
     assert "--base-url measures a server as it runs; --compare-prefix-caching needs" in capsys.readouterr().err
 
@@ -66,3 +66,29 @@ def test_an_unreachable_server_is_an_error_naming_it(capsys: Any) -> None:
                "--output-len", "2"], out=io.StringIO())
     err = capsys.readouterr().err
     assert rc == 2 and "--base-url http://127.0.0.1:9/v1: GET /models failed" in err and "Traceback" not in err
+
+
+def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None:
+    """``--serve``: ``vtcore serve`` in a child process on the bench's config, the loop over HTTP, the server
+    stopped, the same loop in-process; the served TTFT split at the server's own (arrival to first token)."""
+    path = tmp_path / "served.json"
+    out = io.StringIO()
+    rc = main(["bench", "--serve", "--device", "cpu", "--concurrency", "2", "--num-prompts", "3", "--input-len", "6",
+               "--output-len", "3", "--no-progress", "--json", str(path)], out=out)
+    assert rc == 0, out.getvalue()
+    doc = json.loads(path.read_text())
+    assert doc["mode"] == "served" and doc["served"]["command"][2:4] == ["vtcore.cli.main", "serve"]
+    assert "--max-num-seqs" in doc["served"]["command"]  # the bench's own default (its largest concurrency)
+    (served,), (inproc,) = doc["served"]["runs"], doc["inprocess"]["runs"]
+    for r in (served, inproc):
+        assert (r["concurrency"], r["num_prompts"], r["output_tokens"]) == (2, 3, 9)
+    assert 0 < served["server_ttft_mean_s"] < served["ttft_s"]["mean"]  # inside the server, then HTTP and client
+    assert "served / in-process, c=2: output" in out.getvalue() and "outside the server" in out.getvalue()
+
+
+def test_bench_serve_refuses_what_only_one_side_has(capsys: Any) -> None:
+    assert main(["bench", "--serve", "--offline"], out=io.StringIO()) == 2
+    assert "--serve compares the served loop with the in-process one; --offline applies to neither" in \
+        capsys.readouterr().err
+    assert main(["bench", "--serve", "--base-url", "http://127.0.0.1:9/v1"], out=io.StringIO()) == 2
+    assert "--serve needs an engine in this process" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from vtcore.bench.serving import bench_engine_config
 from vtcore.cli.main import build_parser, main
 from vtcore.config import DEFAULT_MODEL, EngineConfig
 from vtcore.engine import async_llm, llm
-from vtcore.engine.arg_utils import engine_config_from_args
+from vtcore.engine.arg_utils import engine_argv, engine_config_from_args
 from vtcore.server.serve import served_model_name
 
 #: the flags the work item lists (vLLM's names), each on every command that builds an engine
@@ -80,6 +80,20 @@ def test_one_argv_gives_one_config_on_every_command(tiny_checkpoint, no_engine) 
     assert built_config("bench", "--model", path, *engine, *EXTRA["bench"]) == want
     assert built_config("serve", path, *engine, *EXTRA["serve"]) == want
     assert built_config("bench", "--model", path, "--offline", *engine, *EXTRA["bench"]) == want  # through LLM
+
+
+def test_a_config_written_back_as_flags_builds_itself_again(tiny_checkpoint) -> None:
+    """``engine_argv`` (how ``bench --serve`` starts ``vtcore serve`` on the bench's own config)."""
+    path = tiny_checkpoint[0]
+    configs = [EngineConfig(), EngineConfig(model=path, device="cpu", dtype="bfloat16", max_num_seqs=7, seed=5,
+                                            enforce_eager=True, async_scheduling=False, enable_prefix_caching=False,
+                                            gpu_memory_utilization=0.5, num_kv_blocks=33),
+               EngineConfig(model=path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})]
+    for config in configs:
+        argv = engine_argv(config)
+        assert argv[0] == config.model
+        assert engine_config_from_args(build_parser().parse_args(["serve", *argv, "--port", "0"])) == config
+    assert engine_argv(EngineConfig()) == [DEFAULT_MODEL]  # defaults are left out
 
 
 def _parse(command: str, *argv: str) -> argparse.Namespace:

@@ -69,17 +69,19 @@ def client_processes(concurrency: int, asked: int | None = None) -> int:
 
 
 async def _closed_loop(base_url: str, model: str, c: int, prompts: list[list[int]], output_len: int,
-                       start: Any = None) -> tuple[list[dict[str, Any]], float, float]:
+                       warm_up: bool = True, start: Any = None) -> tuple[list[dict[str, Any]], float, float]:
     """``c`` streams over ``prompts`` (each takes the next one not yet sent); after a first untimed request
-    (connection set-up), and ``start`` (a barrier across processes) when given. Returns the requests' results
-    and the loop's start and end (``time.perf_counter``, one clock for every process of the machine)."""
+    (connection set-up) unless not ``warm_up``, and ``start`` (a barrier across processes) when given. Returns
+    the requests' results and the loop's start and end (``time.perf_counter``, one clock for every process of
+    the machine)."""
     import httpx
 
     url = base_url.rstrip("/") + "/completions"
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        await _one(client, url, model, prompts[0][:8], 2)
+        if warm_up:
+            await _one(client, url, model, prompts[0][:8], 2)
         if start is not None:
             await asyncio.get_running_loop().run_in_executor(None, start.wait)
         next_index = 0
@@ -103,10 +105,10 @@ def _client_process(args: tuple) -> tuple[list[dict[str, Any]], float, float]:
 
 
 def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len: int, output_len: int,
-                 rng: random.Random, processes: int) -> dict[str, Any]:
+                 rng: random.Random, processes: int, warm_up: bool) -> dict[str, Any]:
     prompts = [[rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)] for _ in range(num_prompts)]
     if processes == 1:
-        results, begin, end = asyncio.run(_closed_loop(base_url, model, c, prompts, output_len))
+        results, begin, end = asyncio.run(_closed_loop(base_url, model, c, prompts, output_len, warm_up))
     else:  # process p: every processes-th prompt from the p-th, and its share of the streams
         import multiprocessing
 
@@ -114,7 +116,8 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
         with ctx.Manager() as manager, ctx.Pool(processes) as pool:
             start = manager.Barrier(processes)
             parts = pool.map(_client_process, [(base_url, model, c // processes + (p < c % processes),
-                                                prompts[p::processes], output_len, start) for p in range(processes)])
+                                                prompts[p::processes], output_len, warm_up, start)
+                                               for p in range(processes)])
         results = [r for part in parts for r in part[0]]
         begin, end = min(p[1] for p in parts), max(p[2] for p in parts)
     wall = end - begin
@@ -149,13 +152,14 @@ def served_model(base_url: str) -> str:
 
 
 def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None, input_len: int, output_len: int,
-             seed: int, model: str | None = None, processes: int | None = None) -> dict[str, Any]:
+             seed: int, model: str | None = None, processes: int | None = None, warm_up: bool = True) -> dict[str, Any]:
     """Every concurrency against ``base_url`` (ending in ``/v1``), each over ``client_processes(c,
-    processes)`` client processes; the --json document."""
+    processes)`` client processes, each of which first sends an untimed request unless not ``warm_up``; the
+    --json document."""
     model = model or served_model(base_url)
     rng = random.Random(seed)
     runs = [_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng,
-                         client_processes(c, processes)) for c in concurrency]
+                         client_processes(c, processes), warm_up) for c in concurrency]
     return {"mode": "http", "base_url": base_url, "model": model, "input_len": input_len, "output_len": output_len,
             "seed": seed, "timer": "time.perf_counter", "runs": runs}
 

@@ -162,6 +162,10 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "against the server at URL (e.g. http://127.0.0.1:8000/v1; any OpenAI-compatible one), "
                         "--concurrency, --num-prompts, --input-len (default 1024), --output-len, --seed; see "
                         "vtcore.bench.http")
+    p.add_argument("--serve", action="store_true",
+                   help="also start `vtcore serve` on the same model and engine flags, run the loop against it "
+                        "over HTTP, stop it, then run the loop in-process: served beside in-process, and where the "
+                        "served TTFT goes (see vtcore.bench.served)")
     p.add_argument("--client-processes", type=positive_int("--client-processes"), default=None, metavar="N",
                    help="with --base-url: client processes sharing each concurrency's streams (default: one per "
                         "32 streams, at most the cores)")
@@ -616,24 +620,39 @@ def format_comparison(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _in_process_only(args: argparse.Namespace) -> list[str]:
+    """The flags given that only the in-process bench honours."""
+    return [flag for flag, on in (("--compare-prefix-caching", args.compare_prefix_caching),
+                                  ("--offline", args.offline), ("--peer", args.peer),
+                                  ("--structured-share", args.structured_share),
+                                  ("--speculative-config", getattr(args, "speculative_config", None))) if on]
+
+
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
-        local = [flag for flag, on in (("--compare-prefix-caching", args.compare_prefix_caching),
-                                       ("--offline", args.offline), ("--peer", args.peer),
-                                       ("--structured-share", args.structured_share),
-                                       ("--speculative-config", getattr(args, "speculative_config", None)))
-                 if on]
-        if local:
-            raise ValueError(f"--base-url measures a server as it runs; {local[0]} needs an engine in this process")
+        if args.serve or _in_process_only(args):
+            flag = "--serve" if args.serve else _in_process_only(args)[0]
+            raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes)
         out.write(format_http(doc))
+    elif args.serve:
+        from vtcore.bench.http import format_http
+        from vtcore.bench.served import format_served, run_served
+
+        if _in_process_only(args):
+            raise ValueError(f"--serve compares the served loop with the in-process one; {_in_process_only(args)[0]} "
+                             "applies to neither")
+        doc = run_served(args, _concurrency(args), args.input_len or DEFAULT_INPUT_LEN, progress)
+        out.write(format_http(doc["served"]) + format_table(doc["inprocess"]))
+        out.writelines(line + "\n" for line in format_served(doc))
     else:
         if args.client_processes:
-            raise ValueError(f"--client-processes={args.client_processes}: only with --base-url (the HTTP client)")
+            raise ValueError(f"--client-processes={args.client_processes}: only with --base-url or --serve "
+                             "(the HTTP client)")
         doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else \
             run_bench(args, progress)
         out.write(format_speculative(doc) if doc["mode"] == "speculative" else format_table(doc))

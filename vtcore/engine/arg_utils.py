@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import typing
 from typing import Any, Callable, Mapping, Sequence
@@ -136,6 +137,23 @@ def engine_config_from_args(args: argparse.Namespace, **command_defaults: Any) -
         return EngineConfig(**{**command_defaults, **given})
     except ValueError as exc:
         raise ValueError(_flags_named(str(exc), list(given))) from None
+
+
+def engine_argv(config: EngineConfig) -> list[str]:
+    """``config`` as a command line of engine flags (MODEL positional, as ``vtcore serve`` takes it; only the
+    fields that differ from EngineConfig's defaults): another vtcore command builds the same config from it."""
+    argv: list[str] = [config.model]
+    for field in _flag_fields():
+        value = getattr(config, field.name)
+        if field.name == "model" or value == field.default:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag(field.name) if value else "--no-" + flag(field.name)[2:])
+        elif attrs.has(type(value)):  # a JSON flag's parsed value
+            argv += [flag(field.name), json.dumps(attrs.asdict(value))]
+        else:
+            argv += [flag(field.name), str(value)]
+    return argv
 
 
 def engine_config(front_end: str, model: str | None, kwargs: Mapping[str, Any]) -> EngineConfig:

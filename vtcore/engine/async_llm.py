@@ -115,6 +115,18 @@ class AsyncLLM(EngineFrontEnd):
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed over in one call per event loop: each call wakes its loop (a write to
+        its self-pipe), and a step of a large batch would otherwise wake it once per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -139,16 +151,14 @@ class AsyncLLM(EngineFrontEnd):
             while not self._stopping:
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                    self._deliver_step(self.engine.step())
                 else:
                     self._wake.wait()
                     self._wake.clear()
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._deliver_step(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self.dead = exc
             log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
@@ -164,3 +174,8 @@ class AsyncLLM(EngineFrontEnd):
                     break
                 if msg[0] == "add" and msg[4].set_running_or_notify_cancel():
                     msg[4].set_exception(err)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)

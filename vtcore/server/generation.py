@@ -227,31 +227,47 @@ class GenerationEndpoint(ABC, Generic[Body]):
             yield sse({**head, "choices": [], "usage": job.usage()})
         yield DONE
 
+    async def _choices(self, prompt: EnginePrompt) -> AsyncIterator[tuple[Choice, Delta]]:
+        """One prompt's (choice, delta) pairs as its engine outputs come; its metrics once it ends."""
+        failed = False
+        self.serving.live.add(prompt.rid)
+        try:
+            async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
+                                                  prompt.params, prompt.rid):
+                prompt.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompt.prompt_logprobs = out.prompt_logprobs
+                for completion in out.outputs:
+                    choice = prompt.choices[completion.index]
+                    yield choice, choice.update(completion)
+        except Exception:  # a failed request counts in no metric; one cut short (cancelled) is an abort
+            failed = True
+            raise
+        finally:
+            self.serving.live.discard(prompt.rid)
+            if not failed:
+                for c in prompt.choices:
+                    self.serving.metrics.finished(c.finish_reason or "abort", len(prompt.ids), len(c.token_ids),
+                                                  prompt.arrival, c.first_token, c.end or time.monotonic())
+
     async def merged(self, job: Job) -> AsyncIterator[tuple[Choice, Delta]]:
-        """Run every prompt of ``job`` at once; yield (choice, delta) as they come. Leaving aborts them."""
+        """Run every prompt of ``job`` at once; yield (choice, delta) as they come. Leaving aborts them.
+        One prompt (the usual request) is iterated in place: no task and queue between it and the stream."""
+        if len(job.prompts) == 1:
+            async with contextlib.aclosing(self._choices(job.prompts[0])) as it:
+                async for item in it:
+                    yield item
+            return
         queue: asyncio.Queue[tuple[Choice, Delta] | BaseException | None] = asyncio.Queue()
 
         async def pump(prompt: EnginePrompt) -> None:
-            failed = False
-            self.serving.live.add(prompt.rid)
             try:
-                async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
-                                                      prompt.params, prompt.rid):
-                    prompt.num_cached_tokens = out.num_cached_tokens
-                    if out.prompt_logprobs is not None:
-                        prompt.prompt_logprobs = out.prompt_logprobs
-                    for completion in out.outputs:
-                        choice = prompt.choices[completion.index]
-                        queue.put_nowait((choice, choice.update(completion)))
+                async with contextlib.aclosing(self._choices(prompt)) as it:
+                    async for item in it:
+                        queue.put_nowait(item)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                failed = True
                 queue.put_nowait(exc)
             finally:
-                self.serving.live.discard(prompt.rid)
-                if not failed:
-                    for c in prompt.choices:
-                        self.serving.metrics.finished(c.finish_reason or "abort", len(prompt.ids), len(c.token_ids),
-                                                      prompt.arrival, c.first_token, c.end or time.monotonic())
                 queue.put_nowait(None)
 
         tasks = [asyncio.create_task(pump(p)) for p in job.prompts]

@@ -81,16 +81,22 @@ class RequestGrammar:
         return bool(self.matcher.is_terminated())
 
 
-def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], vocab_size: int) -> torch.Tensor:
-    """The masks of ``(grammar, output position)`` rows whose grammars stand at their positions, packed
-    32 tokens a word (int32 [rows, ceil(vocab / 32)]) on the host; each position is then ``masked``."""
-    import xgrammar as xgr
-
-    masks = xgr.allocate_token_bitmask(len(rows), vocab_size)
+def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (int32 [>= len(rows), ceil(vocab / 32)], host memory) with the masks of ``(grammar, output
+    position)`` rows whose grammars stand at their positions, 32 tokens a word; each position is then
+    ``masked``. Returns the filled rows of ``out``."""
     for i, (grammar, position) in enumerate(rows):
-        grammar.matcher.fill_next_token_bitmask(masks, i)
+        grammar.matcher.fill_next_token_bitmask(out, i)
         grammar.masked = position + 1
-    return masks
+    return out[:len(rows)]
+
+
+def accept_tokens(pairs: Sequence[tuple[RequestGrammar, int]]) -> list[bool]:
+    """Advance each grammar past its token (one token a grammar); False where the grammar does not allow
+    it. One by one: xgrammar's ``BatchGrammarMatcher`` on the 2-core dev machine's two threads was slower
+    for a step's 16 tokens (docs/BENCHMARKS.md); a step's tokens are gathered here so that a faster batch
+    path changes one function."""
+    return [grammar.accept(token) for grammar, token in pairs]
 
 
 def grammar_of(params: StructuredOutputsParams) -> Any:

@@ -72,12 +72,32 @@ class SamplingBatch:
     late: list[int] = attrs.Factory(list)  # rows drawn again once their mask exists (module doc)
 
 
+#: pinned bitmask buffers a CUDA sampler turns through (see ``Sampler.__init__``)
+MASK_BUFFERS = 6
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, eos_token_ids: Sequence[int], seed: int) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # CUDA: pinned bitmask buffers reused in turn; a step fills at most two (its rows, its late rows), and
+        # at async depth 2 the step three fills back has finished, its upload with it. CPU: one per fill
+        # (the draw may run later, on the worker thread, straight from the host tensor).
+        self._mask_ring: list[torch.Tensor] = []
+        self._mask_turn = 0
+
+    def _mask_buffer(self, rows: int) -> torch.Tensor:
+        words = -(-self.vocab_size // 32)
+        if self.device.type != "cuda":
+            return torch.empty((rows, words), dtype=torch.int32)
+        if not self._mask_ring:
+            self._mask_ring = [torch.empty((0, words), dtype=torch.int32).pin_memory() for _ in range(MASK_BUFFERS)]
+        turn, self._mask_turn = self._mask_turn % MASK_BUFFERS, self._mask_turn + 1
+        if self._mask_ring[turn].shape[0] < rows:
+            self._mask_ring[turn] = torch.empty((rows, words), dtype=torch.int32).pin_memory()
+        return self._mask_ring[turn]
 
     def _up(self, data: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(data, dtype, self.device)
@@ -126,8 +146,9 @@ class Sampler:
             random_rows=self._up(random) if random else None, random_list=random, edits=edits,
             max_logprobs=max(wanted) if wanted else None,
             masked_rows=self._up([row for row, _ in masked]) if masked else None,
-            bitmasks=to_device(fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked], self.vocab_size),
-                               torch.int32, self.device) if masked else None,
+            bitmasks=to_device(fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked],
+                                             self._mask_buffer(len(masked))), torch.int32, self.device)
+            if masked else None,
             late=late)
 
     def _edit(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""``vtcore bench --serve``: the served path beside the engine, in one run.
+
+``vtcore serve`` is started in a child process on the bench's engine config (its flags and the bench's own
+defaults, written back as flags; loopback, a free
+port); the closed loop of :mod:`vtcore.bench.http` runs against it, one concurrency at a time, with the
+server's own ``/metrics`` read before and after each (after an untimed warm-up of ``c`` short requests; the
+timed loop then sends none of its own, so each stream's first request also opens its connection); the server is stopped (SIGTERM), then the
+in-process bench (:func:`vtcore.bench.serving.run_bench`) runs the same grid, so one engine holds the
+device at a time. Prompts are random ids of the same lengths in both (no prefix is shared).
+
+Where the served time goes, per concurrency: the server's mean time from a request's arrival (its body
+parsed) to its first token, from its histogram's sum and count, splits the client's mean TTFT into the
+part outside the server (HTTP, the request's parse, the client) and the part inside it; the in-process
+mean TTFT is what the engine alone takes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+from vtcore.bench.http import client_processes, run_http
+from vtcore.engine.arg_utils import engine_argv
+
+#: how long ``vtcore serve`` may take to answer /health (loading and capturing graphs included)
+START_TIMEOUT_S = 600.0
+TTFT_METRIC = "vtcore:time_to_first_token_seconds"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log_path: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise RuntimeError(f"--serve: vtcore serve exited with status {proc.returncode} before it served:\n{tail}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"--serve: vtcore serve did not answer {url}/health within {START_TIMEOUT_S:.0f} s")
+
+
+def histogram_totals(metrics_text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of the histogram ``name`` in a Prometheus text body (0, 0 when absent)."""
+    total = {"_sum": 0.0, "_count": 0.0}
+    for line in metrics_text.splitlines():
+        for suffix in total:
+            if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                total[suffix] += float(line.rsplit(" ", 1)[1])
+    return total["_sum"], total["_count"]
+
+
+def _server_ttft(url: str) -> tuple[float, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        return histogram_totals(r.read().decode(), TTFT_METRIC)
+
+
+def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int, progress: bool) -> dict[str, Any]:
+    """Served, then in-process; the --json document (``served``: the HTTP runs, each with the server's own
+    mean TTFT; ``inprocess``: the in-process bench's document)."""
+    from vtcore.bench.serving import bench_engine_config, run_bench
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vtcore.cli.main", "serve", *engine_argv(bench_engine_config(args)), "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning"]
+    seed = getattr(args, "seed", None) or 0
+    fd, log_path = tempfile.mkstemp(prefix="vtcore-serve-", suffix=".log")
+    runs = []
+    with os.fdopen(fd, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(url, proc, log_path)
+            for c in concurrency:  # warmed up first (untimed), so the server's histogram holds the timed requests only
+                run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes))
+                before = _server_ttft(url)
+                doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, seed,
+                               processes=client_processes(c, args.client_processes), warm_up=False)
+                after = _server_ttft(url)
+                run = doc["runs"][0]
+                count = after[1] - before[1]
+                run["server_ttft_mean_s"] = (after[0] - before[0]) / count if count else None
+                runs.append(run)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    os.unlink(log_path)
+    served = {**doc, "runs": runs, "command": cmd}
+    inprocess = run_bench(args, progress)
+    return {"mode": "served", "served": served, "inprocess": inprocess}
+
+
+def format_served(doc: dict[str, Any]) -> list[str]:
+    """One line per concurrency: served against in-process, and where the served TTFT goes."""
+    lines = []
+    inproc = {r["concurrency"]: r for r in doc["inprocess"]["runs"]}
+    for s in doc["served"]["runs"]:
+        i = inproc.get(s["concurrency"])
+        if i is None:
+            continue
+
+        def ms(run: dict[str, Any], key: str, stat: str) -> float:
+            return run[key][stat] * 1e3
+
+        where = ""
+        if s.get("server_ttft_mean_s") is not None:
+            server = s["server_ttft_mean_s"] * 1e3
+            where = (f"; TTFT mean {ms(s, 'ttft_s', 'mean'):.2f} ms = {ms(s, 'ttft_s', 'mean') - server:.2f} outside "
+                     f"the server + {server:.2f} inside (in-process {ms(i, 'ttft_s', 'mean'):.2f})")
+        lines.append(f"served / in-process, c={s['concurrency']}: output "
+                     f"{s['output_throughput_tok_s'] / i['output_throughput_tok_s']:.2f}x, TTFT median "
+                     f"{ms(s, 'ttft_s', 'median') - ms(i, 'ttft_s', 'median'):+.2f} ms, TPOT median "
+                     f"{ms(s, 'tpot_s', 'median') - ms(i, 'tpot_s', 'median'):+.3f} ms, ITL median "
+                     f"{ms(s, 'itl_s', 'median') - ms(i, 'itl_s', 'median'):+.3f} ms{where}")
+    return lines
