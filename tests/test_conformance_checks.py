@@ -19,15 +19,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_NORM = "likely cause: the oracle agrees with the family once model.layers.*.input_layernorm.weight (2 tensors) " \
              "is set to 1 (the family ignores it, or loads it wrongly)"
 CACHED_CONTEXT = "a prefill chunk must attend over the"  # the schedule's and the prefix check's hint
-BIASES = "likely cause: the oracle agrees with the family once every Linear.bias (6 tensors) is set to 0"
+BIASES = ".bias ("  # every Linear.bias (6 tensors) or, over the structured check's few tokens, v_proj.bias alone
 
 #: fixture family -> (the checks it fails, a phrase each failure message holds, how to disable what catches it)
 FIXTURES = {
-    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache", "speculative"},
-                            INPUT_NORM,
+    "ignores_norm_weight": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache", "speculative",
+                             "structured"}, INPUT_NORM,
                             "redraw"),
-    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache", "speculative"}, BIASES,
-                     "redraw"),
+    "dropped_bias": ({"oracle-greedy", "oracle-logprobs", "oracle-schedule", "prefix-cache", "speculative",
+                      "structured"}, BIASES, "redraw"),
     "prefill_ignores_cache": ({"oracle-schedule", "prefix-cache", "speculative"}, CACHED_CONTEXT,
                               ("oracle-schedule", "prefix-cache", "speculative")),
     "cached_prefix_off_by_one": ({"oracle-schedule", "prefix-cache", "speculative"}, CACHED_CONTEXT,

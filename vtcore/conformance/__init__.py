@@ -17,6 +17,7 @@ CHECKS = (
     "oracle-schedule",
     "prefix-cache",
     "speculative",
+    "structured",
     "cuda-graphs",
     "cuda-bf16",
     "async-abc",

@@ -15,6 +15,7 @@ from vtcore.conformance import CHECKS
 from vtcore.conformance.cuda_checks import CudaChecks
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
 from vtcore.conformance.results import CheckResult, Failed, Skipped
+from vtcore.conformance.structured import StructuredChecks
 from vtcore.engine.llm_engine import LLMEngine
 from vtcore.family import ConformanceExample, ModelFamily
 from vtcore.outputs import CompletionOutput
@@ -64,7 +65,7 @@ def _cached_hint(rids: list[str], cached: dict[str, int], stateful: bool = False
     return hint
 
 
-class FamilyGate(CudaChecks):
+class FamilyGate(CudaChecks, StructuredChecks):
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
     def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str) -> None:

@@ -184,6 +184,7 @@ class ModelRunner:
         self.steps_submitted = 0
         self.consuming_forwards = 0  # forwards in which EmbedInto consumed the device-token override
         self.stale_forwards = 0  # forwards whose host ids held placeholders (each must consume the override)
+        self.late_draws = 0  # steps whose constrained rows were drawn late (vtcore.worker.sampler)
         self.on_submit: list[Callable[[Batch, bool], None]] = []  # (batch, done): before, then after each submit
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
@@ -480,6 +481,7 @@ class ModelRunner:
         """Phase 3, late (device): draw the late rows with their masks over the logits kept for them; write
         their tokens into the mirror and the step's results; start the copies to the host."""
         sampled, rows, logits, fed, mirror_slots = out.pop("late")
+        self.late_draws += 1
         with torch.inference_mode():
             drawn = self.sampler.sample(logits, sampling, fed)
             self.last_sampled_tokens[mirror_slots] = drawn["tokens"]
