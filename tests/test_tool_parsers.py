@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from vtcore import LLM, SamplingParams
-from vtcore.server.tool_calls import HermesToolParser, Qwen3XMLToolParser, split_calls
+from vtcore.server.tool_calls import CallStream, HermesToolParser, Qwen3XMLToolParser, split_calls
 from vtcore.structured import StructuredOutputsParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -38,6 +38,24 @@ def test_the_grammar_writes_what_the_parser_reads(llm: LLM, parser, many) -> Non
             assert name in ("get_weather", "ping")
             if name == "get_weather":
                 jsonschema.validate(json.loads(args), WEATHER)
+
+
+def test_xml_values_are_typed_by_the_tools_schema() -> None:
+    """A string parameter keeps its text even where it reads as JSON (an id of digits, "true"); the other
+    types are the JSON their text reads as; a parameter the tools do not describe falls back to JSON."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "id": {"type": "string"}, "flag": {"type": ["string", "null"]}, "color": {"enum": ["1", "2"]},
+        "n": {"type": "integer"}, "ok": {"type": "boolean"}, "tags": {"type": "array"}}}}}]
+    params = {"id": "00123", "flag": "true", "color": "2", "n": "7", "ok": "false", "tags": '["a", 1]', "extra": "5"}
+    block = "<tool_call>\n<function=f>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) \
+        + "</function>\n</tool_call>"
+    assert split_calls(Qwen3XMLToolParser, block, tools) == ("", [("f", json.dumps(
+        {"id": "00123", "flag": "true", "color": "2", "n": 7, "ok": False, "tags": ["a", 1], "extra": 5}))])
+    assert split_calls(Qwen3XMLToolParser, block.replace("00123", "123"), tools)[1][0][1].startswith('{"id": "123"')
+    stream = CallStream(Qwen3XMLToolParser, tools)  # streaming types the same way
+    assert stream.feed(block[:20])[1] == [] and json.loads(stream.feed(block[20:])[1][0][1])["id"] == "00123"
+    untyped = split_calls(Qwen3XMLToolParser, block.replace("00123", "123"), [{"type": "function"}, "junk"])
+    assert json.loads(untyped[1][0][1])["id"] == 123  # no schema for f: JSON where it parses
 
 
 def test_xml_values_read_as_json_where_they_parse() -> None:

@@ -136,7 +136,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             message["reasoning_content"], message["content"] = split_reasoning(self.reasoning_parser(), choice.text)
         finish = choice.finish_reason
         if offers_tools(body):
-            content, calls = split_calls(self.tool_parser, message["content"])
+            content, calls = split_calls(self.tool_parser, message["content"], body.tools or ())
             message["content"] = content or None
             message["tool_calls"] = [_call_entry(name, args) for name, args in calls]
             if calls and finish == "stop":
@@ -200,7 +200,7 @@ class _ChatChunks:
         """The delta with its content run through the choice's call stream: text outside call blocks stays
         content, each completed call comes as one ``tool_calls`` entry (OpenAI's streamed form, the
         arguments whole); whether this choice has sent a call."""
-        stream, sent = self.calls.setdefault(index, (CallStream(self.tools), []))
+        stream, sent = self.calls.setdefault(index, (CallStream(self.tools, self.body.tools or ()), []))
         content, calls = stream.feed(delta.get("content", ""))
         if last:
             rest, more = stream.flush()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from vtcore.server.reasoning import partial_suffix
 
@@ -21,8 +21,9 @@ class ToolParser(Protocol):
     end: str
 
     @staticmethod
-    def parse_block(block: str) -> tuple[str, str] | None:
-        """A call block's inside -> (function name, arguments as JSON text), or None: not a call."""
+    def parse_block(block: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, str] | None:
+        """A call block's inside -> (function name, arguments as JSON text), or None: not a call.
+        ``tools``: the request's (OpenAI's form), for a format whose values carry no type of their own."""
         ...
 
     @staticmethod
@@ -36,7 +37,7 @@ class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
 
     @staticmethod
-    def parse_block(block: str) -> tuple[str, str] | None:
+    def parse_block(block: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, str] | None:
         try:
             call = json.loads(block)
         except json.JSONDecodeError:
@@ -66,9 +67,10 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
 
-def split_calls(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str]]]:
-    """A whole output's (content outside the call blocks, [(name, arguments)])."""
-    stream = CallStream(parser)
+def split_calls(parser: ToolParser, text: str, tools: Sequence[dict[str, Any]] = ()
+                ) -> tuple[str, list[tuple[str, str]]]:
+    """A whole output's (content outside the call blocks, [(name, arguments)]); ``tools``, the request's."""
+    stream = CallStream(parser, tools)
     content, calls = stream.feed(text)
     rest, more = stream.flush()
     return (content + rest).strip(), calls + more
@@ -77,8 +79,8 @@ def split_calls(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str
 class CallStream:
     """One output fed in deltas: ``feed``/``flush`` give (content delta, calls completed in it)."""
 
-    def __init__(self, parser: ToolParser) -> None:
-        self.parser = parser
+    def __init__(self, parser: ToolParser, tools: Sequence[dict[str, Any]] = ()) -> None:
+        self.parser, self.tools = parser, tools
         self.held = ""
         self.in_block = False
 
@@ -94,7 +96,7 @@ class CallStream:
                     break
                 block, text = text[:end], text[end + len(p.end):]
                 self.in_block = False
-                call = p.parse_block(block.strip())
+                call = p.parse_block(block.strip(), self.tools)
                 if call is None:
                     content += p.start + block + p.end
                 else:
@@ -118,27 +120,36 @@ class CallStream:
 
 class Qwen3XMLToolParser:
     """Qwen3.5's (and Qwen3-Coder's) XML calls: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
-    </parameter>\\n...</function>\\n</tool_call>``. A value that reads as JSON (a number, a bool, an object)
-    is that value, anything else the text itself. ``block_grammar`` writes every required parameter, in
-    the schema's order: a string as one line of text without ``<`` (its enum, or its min/max length), any
-    other type as the JSON its schema allows."""
+    </parameter>\\n...</function>\\n</tool_call>``. A value is typed by its parameter's schema in the
+    request's tools: a string (its only type but null) is the text itself, any other type the JSON the text
+    reads as; a parameter the tools do not describe is JSON where it parses, else text. ``block_grammar``
+    writes every required parameter, in the schema's order: a string as one line of text without ``<``
+    (its enum, or its min/max length), any other type as the JSON its schema allows."""
 
     start, end = "<tool_call>", "</tool_call>"
 
     @staticmethod
-    def parse_block(block: str) -> tuple[str, str] | None:
+    def parse_block(block: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, str] | None:
         import re
 
         fn = re.fullmatch(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", block, re.DOTALL)
         if fn is None:
             return None
+        name = fn.group(1).strip()
+        schema = next((t["function"].get("parameters") for t in tools if isinstance(t, dict)
+                       and isinstance(t.get("function"), dict) and t["function"].get("name") == name), None)
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        props = props if isinstance(props, dict) else {}
         args: dict[str, Any] = {}
         for key, value in re.findall(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", fn.group(2), re.DOTALL):
+            if _only_string(props.get(key)):
+                args[key] = value
+                continue
             try:
                 args[key] = json.loads(value)
             except json.JSONDecodeError:
                 args[key] = value
-        return fn.group(1).strip(), json.dumps(args, ensure_ascii=False)
+        return name, json.dumps(args, ensure_ascii=False)
 
     @staticmethod
     def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
@@ -162,6 +173,17 @@ class Qwen3XMLToolParser:
         if not many:
             return block
         return 'root ::= tool_block ("\\n" tool_block)*\n' + block.replace("root ::=", "tool_block ::=", 1)
+
+
+def _only_string(prop: Any) -> bool:
+    """Whether a parameter's schema allows strings and nothing else but null (a type, or an enum of strings)."""
+    if not isinstance(prop, dict):
+        return False
+    kind = prop.get("type")
+    if kind is None:
+        return bool(prop.get("enum")) and all(isinstance(v, str) for v in prop["enum"])
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    return kinds - {"null"} == {"string"}
 
 
 def _text_regex(prop: dict[str, Any]) -> str:
