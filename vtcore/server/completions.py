@@ -39,7 +39,9 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                 text, ids = self.engine.tokenize(p if isinstance(p, str) else {"prompt_token_ids": list(p)})
             except ValueError as exc:
                 raise APIError(400, f"prompt: {exc}", "prompt") from None
-            items.append((text if text is not None else self.serving.decode(ids), ids))
+            if text is None and body.echo:  # ids alone: their text only for the echo (decoding costs the GIL)
+                text = self.serving.decode(ids)
+            items.append((text, ids))
         return Prompts(items, "prompt")
 
     def response_choice(self, body: CompletionRequest, choice: Choice) -> dict[str, Any]:

@@ -60,7 +60,7 @@ class Delta:
 class EnginePrompt:
     """One prompt of a request: one engine request, whose samples are ``choices``."""
 
-    def __init__(self, rid: str, text: str, ids: list[int], params: SamplingParams, first_index: int) -> None:
+    def __init__(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, first_index: int) -> None:
         self.rid = rid
         self.text = text
         self.ids = ids
@@ -131,9 +131,10 @@ class Job:
 
 @attrs.frozen
 class Prompts:
-    """What a request generates from: each prompt's (text, token ids), and the field that holds them."""
+    """What a request generates from: each prompt's (text, or None where only its ids were given and nothing
+    shows the text; token ids), and the field that holds them."""
 
-    items: list[tuple[str, list[int]]]
+    items: list[tuple[str | None, list[int]]]
     field: str
 
 
