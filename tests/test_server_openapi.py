@@ -93,6 +93,19 @@ BODIES = [
     ("/v1/completions", _completion(logprobs=6), "logprobs"),
     ("/v1/completions", _completion(logit_bias={"5": "big"}), "logit_bias"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
+    # strict bodies: JSON's types as the document gives them
+    ("/v1/completions", _completion(max_tokens="5"), "max_tokens"),
+    ("/v1/completions", _completion(logprobs=False), "logprobs"),
+    ("/v1/completions", _completion(temperature="0.5"), "temperature"),
+    ("/v1/completions", _completion(temperature=1), None),  # an integer is a number
+    # single-field ranges the sampling parameters check, in the document too
+    ("/v1/completions", _completion(stop_token_ids=[-1]), "stop_token_ids"),
+    ("/v1/completions", _completion(repetition_penalty=0.0), "repetition_penalty"),
+    ("/v1/completions", _completion(top_p=0), "top_p"),
+    ("/v1/completions", _completion(use_beam_search=True), "use_beam_search"),
+    ("/v1/completions", _completion(best_of=2), "best_of"),
+    ("/v1/completions", _completion(response_format={"type": "json_schema"}), "response_format.json_schema.schema"),
+    ("/v1/completions", _completion(response_format={"type": "xml"}), "response_format"),
     ("/v1/chat/completions", _chat(), None),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]), None),
     ("/v1/chat/completions", _chat(messages=[]), "messages"),
@@ -100,7 +113,18 @@ BODIES = [
     ("/v1/chat/completions", _chat(messages=[{"content": "hi"}]), "messages"),
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", _chat(n=129), "n"),
+    ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs"),  # without logprobs=true
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=2), None),
+    ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),  # without tools
+    ("/v1/chat/completions", _chat(function_call="auto"), "function_call"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                                            "image_url": {"url": "x"}}]}]),
+     "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "hi"},
+                                             {"role": "tool", "content": "x", "tool_call_id": 5}]), "messages"),
     ("/tokenize", {"prompt": "hi"}, None),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, "add_special_tokens"),
     ("/detokenize", {"tokens": [5]}, None),
     ("/detokenize", {"tokens": [-1]}, "tokens"),

@@ -46,9 +46,14 @@ def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage],
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
-        for key in ("tool_calls", "tool_call_id"):
-            if (m.model_extra or {}).get(key) is not None:
-                msg[key] = _template_calls(m.model_extra[key]) if key == "tool_calls" else m.model_extra[key]
+        extra = m.model_extra or {}
+        if extra.get("tool_calls") is not None:
+            msg["tool_calls"] = _template_calls(extra["tool_calls"])
+        if extra.get("tool_call_id") is not None:
+            if not isinstance(extra["tool_call_id"], str):
+                raise APIError(400, f"messages[{i}].tool_call_id={extra['tool_call_id']!r}: expected the id (a string) "
+                                    "of the call this message answers", "messages")
+            msg["tool_call_id"] = extra["tool_call_id"]
         conversation.append(msg)
     reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:

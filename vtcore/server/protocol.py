@@ -2,7 +2,8 @@
 ``/tokenize`` and ``/detokenize``).
 
 What a field's shape and range can say is said here, so validation and ``/openapi.json`` agree:
-every such value is answered with a 400 naming its field. Values that depend on each other or on
+every such value is answered with a 400 naming its field. Bodies are strict: a field takes JSON's type as
+the document gives it ("1" is no integer, false no 0; nor is 1.0, which JSON Schema would let pass as one). Values that depend on each other or on
 the model are checked by ``SamplingParams`` and the endpoints. Unknown fields are ignored (as vLLM
 does), but for vLLM's own extensions that this server does not implement and that would change the
 output (``UNSUPPORTED_EXTENSIONS``): answering those with unconstrained text would be silently wrong.
@@ -95,7 +96,7 @@ def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = Field(
@@ -103,39 +104,44 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # a json_schema format carries its schema (the endpoints refuse one without; the document says so)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {
+            "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}}})
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text", "json_object", "json_schema"]})
 
 
 class GenerationRequest(BoundedModel):
     """Fields that completions and chat share (other fields are kept in ``model_extra``)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(1, ge=1, le=MAX_N, description=f"Choices per prompt, at most {MAX_N} (OpenAI's limit).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
         None, description="Token id (a string of an integer) -> a finite bias, clamped to [-100, 100].")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)
     user: str | None = None
     # vLLM's extras
-    best_of: int | None = None
-    use_beam_search: bool | None = False
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    best_of: int | None = Field(None, json_schema_extra={"enum": [1, None]}, description="Only 1 is served.")
+    use_beam_search: bool | None = Field(False, json_schema_extra={"enum": [False, None]},
+                                         description="Beam search is not served.")
+    top_k: int | None = Field(None, ge=-1, description="vLLM's: at least 1, or 0 / -1 for no top-k.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)
@@ -143,7 +149,7 @@ class GenerationRequest(BoundedModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: PromptField = Field(description=_prompt_description(None))
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     suffix: str | None = None
@@ -154,18 +160,28 @@ class CompletionRequest(GenerationRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # only text parts are served (another type, or one without its text, is refused with a 400)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+        "required": ["type", "text"], "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}})
 
     type: str
     text: Text | None = None
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """A message's document: its tool-call fields (kept as extras), and that null content is for an
+    assistant message of tool_calls only (the server refuses it elsewhere; the document says so, so that
+    clients and fuzzers read the same rule)."""
+    schema["properties"].update({"tool_calls": {"type": ["array", "null"], "items": {"type": "object"}},
+                                 "tool_call_id": {"type": ["string", "null"]}})
+    schema.update({"if": {"properties": {"content": {"type": "null"}}, "required": ["content"]},
+                   "then": {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array",
+                                                                                        "minItems": 1}},
+                            "required": ["tool_calls"]}})
+
+
 class ChatMessage(BaseModel):
-    # null content is for an assistant message of tool_calls only (the server refuses it elsewhere; the
-    # document says so, so that clients and fuzzers read the same rule)
-    model_config = ConfigDict(extra="allow", json_schema_extra={
-        "if": {"properties": {"content": {"type": "null"}}, "required": ["content"]},
-        "then": {"properties": {"role": {"const": "assistant"}}, "required": ["tool_calls"]}})
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_message_schema)
 
     role: str
     content: Text | list[ContentPart] | None = Field(
@@ -175,17 +191,29 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
+    # required or named tool_choice, for tools
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+                "required": ["tool_choice"]},
+         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]})
+
     messages: list[ChatMessage] = Field(
         min_length=1, description="The conversation; rendered by the chat template, it must leave room for "
                                   "max_completion_tokens within the model's context.")
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra={"anyOf": [
+        {"enum": ["none", "auto", "required"]}, {"type": "object"}, {"type": "null"}]})
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = Field(
+        None, json_schema_extra={"maxItems": 0}, description="Legacy function calling: not served (send tools).")
+    function_call: str | dict[str, Any] | None = Field(
+        None, json_schema_extra={"enum": ["none", None]}, description="Legacy: not served (send tool_choice).")
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
 
 
@@ -193,6 +221,10 @@ class ChatCompletionRequest(GenerationRequest):
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a ``prompt`` (the ids ``/v1/completions`` generates from) or ``messages``
     (those of ``/v1/chat/completions``), one of the two."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: Text | None = None
@@ -216,6 +248,8 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BoundedModel):
+    model_config = ConfigDict(strict=True)
+
     model: str | None = None
     tokens: TokenIds
 
