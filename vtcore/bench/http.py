@@ -173,6 +173,7 @@ def format_http(doc: dict[str, Any]) -> str:
              " conc  reqs   wall s  out tok/s  TTFT ms mean/med/p90/p99  TPOT ms mean/med/p90/p99  "
              "ITL ms mean/med/p90/p99  clients"]
     for r in doc["runs"]:
-        lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} {r['output_throughput_tok_s']:>10.1f}"
-                     f"  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}  {r['client_processes']:>7}")
+        lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} "
+                     f"{r['output_throughput_tok_s']:>10.1f}  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}  "
+                     f"{r['client_processes']:>7}")
     return "\n".join(lines) + "\n"

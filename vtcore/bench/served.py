@@ -1,12 +1,13 @@
 """``vtcore bench --serve``: the served path beside the engine, in one run.
 
-``vtcore serve`` is started in a child process on the bench's engine config (its flags and the bench's own
-defaults, written back as flags; loopback, a free
-port); the closed loop of :mod:`vtcore.bench.http` runs against it, one concurrency at a time, with the
-server's own ``/metrics`` read before and after each (after an untimed warm-up of ``c`` short requests; the
-timed loop then sends none of its own, so each stream's first request also opens its connection); the server is stopped (SIGTERM), then the
-in-process bench (:func:`vtcore.bench.serving.run_bench`) runs the same grid, so one engine holds the
-device at a time. Prompts are random ids of the same lengths in both (no prefix is shared).
+``vtcore serve`` is started in a child process on the bench's engine config (its flags and the bench's
+own defaults, written back as flags; loopback, a free port); the closed loop of
+:mod:`vtcore.bench.http` runs against it, one concurrency at a time, with the server's own ``/metrics``
+read before and after each (after an untimed warm-up of ``c`` short requests; the timed loop then sends
+none of its own, so each stream's first request also opens its connection); the server is stopped
+(SIGTERM), then the in-process bench (:func:`vtcore.bench.serving.run_bench`) runs the same grid, so one
+engine holds the device at a time. Prompts are random ids of the same lengths in both (no prefix is
+shared).
 
 Where the served time goes, per concurrency: the server's mean time from a request's arrival (its body
 parsed) to its first token, from its histogram's sum and count, splits the client's mean TTFT into the
@@ -76,8 +77,8 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vtcore.cli.main", "serve", *engine_argv(bench_engine_config(args)), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "vtcore.cli.main", "serve", *engine_argv(bench_engine_config(args)),
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     seed = getattr(args, "seed", None) or 0
     fd, log_path = tempfile.mkstemp(prefix="vtcore-serve-", suffix=".log")
     runs = []
@@ -85,7 +86,7 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(url, proc, log_path)
-            for c in concurrency:  # warmed up first (untimed), so the server's histogram holds the timed requests only
+            for c in concurrency:  # warmed up first (untimed): the server's histogram then holds the timed requests
                 run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes))
                 before = _server_ttft(url)
                 doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, seed,

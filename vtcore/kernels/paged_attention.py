@@ -41,7 +41,8 @@ _PREFILL_BLOCK_N = 64  # prefill key tile (positions)
 _PREFILL_PROGRAMS_PER_SM = 2
 _PREFILL_MIN_TILES = 4
 _PREFILL_MAX_SPLITS = 8
-_M_FLOOR = tl.constexpr(-1.0e30)  # the prefill's running-max start: finite, so a row that has seen no key yet stays NaN-free
+#: the prefill's running-max start: finite, so a row that has seen no key yet stays free of NaN
+_M_FLOOR = tl.constexpr(-1.0e30)
 _TARGET_PROGRAMS = 1024  # decode programs (seqs x kv_heads x splits) the heuristic aims for
 _MAX_SPLITS = 32  # ... but no more splits than this (programs past the context still cost their start)
 # Early reads (paged_decode_attention's early_reads) only for grids of at most this many programs an SM (one

@@ -2,9 +2,9 @@
 ``/tokenize`` and ``/detokenize``).
 
 What a field's shape and range can say is said here, so validation and ``/openapi.json`` agree:
-every such value is answered with a 400 naming its field. Bodies are strict: a field takes JSON's type as
-the document gives it ("1" is no integer, false no 0; nor is 1.0, which JSON Schema would let pass as one). Values that depend on each other or on
-the model are checked by ``SamplingParams`` and the endpoints. Unknown fields are ignored (as vLLM
+every such value is answered with a 400 naming its field. Bodies are strict: a field takes JSON's type
+as the document gives it ("1" is no integer, false no 0; nor is 1.0, which JSON Schema would let pass
+as one). Values that depend on each other or on the model are checked by ``SamplingParams`` and the endpoints. Unknown fields are ignored (as vLLM
 does), but for vLLM's own extensions that this server does not implement and that would change the
 output (``UNSUPPORTED_EXTENSIONS``): answering those with unconstrained text would be silently wrong.
 ``bounded`` fits a model's token-id fields to one engine's vocabulary and context.
