@@ -630,11 +630,12 @@ def _in_process_only(args: argparse.Namespace) -> list[str]:
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
+    local = _in_process_only(args)
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
-        if args.serve or _in_process_only(args):
-            flag = "--serve" if args.serve else _in_process_only(args)[0]
+        if args.serve or local:
+            flag = "--serve" if args.serve else local[0]
             raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes)
@@ -643,9 +644,8 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
         from vtcore.bench.http import format_http
         from vtcore.bench.served import format_served, run_served
 
-        if _in_process_only(args):
-            raise ValueError(f"--serve compares the served loop with the in-process one; {_in_process_only(args)[0]} "
-                             "applies to neither")
+        if local:
+            raise ValueError(f"--serve compares the served loop with the in-process one; {local[0]} applies to neither")
         doc = run_served(args, _concurrency(args), args.input_len or DEFAULT_INPUT_LEN, progress)
         out.write(format_http(doc["served"]) + format_table(doc["inprocess"]))
         out.writelines(line + "\n" for line in format_served(doc))

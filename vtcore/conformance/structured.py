@@ -43,7 +43,9 @@ MAX_TOKENS = 24
 
 def gate_tokenizer(vocab_size: int, folder: str) -> str:
     """A byte-level BPE of at most ``vocab_size`` tokens (``EOS`` the first), trained on ``CORPUS`` and
-    saved in ``folder`` (as transformers loads it); returns ``folder``."""
+    saved in ``folder`` (as transformers loads it), unless it is there already; returns ``folder``."""
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return folder
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -103,7 +105,7 @@ class StructuredChecks:
         vocab = int(self.example.hf_config["vocab_size"])
         if vocab < 257:
             raise Skipped(f"the example's vocabulary of {vocab} tokens is too small for a byte-level tokenizer")
-        tokenizer = gate_tokenizer(vocab, os.path.join(self.workdir, f"{self.name}-tokenizer"))
+        tokenizer = gate_tokenizer(vocab, os.path.join(self.workdir, f"tokenizer-{vocab}"))  # shared by families
         _, hf = self._checkpoint()
         prompts = self.prompts()
         arrivals = {0: [(f"s{i}", prompts[i % len(prompts)],

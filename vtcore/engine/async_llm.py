@@ -108,22 +108,15 @@ class AsyncLLM(EngineFrontEnd):
         self.engine.runner.shutdown()
 
     # ------------------------------------------------------------------ engine thread
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """(request id, output or error) pairs, handed over in one call per event loop: each call wakes its
+        loop (a write to its self-pipe), and a step of a large batch would otherwise wake it once per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
         with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, handed over in one call per event loop: each call wakes its loop (a write to
-        its self-pipe), and a step of a large batch would otherwise wake it once per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                target = self._streams.get(out.request_id)
+            for request_id, item in items:
+                target = self._streams.get(request_id)
                 if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], out))
+                    by_loop.setdefault(target[0], []).append((target[1], item))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
@@ -151,22 +144,21 @@ class AsyncLLM(EngineFrontEnd):
             while not self._stopping:
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests():
-                    self._deliver_step(self.engine.step())
+                    self._deliver([(out.request_id, out) for out in self.engine.step()])
                 else:
                     self._wake.wait()
                     self._wake.clear()
             for rid in list(self.engine.requests):
                 self.engine.abort_request(rid)
             while self.engine.has_unfinished_requests():
-                self._deliver_step(self.engine.step())
+                self._deliver([(out.request_id, out) for out in self.engine.step()])
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self.dead = exc
             log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
             with self._lock:
                 ids = list(self._streams)
             err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
-            for rid in ids:
-                self._deliver(rid, err)
+            self._deliver([(rid, err) for rid in ids])
             while True:  # requests that arrived after the death
                 try:
                     msg = self._inbox.get_nowait()
@@ -176,6 +168,6 @@ class AsyncLLM(EngineFrontEnd):
                     msg[4].set_exception(err)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
         stream.put_nowait(item)

@@ -31,7 +31,7 @@ from vtcore.spec.ngram import NgramProposer
 from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
 from vtcore.structured import StructuredOutputsParams
-from vtcore.structured.grammar import GrammarCache, accept_tokens
+from vtcore.structured.grammar import GrammarCache
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.step import StepOutput
 
@@ -185,7 +185,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._grammar_cache: GrammarCache | None = None
-        self._grammar_tokens: list[tuple[Request, int]] = []  # a step's tokens of constrained requests
 
     def _proposer(self) -> Proposer | None:
         """The proposer ``speculative_config`` names (None: no speculative decoding). A draft model is
@@ -425,7 +424,6 @@ class LLMEngine:
                 elif s.samples:
                     self._apply(s.request, result, row)
                 row += s.num_sampled
-            self._accept_grammar_tokens()
             for _, later in self.inflight:  # their late rows' masks may exist now
                 later.draw_late()
             for s in done:
@@ -540,14 +538,7 @@ class LLMEngine:
         elif req.num_output_tokens >= req.max_output:
             self.scheduler.finish(req, "length")
         if req.grammar is not None and not req.is_finished:
-            self._grammar_tokens.append((req, token))  # accepted with the step's others (_accept_grammar_tokens)
-
-    def _accept_grammar_tokens(self) -> None:
-        """Advance the constrained requests' grammars past the step's tokens, in one batch; a finished
-        grammar ends its request."""
-        pairs, self._grammar_tokens = self._grammar_tokens, []
-        for (req, token), ok in zip(pairs, accept_tokens([(r.grammar, t) for r, t in pairs])):
-            if not ok:  # the sampler masked every other token: a vtcore bug
+            if not req.grammar.accept(token):  # the sampler masked every other token: a vtcore bug
                 log.error("request %r: token %d is outside its grammar; aborted", req.request_id, token)
                 self.scheduler.finish(req, "abort")
             elif req.grammar.terminated:

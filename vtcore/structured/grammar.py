@@ -91,14 +91,6 @@ def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], out: torch.Tensor)
     return out[:len(rows)]
 
 
-def accept_tokens(pairs: Sequence[tuple[RequestGrammar, int]]) -> list[bool]:
-    """Advance each grammar past its token (one token a grammar); False where the grammar does not allow
-    it. One by one: xgrammar's ``BatchGrammarMatcher`` on the 2-core dev machine's two threads was slower
-    for a step's 16 tokens (docs/BENCHMARKS.md); a step's tokens are gathered here so that a faster batch
-    path changes one function."""
-    return [grammar.accept(token) for grammar, token in pairs]
-
-
 def grammar_of(params: StructuredOutputsParams) -> Any:
     """The xgrammar ``Grammar`` (not yet compiled) of a constraint; one xgrammar refuses raises
     ``ValueError`` naming the field and xgrammar's reason."""

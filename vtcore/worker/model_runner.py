@@ -519,8 +519,7 @@ class ModelRunner:
             wait = lambda: self.publish(out, event)  # noqa: E731
 
         def draw_late(force: bool) -> Callable[[], StepOutput] | None:
-            if not force and not all(m.request.is_finished or m.request.grammar.stands_at(m.num_outputs)
-                                     for m in late):
+            if not force and any(m.awaits_mask for m in late):
                 return None
             sampling = self.sampler.prepare(list(late), final=True)  # the masks: host work, now
             if self._worker is not None:

@@ -54,6 +54,13 @@ class SampleMeta:
     def prior_tokens(self) -> list[int]:
         return self.request.token_ids[:self.prior_end] + list(self.draft_head)
 
+    @property
+    def awaits_mask(self) -> bool:
+        """A constrained row of a running request whose grammar does not yet stand at its position (its
+        previous token is in flight): drawn late."""
+        grammar = self.request.grammar
+        return grammar is not None and not self.request.is_finished and not grammar.stands_at(self.num_outputs)
+
 
 @attrs.define
 class SamplingBatch:
@@ -106,14 +113,9 @@ class Sampler:
         """Host side of a step's sampling: flags and per-row tensors, uploaded without waiting.
         ``final``: no row is late; a grammar that still does not stand at its row's position belongs
         to a request that ended meanwhile (the engine drops its token), and masks nothing."""
-        masked: list[tuple[int, Any]] = []
-        late: list[int] = []
-        for row, m in enumerate(metas):
-            grammar = m.request.grammar
-            if grammar is not None and grammar.stands_at(m.num_outputs):
-                masked.append((row, grammar))
-            elif grammar is not None and not final and not m.request.is_finished:
-                late.append(row)
+        late = [] if final else [row for row, m in enumerate(metas) if m.awaits_mask]
+        masked = [(row, m.request.grammar) for row, m in enumerate(metas)
+                  if m.request.grammar is not None and m.request.grammar.stands_at(m.num_outputs)]
         params = [m.request.params for m in metas]
         drawn_late = set(late)
         random = [i for i, p in enumerate(params) if not p.greedy and i not in drawn_late]
