@@ -43,7 +43,8 @@ def main() -> None:
     for caching in (True, False):
         with tempfile.TemporaryDirectory() as tmp:
             llm = LLM(write_shape(tmp, args.shape), device=args.device, load_format="dummy", dtype="bfloat16",
-                      max_num_seqs=1, enable_prefix_caching=caching, max_model_len=args.prefix_len + 1024)
+                      max_num_seqs=1, enable_prefix_caching=caching, max_model_len=args.prefix_len + 1024,
+                      num_kv_blocks=2 * (args.prefix_len + 1024) // 16 + 8)
         runner = llm.engine.runner
         submits, walls = [], []
         orig = runner.submit
@@ -79,6 +80,7 @@ def main() -> None:
                 llm.generate(prompt(), greedy, use_tqdm=False)
                 sync()
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=40), file=report)
+            print(p.key_averages().table(sort_by="self_device_time_total", row_limit=25), file=report)
         del llm
         if args.device == "cuda":
             torch.cuda.empty_cache()

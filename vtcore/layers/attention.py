@@ -37,7 +37,10 @@ class AttentionMetadata:
     token is position 0, so its state starts from zero). Segments of one sequence come in order,
     each starting from the slot the one before ended in. On the padded decode path (one token a
     row, captured in CUDA graphs) the same as device tensors instead: ``state_index`` [rows] int64
-    (padded rows: the runner's dummy slot) and ``state_continues`` [rows] bool.
+    (padded rows: the runner's dummy slot) and ``state_continues`` [rows] bool. On the padded path
+    of a lone prefill chunk (one sequence of up to ``max_query_len`` rows, the rest padding) also
+    ``state_tokens`` [1] int64: the chunk's real rows; its state ends after them, in its
+    ``state_index`` slot.
     """
 
     slot_mapping: torch.Tensor
@@ -52,6 +55,7 @@ class AttentionMetadata:
     has_state: list[bool] = attrs.Factory(list)
     state_index: torch.Tensor | None = None
     state_continues: torch.Tensor | None = None
+    state_tokens: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:

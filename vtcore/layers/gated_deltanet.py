@@ -80,6 +80,7 @@ class GatedDeltaNet(StatefulLayer):
     #: prefill chunk of the chunked algorithm
     chunk_size = 64
     supports_decode_graphs = True
+    supports_chunk_graphs = True
     supports_state_snapshots = True
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
@@ -112,7 +113,9 @@ class GatedDeltaNet(StatefulLayer):
         """``x`` [tokens, hidden], the tokens of every scheduled request, laid out flat."""
         md = get_attention_metadata()
         mixed, z, b, a = self.project(x)
-        if md.state_index is not None:
+        if md.state_tokens is not None:
+            out = self._chunk_indexed(mixed, b, a, md.state_index, md.state_continues, md.state_tokens)
+        elif md.state_index is not None:
             out = self._decode_indexed(mixed, b, a, md.state_index, md.state_continues)
         else:
             out = self._forward_per_sequence(mixed, b, a, md)
@@ -170,27 +173,53 @@ class GatedDeltaNet(StatefulLayer):
         mixed = mixed.float()
         beta = b.float().sigmoid()
         g = self._decay(a)
-        weight = self.conv1d.weight.float()
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=torch.float32, device=mixed.device)
         outs = md.state_out_slots or md.state_slots
         for (row0, n), slot, out_slot, continues in zip(md.seq_rows, md.state_slots, outs, md.has_state):
             rows = slice(row0, row0 + n)
             prev = conv_states[slot] if continues else torch.zeros_like(conv_states[slot])
-            window = torch.cat((prev, mixed[rows].T), dim=-1)  # [conv_dim, K-1+n]
+            window, qkv = self._conv(prev, mixed[rows])
             conv_states[out_slot] = window[:, window.shape[1] - (self.kernel - 1):]
-            qkv = F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)[0].T)  # [n, conv_dim]
             q, k, v = self._heads(qkv)
             state = rec_states[slot] if continues else torch.zeros_like(rec_states[slot])
-            if n == 1:
-                out[rows], rec_states[out_slot] = gated_delta_recurrent(q, k, v, g[rows], beta[rows], state)
-            elif use_chunk_kernel(mixed) and self.chunk_size >= 16 and not self.chunk_size & (self.chunk_size - 1):
-                # (the kernel takes power-of-two chunks from 16)
-                out[rows], rec_states[out_slot] = self._chunked_kernel(q, k, v, g[rows], beta[rows], state)
-            else:
-                out[rows], rec_states[out_slot] = gated_delta_chunked(q, k, v, g[rows], beta[rows], state,
-                                                                      chunk=self.chunk_size)
+            out[rows], rec_states[out_slot] = self._rule(q, k, v, g[rows], beta[rows], state)
         return out
+
+    def _chunk_indexed(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
+                       continues: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """A lone prefill chunk whose rows past ``tokens`` [1] are padding, its state addressed by the
+        device tensors ``slot`` / ``continues`` [1] (no host value read: capturable in a CUDA graph).
+        Padded rows get zero q, k, v, decay and write strength, as the chunked rule pads its own last
+        chunk, so they neither read nor change the state; the conv state kept is the K-1 inputs before
+        row ``tokens``."""
+        conv_states, rec_states = self.states["conv"], self.states["recurrent"]
+        valid = (torch.arange(mixed.shape[0], device=mixed.device) < tokens)[:, None]  # [T, 1]
+        prev = torch.where(continues, conv_states.index_select(0, slot)[0], 0.0)
+        window, qkv = self._conv(prev, mixed.float())
+        tail = tokens + torch.arange(self.kernel - 1, device=mixed.device)
+        conv_states.index_copy_(0, slot, window.index_select(1, tail)[None])
+        q, k, v = (t * valid[..., None] for t in self._heads(qkv))
+        state = torch.where(continues, rec_states.index_select(0, slot)[0], 0.0)
+        out, state = self._rule(q, k, v, self._decay(a) * valid, b.float().sigmoid() * valid, state)
+        rec_states.index_copy_(0, slot, state[None])
+        return out
+
+    def _conv(self, prev: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal depthwise conv of float32 ``mixed`` [n, conv_dim] after the conv state ``prev``
+        [conv_dim, K-1]: (the window [conv_dim, K-1+n], its SiLU outputs [n, conv_dim])."""
+        window = torch.cat((prev, mixed.T), dim=-1)
+        return window, F.silu(F.conv1d(window[None], self.conv1d.weight.float(), groups=self.conv_dim)[0].T)
+
+    def _rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated delta rule over one segment from ``state``: (outputs [n, Hv, Dv], the state after)."""
+        if q.shape[0] == 1:
+            return gated_delta_recurrent(q, k, v, g, beta, state)
+        if use_chunk_kernel(q) and self.chunk_size >= 16 and not self.chunk_size & (self.chunk_size - 1):
+            # (the kernel takes power-of-two chunks from 16)
+            return self._chunked_kernel(q, k, v, g, beta, state)
+        return gated_delta_chunked(q, k, v, g, beta, state, chunk=self.chunk_size)
 
     def _chunked_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,15 @@ class StatefulLayer(nn.Module):
     ``supports_decode_graphs``: the layer decodes from ``AttentionMetadata.state_index`` /
     ``state_continues`` (device tensors) when they are set, so the runner may pad and capture its
     decode steps; a layer that only reads the host lists keeps its model eager.
+    ``supports_chunk_graphs``: the layer also runs a lone prefill chunk from those device tensors and
+    ``AttentionMetadata.state_tokens`` (rows past that count are padding, which must neither read nor
+    change the state), so the runner may pad and capture such steps too.
     ``supports_state_snapshots``: the layer keeps the snapshot contract above, so its family can
     cache prefixes.
     """
 
     supports_decode_graphs = False
+    supports_chunk_graphs = False
     supports_state_snapshots = False
 
     def __init__(self) -> None:

@@ -92,12 +92,14 @@ class DecodeGraphs:
     def takes(self, batch: Batch) -> bool:
         """A batch of decode rows (one fed token, sampling) that fits the largest padded size; for
         q > 1 verify rows, each with a draft of at most q - 1 tokens and one with a draft at all; for a
-        chunk, one row of at most q tokens and no draft (the caller asks the smallest bucket first)."""
+        chunk, one row of at most q tokens and no draft (the caller asks the smallest bucket first)
+        whose state snapshots, if any, fall at its end (the runner copies them after the forward; one
+        inside would split the row's state segment)."""
         if not self.sizes or len(batch) > self.sizes[-1]:
             return False
         if self.chunk:
             s = batch[0]
-            return (not s.draft and s.num_tokens <= self.q and s.restore < 0 and not s.saves
+            return (not s.draft and s.num_tokens <= self.q and all(at == s.num_tokens for at, _ in s.saves)
                     and s.request.prompt_logprobs is None)
         if self.q == 1:
             return all(s.num_tokens == 1 and s.samples for s in batch)

@@ -21,8 +21,9 @@ The async device mirror:
    the engine waits on it only when it processes that step, one step later;
 5. host staging (:mod:`vtcore.worker.staging`): each in-flight step owns one of ``depth`` pinned
    buffers, refilled only after its step retired.
-Pure-decode steps, and for models without stateful layers the verify steps of speculative decoding
-and steps of one prefill chunk alone (up to 2048 tokens), take the padded path of
+Pure-decode steps, steps of one prefill chunk alone (up to 2048 tokens, no state snapshot inside it;
+for models whose stateful layers all declare ``supports_chunk_graphs``) and, for models without
+stateful layers, the verify steps of speculative decoding take the padded path of
 :mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
 
 ``on_submit`` callbacks see every batch before its preparation and after its enqueue (host time
@@ -200,9 +201,10 @@ class ModelRunner:
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
                                               capture=self.cuda, query_len=config.num_speculative_tokens + 1,
                                               pool=self.decode_graphs.pool)
-        # a step that is one prefill chunk alone, padded to the next bucket (stateful layers: eager, as above)
+        # a step that is one prefill chunk alone, padded to the next bucket (stateful layers that can: their
+        # state from device tensors too)
         self.chunk_graphs: list[DecodeGraphs] = []
-        if self.decode_graphs is not None and not self.stateful_layers:
+        if self.decode_graphs is not None and all(m.supports_chunk_graphs for m in self.stateful_layers):
             pool = self.decode_graphs.pool
             longest = min(config.max_num_batched_tokens or config.max_model_len, config.max_model_len)
             for q in reversed([q for q in CHUNK_SIZES if q <= longest]):
@@ -546,11 +548,15 @@ class ModelRunner:
         """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
         graph on CUDA)."""
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
-        decode = query_len == 1  # verify graphs exist only for models without stateful layers
+        # stateful layers: one state a row (verify graphs exist only for models without them); a lone
+        # chunk's state continues where its first position is past 0 and ends after its last real row
+        decode, chunk = query_len == 1, last is not None
         set_attention_metadata(AttentionMetadata(
             slot_mapping=slots, block_tables=tables, context_lens=ctx, query_start_loc=qstart,
-            max_query_len=query_len, max_context_len=max_context_len, state_index=mirror if decode else None,
-            state_continues=pos > 0 if decode else None))
+            max_query_len=query_len, max_context_len=max_context_len,
+            state_index=mirror if decode or chunk else None,
+            state_continues=pos > 0 if decode else pos[:1] > 0 if chunk else None,
+            state_tokens=last + 1 if chunk else None))
         try:
             with self.scope(fed, True) as override:
                 hidden = self.model(ids, pos)
@@ -568,7 +574,7 @@ class ModelRunner:
         sampling = self.sampler.prepare(metas)
         restores: list[tuple[int, int]] = []
         saves: list[tuple[int, int]] = []
-        if self.stateful_layers:  # one token a row: every snapshot is at a row's end
+        if self.stateful_layers:  # every snapshot is at a row's end (``DecodeGraphs.takes``)
             base = self.snapshot_base
             restores = [(s.request.mirror_slot, base + s.restore) for s in batch if s.restore >= 0]
             restores += [(s.request.mirror_slot, self.draft_state_slot(s.request.mirror_slot, s.resume))

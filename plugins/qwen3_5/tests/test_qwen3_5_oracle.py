@@ -113,9 +113,11 @@ def test_long_prompt_default_chunk(checkpoint, family: str) -> None:
     assert_matches_hf(model, prompt, out, GEN)
 
 
-def test_chunk_kernel_prefill_on_the_oracle(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("eager", [True, False], ids=["general-step", "padded-chunk"])
+def test_chunk_kernel_prefill_on_the_oracle(checkpoint, monkeypatch: pytest.MonkeyPatch, eager: bool) -> None:
     """The Triton chunked rule (CUDA's prefill path) in the interpreter: a 150-token prompt, 64 tokens a
-    call (so the state is carried between calls, across a partial chunk), on the HF oracle."""
+    call (so the state is carried between calls, across a partial chunk), on the HF oracle; on the general
+    step, and as a lone chunk padded to the 256-token bucket (its padding must leave the state alone)."""
     from vtcore.kernels.rmsnorm import INTERPRET
     from vtcore.layers import gated_deltanet
 
@@ -128,8 +130,11 @@ def test_chunk_kernel_prefill_on_the_oracle(checkpoint, monkeypatch: pytest.Monk
     monkeypatch.setattr(GatedDeltaNet, "_chunked_kernel", lambda self, *a: calls.append(a[0].shape[0]) or kernel(self, *a))
     path, model = checkpoint("dense")
     prompt = rand_prompt(150, seed=150)
-    (out,) = _llm(path).generate([{"prompt_token_ids": prompt}], greedy(GEN))
-    assert calls and all(n == 150 for n in calls)  # every GDN layer's prefill went through the kernel path
+    llm = _llm(path, enforce_eager=eager)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], greedy(GEN))
+    # every GDN layer's prefill went through the kernel path
+    assert calls and all(n == (150 if eager else 256) for n in calls)
+    assert llm.engine.runner.padded_chunk_steps == (0 if eager else 1)
     assert_matches_hf(model, prompt, out, GEN)
 
 
