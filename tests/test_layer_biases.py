@@ -3,8 +3,6 @@ every path a bias takes adds it: the torch path, and the decode GEMV whose epilo
 caches q/k/v (``Linear.forward_qk_rope``, run here in the Triton interpreter)."""
 from __future__ import annotations
 
-from typing import Callable, TypeVar
-
 import pytest
 import torch
 
@@ -12,14 +10,13 @@ from vtcore.config import HFConfig
 from vtcore.kernels import gemv
 from vtcore.kernels.rmsnorm import INTERPRET
 from vtcore.layers import linear
-from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
 from vtcore.layers.decoder import QKVAttention
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
+from vtcore.testing.layers import sequence_step as step
 from vtcore.testing.oracle import tiny_config
 
 BLOCK, PROMPT = 8, 5  # a prompt of 5 tokens in one 8-slot block, then one decode token
-T = TypeVar("T")
 
 
 def attention(qkv_bias: bool | None, o_bias: bool | None, attention_bias: bool = False) -> QKVAttention:
@@ -33,18 +30,6 @@ def attention(qkv_bias: bool | None, o_bias: bool | None, attention_bias: bool =
     attn.attn.k_cache, attn.attn.v_cache = (torch.zeros(2 * BLOCK, 2, 16) for _ in range(2))
     attn.attn.block_size = BLOCK
     return attn
-
-
-def step(start: int, n: int, run: Callable[[torch.Tensor], T]) -> T:
-    """``run(positions)`` as one step of tokens ``start .. start + n - 1`` of one sequence."""
-    set_attention_metadata(AttentionMetadata(
-        slot_mapping=torch.arange(start, start + n), block_tables=torch.tensor([[0, 1]]),
-        context_lens=torch.tensor([start + n]), query_start_loc=torch.tensor([0, n]), max_query_len=n,
-        max_context_len=start + n))
-    try:
-        return run(torch.arange(start, start + n))
-    finally:
-        set_attention_metadata(None)
 
 
 @pytest.mark.parametrize("qkv_bias, o_bias, attention_bias, expected", [

@@ -5,16 +5,19 @@ import torch
 from torch import nn
 
 from vtcore.config import HFConfig
-from vtcore.errors import PluginError
+from vtcore.errors import ConfigError, PluginError
 from vtcore.family import ModelFamily
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.quantized import take_over
-from vtcore.plugins.manager import get_plugins
+from vtcore.plugins.manager import Plugins, get_plugins
 
 
 def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtype: torch.dtype,
-                max_position: int, load_format: str = "auto", seed: int = 0) -> tuple[nn.Module, ModelFamily]:
-    """Construct the family's model on ``device`` in ``dtype`` and fill its weights."""
+                max_position: int, load_format: str = "auto", seed: int = 0, mtp: bool = False
+                ) -> tuple[nn.Module, ModelFamily]:
+    """Construct the family's model on ``device`` in ``dtype`` and fill its weights; ``mtp``: with its
+    multi-token-prediction head as ``model.mtp`` (``vtcore_mtp_head``), refused naming the family when
+    no plugin builds one."""
     plugins = get_plugins()
     family = plugins.family_for(hf_config.architecture)
     loader = plugins.loader(load_format)
@@ -24,6 +27,8 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
     try:
         with torch.device(device):
             model = cls(hf_config, max_position=max_position)
+            if mtp:
+                _attach_mtp_head(plugins, family, model, hf_config)
     finally:
         torch.set_default_dtype(previous)
     quant = hf_config.get("quantization_config")
@@ -43,6 +48,20 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
     with torch.no_grad():
         loader(model, model_path, hf_config, seed)
     return model.eval(), family
+
+
+def _attach_mtp_head(plugins: Plugins, family: ModelFamily, model: nn.Module, hf_config: HFConfig) -> None:
+    try:
+        head = plugins.pm.hook.vtcore_mtp_head(family=family, model=model, hf_config=hf_config)
+    except Exception as exc:  # plugin code: say whose hook failed
+        hooked = [i.plugin_name for i in plugins.pm.hook.vtcore_mtp_head.get_hookimpls()]
+        raise PluginError(f"vtcore_mtp_head (implemented by {hooked}) raised building family {family.name!r}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if head is None:
+        raise ConfigError(f"family {family.name!r} ({hf_config.architecture}) has no multi-token-prediction head "
+                          f"for this checkpoint: no plugin's vtcore_mtp_head builds one (a Qwen3.5 checkpoint "
+                          f"declares mtp_num_hidden_layers > 0)")
+    head.attach(model)
 
 
 def _replace_module(model: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:

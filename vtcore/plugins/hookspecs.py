@@ -78,6 +78,20 @@ def vtcore_device_token_scope(family: ModelFamily, scope: ScopeFactory) -> Scope
 
 
 @hookspec(firstresult=True)
+def vtcore_mtp_head(family: ModelFamily, model: Any, hf_config: Any) -> Any:
+    """Build the multi-token-prediction head of ``model``, a freshly built model of ``family``.
+
+    Called once when a model is built with its MTP head asked for (speculative decoding by the
+    family's own head), right after the model class is built, before quantization and weights.
+    Return the head, a ``vtcore.layers.mtp.MultiTokenPredictor`` (or a module with its contract:
+    ``forward(input_ids, positions, hidden, step)`` -> hidden states for the target's lm_head, and
+    ``attach(model)``), or None when the family, or this checkpoint's config, has none; the core
+    attaches it as ``model.mtp``, so its tensors load from the checkpoint's ``mtp.*`` and its
+    attention layers get KV caches. Stops at the first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
 def vtcore_tool_parser(family: ModelFamily) -> Any:
     """Supply the tool-call format of ``family``'s models, for the server's ``tools``.
 

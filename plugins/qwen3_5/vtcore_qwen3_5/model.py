@@ -8,7 +8,8 @@ top-k, renormalised, plus a shared expert scaled by sigmoid(shared_expert_gate).
 
 Checkpoints: ``*ForCausalLM`` text weights under ``model.``, or ``*ForConditionalGeneration`` ones
 under ``model.language_model.`` beside a vision tower (``model.visual.``, skipped) and, in real
-releases, the multi-token-prediction head (``mtp.``, used only for speculative decoding, skipped).
+releases, the multi-token-prediction head (``mtp.``: loaded into ``build_mtp_head``'s head when
+speculative decoding asks for it, else skipped).
 Experts load fused 3-D (``experts.gate_up_proj``) or per expert (``experts.N.gate_proj.weight``). In
 an FP4 (NVFP4 / MXFP4) compressed-tensors checkpoint the experts arrive per expert as
 ``experts.N.{gate,up,down}_proj.weight_packed|weight_scale|weight_global_scale`` and stay packed
@@ -30,17 +31,19 @@ from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.gated_deltanet import GDN_FUSED, GatedDeltaNet
 from vtcore.layers.linear import Linear
 from vtcore.layers.moe import Experts
+from vtcore.layers.mtp import MultiTokenPredictor
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger("vtcore")
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\."
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\."
                          r"(weight|weight_packed|weight_scale|weight_global_scale|input_global_scale)$")
 #: Our expert parameters: ``experts.gate_up_proj`` / ``experts.down_proj`` (dense, 3-D) or, packed,
 #: ``experts.gate_up_weight_packed`` / ``..._weight_scale`` / ``..._weight_global_scale`` (and ``down_...``).
 _EXPERT_PARAM = re.compile(r"^(.*\.experts)\.(gate_up|down)_"
                            r"(proj|weight_packed|weight_scale|weight_global_scale|input_global_scale)$")
-_SKIPPED_PREFIXES = {"mtp.": "the multi-token-prediction head (speculative decoding only)",
+_MTP = "mtp."
+_SKIPPED_PREFIXES = {_MTP: "the multi-token-prediction head (speculative decoding only)",
                      "model.visual.": "the vision tower", "visual.": "the vision tower"}
 
 
@@ -115,9 +118,10 @@ class Qwen3_5ForCausalLM(CausalLM):
         self._logged: set[str] = set()
 
     def checkpoint_name(self, name: str) -> str | tuple[str, str] | None:
-        """Map HF names to ours: drop the multimodal prefix, skip vision and MTP, route per-expert tensors."""
+        """Map HF names to ours: drop the multimodal prefix, skip vision and (unless the MTP head is
+        attached) MTP, route per-expert tensors."""
         for prefix, what in _SKIPPED_PREFIXES.items():
-            if name.startswith(prefix):
+            if name.startswith(prefix) and not (prefix == _MTP and hasattr(self, "mtp")):
                 if prefix not in self._logged:
                     self._logged.add(prefix)
                     log.info("vtcore: skipping %s (%s* tensors)", what, prefix)
@@ -145,3 +149,14 @@ class Qwen3_5ForCausalLM(CausalLM):
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """The same model; ``num_experts`` in the config turns every MLP into the sparse MoE block."""
+
+
+def build_mtp_head(config: HFConfig, model: Qwen3_5ForCausalLM) -> MultiTokenPredictor:
+    """The ``mtp.*`` head: zero-centred norms, ``fc`` 2H -> H, ``mtp_num_hidden_layers`` full-attention
+    decoder layers (the MoE block in the MoE family) sharing the target's rotary embedding."""
+    rotary = next((layer.self_attn.rotary for layer in model.model.layers if not layer.is_linear), None)
+    if rotary is None:
+        raise ValueError("layer_types has no full_attention layer whose RoPE the MTP head's attention could share")
+    count = int(config.get("mtp_num_hidden_layers", 1))
+    layers = [DecoderLayer(config, "full_attention", rotary) for _ in range(count)]
+    return MultiTokenPredictor(config.hidden_size, layers, config.rms_norm_eps, zero_centered=True)

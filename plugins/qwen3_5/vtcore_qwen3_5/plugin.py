@@ -1,5 +1,5 @@
-"""Hook implementations: the Qwen3.5 dense and MoE families, their conformance examples and their
-tool-call format (Qwen3.5's XML calls)."""
+"""Hook implementations: the Qwen3.5 dense and MoE families, their conformance examples, their
+multi-token-prediction head and their tool-call format (Qwen3.5's XML calls)."""
 from __future__ import annotations
 
 from typing import Any
@@ -35,6 +35,16 @@ def vtcore_model_families() -> list[ModelFamily]:
                     model_cls="vtcore_qwen3_5.model:Qwen3_5MoeForCausalLM", consumes_device_tokens=True,
                     conformance_example="vtcore_qwen3_5.plugin:moe_example", quant_ignore=_MOE_IGNORE),
     ]
+
+
+@hookimpl
+def vtcore_mtp_head(family: ModelFamily, model: Any, hf_config: Any) -> Any:
+    """Qwen3.5's MTP head (``mtp_num_hidden_layers`` full-attention layers, default 1), for its checkpoints'
+    ``mtp.*`` tensors; None for a config that says it has none."""
+    if family.name not in ("qwen3_5", "qwen3_5_moe") or int(hf_config.get("mtp_num_hidden_layers", 1)) <= 0:
+        return None
+    from vtcore_qwen3_5.model import build_mtp_head
+    return build_mtp_head(hf_config, model)
 
 
 @hookimpl

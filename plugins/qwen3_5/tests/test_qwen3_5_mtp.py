@@ -1,0 +1,115 @@
+"""Qwen3.5's multi-token-prediction head (``mtp.*``), built by the plugin's ``vtcore_mtp_head`` and loaded
+from a checkpoint in the released layout, against a float64 reference of the architecture made of
+transformers' own Qwen3.5 layers: the next token's embedding and the target's hidden state, each
+zero-centred-RMS-normed, concatenated [embedding | hidden], ``fc`` from 2H to H, one full-attention
+decoder layer (the MoE block in the MoE family) over the head's own paged KV cache, a final norm."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vtcore.config import HFConfig
+from vtcore.errors import ConfigError
+from vtcore.layers.attention import Attention
+from vtcore.loading.model_loader import build_model
+from vtcore.testing.layers import sequence_step
+from vtcore.testing.oracle import hf_model, save_checkpoint
+from vtcore_qwen3_5.plugin import dense_example, moe_example
+
+BLOCK, T = 4, 7  # a 7-token prefill over two 4-slot blocks, then one decode token
+
+
+def _reference_modules(hf_config: dict[str, Any], seed: int) -> tuple[Any, dict[str, torch.nn.Module]]:
+    """transformers' layers of the head, float64, every parameter drawn at random (norm weights around 0:
+    transformers' Qwen3.5 norms scale by 1 + w)."""
+    import transformers
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as dense
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as moe
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    config._attn_implementation = "eager"
+    hf = moe if hf_config.get("num_experts") else dense
+    prefix = "Qwen3_5Moe" if hf is moe else "Qwen3_5"
+    h, eps = config.hidden_size, config.rms_norm_eps
+    norm = getattr(hf, f"{prefix}RMSNorm")
+    modules = {"fc": torch.nn.Linear(2 * h, h, bias=False), "norm": norm(h, eps=eps),
+               "pre_fc_norm_embedding": norm(h, eps=eps), "pre_fc_norm_hidden": norm(h, eps=eps),
+               "layers.0": getattr(hf, f"{prefix}DecoderLayer")(config, 0)}
+    gen = torch.Generator().manual_seed(seed)
+    for m in modules.values():
+        m.double().eval()
+        for p in m.parameters():
+            p.data = torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.1
+    modules["rotary"] = getattr(hf, f"{prefix}TextRotaryEmbedding")(config).double()
+    return config, modules
+
+
+def _reference(modules: dict[str, torch.nn.Module], embed: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor
+               ) -> torch.Tensor:
+    n = ids.shape[0]
+    x = torch.cat((modules["pre_fc_norm_embedding"](embed[ids]), modules["pre_fc_norm_hidden"](hidden)), dim=-1)
+    x = modules["fc"](x)[None]
+    pos = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    out = modules["layers.0"](x, position_embeddings=modules["rotary"](x, pos), attention_mask=mask, position_ids=pos)
+    out = out[0] if isinstance(out, tuple) else out
+    return modules["norm"](out)[0]
+
+
+def _checkpoint(tmp: str, example: Any, seed: int) -> tuple[str, dict[str, torch.nn.Module]]:
+    """The example's HF model saved with a ``mtp.*`` head in the released names beside it."""
+    path = save_checkpoint(hf_model(example.hf_config, seed=seed), os.path.join(tmp, "ckpt"))
+    _, modules = _reference_modules(example.hf_config, seed + 1)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name, module in modules.items():
+        if name != "rotary":
+            tensors.update({f"mtp.{name}.{k}": v.float().contiguous() for k, v in module.state_dict().items()})
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path, modules
+
+
+@pytest.mark.parametrize("example", [dense_example(), moe_example()], ids=["dense", "moe"])
+def test_mtp_head_matches_a_float64_reference_of_the_architecture(example: Any, tmp_path: Any) -> None:
+    """Loaded from ``mtp.*`` (fused q/k/v and gate/up at load; MoE experts as transformers stores them), a
+    prefill of 7 positions and a decode step reading the head's own KV cache agree with the reference."""
+    path, modules = _checkpoint(str(tmp_path), example, seed=3)
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    model, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors", mtp=True)
+    (attn,) = [m for m in model.mtp.modules() if isinstance(m, Attention)]
+    attn.k_cache, attn.v_cache = (torch.zeros(2 * BLOCK, attn.num_kv_heads, attn.head_dim) for _ in range(2))
+    attn.block_size = BLOCK
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, hf.vocab_size, (T + 1,), generator=gen)
+    hidden = torch.randn(T + 1, hf.hidden_size, generator=gen)
+    with torch.no_grad():
+        prefill = sequence_step(0, T, lambda pos: model.mtp(ids[:T], pos, hidden[:T]))
+        decode = sequence_step(T, 1, lambda pos: model.mtp(ids[T:], pos, hidden[T:]))
+        embed = model.model.embed_tokens.weight.double()
+        expected = _reference(modules, embed, ids, hidden.double())
+    torch.testing.assert_close(torch.cat((prefill, decode)).double(), expected, atol=2e-4, rtol=2e-4)
+    # the head's parameters are the checkpoint's: nothing of it was left to a default
+    assert torch.equal(model.mtp.fc.weight, modules["fc"].weight.float())
+
+
+def test_mtp_head_refused_where_no_plugin_builds_one_or_the_checkpoint_lacks_it(tmp_path: Any) -> None:
+    example = dense_example()
+    path = save_checkpoint(hf_model(example.hf_config, seed=1), os.path.join(str(tmp_path), "plain"))
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    with pytest.raises(Exception, match=r"mtp\.fc\.weight|mtp\."):  # the loader names the missing tensor
+        build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors", mtp=True)
+    none = HFConfig({**example.hf_config, "mtp_num_hidden_layers": 0})
+    with pytest.raises(ConfigError, match="'qwen3_5'.*no multi-token-prediction head"):
+        build_model(path, none, torch.device("cpu"), torch.float32, 64, load_format="dummy", mtp=True)
+
+
+def test_without_mtp_the_head_tensors_are_skipped(tmp_path: Any) -> None:
+    path, _ = _checkpoint(str(tmp_path), dense_example(), seed=3)
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    model, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors")
+    assert not hasattr(model, "mtp")

@@ -1,0 +1,23 @@
+"""Running a model's layers outside the runner, for layer tests: one sequence's step with its metadata set."""
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
+
+T = TypeVar("T")
+
+
+def sequence_step(start: int, n: int, run: Callable[[torch.Tensor], T], blocks: Sequence[int] = (0, 1)) -> T:
+    """``run(positions)`` as one step of tokens ``start .. start + n - 1`` of one sequence whose KV
+    lives in cache slots ``0 ..`` of the layers' caches (block table ``blocks``)."""
+    set_attention_metadata(AttentionMetadata(
+        slot_mapping=torch.arange(start, start + n), block_tables=torch.tensor([list(blocks)]),
+        context_lens=torch.tensor([start + n]), query_start_loc=torch.tensor([0, n]), max_query_len=n,
+        max_context_len=start + n))
+    try:
+        return run(torch.arange(start, start + n))
+    finally:
+        set_attention_metadata(None)
