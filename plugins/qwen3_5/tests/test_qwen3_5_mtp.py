@@ -57,7 +57,9 @@ def _reference(modules: dict[str, torch.nn.Module], embed: torch.Tensor, ids: to
     x = modules["fc"](x)[None]
     pos = torch.arange(n)[None]
     mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-    out = modules["layers.0"](x, position_embeddings=modules["rotary"](x, pos), attention_mask=mask, position_ids=pos)
+    # the text rotary takes multimodal (3, batch, T) position ids in older transformers releases
+    rope = modules["rotary"](x, pos[None].expand(3, 1, n))
+    out = modules["layers.0"](x, position_embeddings=rope, attention_mask=mask, position_ids=pos)
     out = out[0] if isinstance(out, tuple) else out
     return modules["norm"](out)[0]
 
