@@ -71,7 +71,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 @pytest.mark.parametrize("bad, named", [
     ('{"method": "ngram"', "not valid JSON"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle', expected one of ['ngram', 'draft_model']"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle', expected one of ['ngram', 'draft_model', 'mtp']"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True, expected a positive"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown key(s) ['draft']"),

@@ -203,8 +203,9 @@ class EngineConfig:
         default=None, converter=SpeculativeConfig.parse, metadata={
             "help": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K} (prompt '
                     "lookup over the request's own tokens; prompt_lookup_min / prompt_lookup_max: the n-gram "
-                    'lengths) or {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (a '
-                    "registered family of the same vocabulary proposes)", "default_help": "off",
+                    'lengths), {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (a '
+                    'registered family of the same vocabulary proposes) or {"method": "mtp", '
+                    '"num_speculative_tokens": K} (the checkpoint\'s own MTP head)', "default_help": "off",
             "metavar": "JSON"})
     enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
         "help": "run every step eagerly, without CUDA graphs (decode, verify and lone prefill-chunk steps)"})

@@ -22,6 +22,10 @@ class ConfigError(VtcoreError, ValueError):
     """A checkpoint's config.json holds a field of the wrong type or value, or lacks one the model needs."""
 
 
+class NoMTPHead(ConfigError):
+    """A model was asked for its multi-token-prediction head, and its family (or checkpoint) has none."""
+
+
 class MissingConfigField(ConfigError, AttributeError):
     """config.json lacks a field the model reads (an AttributeError too, so ``getattr(..., default)`` works)."""
 

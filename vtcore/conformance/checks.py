@@ -15,6 +15,7 @@ from vtcore.conformance import CHECKS
 from vtcore.conformance.cuda_checks import CudaChecks
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
 from vtcore.conformance.results import CheckResult, Failed, Skipped
+from vtcore.conformance.mtp import MTPChecks
 from vtcore.conformance.structured import StructuredChecks
 from vtcore.engine.llm_engine import LLMEngine
 from vtcore.family import ConformanceExample, ModelFamily
@@ -65,7 +66,7 @@ def _cached_hint(rids: list[str], cached: dict[str, int], stateful: bool = False
     return hint
 
 
-class FamilyGate(CudaChecks, StructuredChecks):
+class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
     def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str) -> None:
@@ -92,9 +93,10 @@ class FamilyGate(CudaChecks, StructuredChecks):
             self._path = save_checkpoint(self._hf, os.path.join(self.workdir, self.name))
         return self._path, self._hf
 
-    def engine(self, mode: str = "sync", **knobs: Any) -> LLMEngine:
-        """An engine over the oracle checkpoint: float32, the gate's blocks and pool unless ``knobs`` say."""
-        path, _ = self._checkpoint()
+    def engine(self, mode: str = "sync", path: str | None = None, **knobs: Any) -> LLMEngine:
+        """An engine over the oracle checkpoint (or ``path``): float32, the gate's blocks and pool unless
+        ``knobs`` say."""
+        path = path or self._checkpoint()[0]
         return build_engine(path, mode, **{"device": self.device, "dtype": "float32", "block_size": BLOCK,
                                            "num_kv_blocks": 256, "max_model_len": 128, "max_num_seqs": 32,
                                            "seed": SEED, **knobs})
@@ -406,6 +408,8 @@ class FamilyGate(CudaChecks, StructuredChecks):
         if not (0 < stats.accepted_per_position[k - 1] < stats.num_drafts):
             raise Failed(f"the replayed proposals accepted {stats.accepted_per_position} tokens per position in "
                          f"{stats.num_drafts} verify rows, not every run length (a vtcore bug)")
+        mtp = self._mtp_pass(prompts, BLOCK, 2 * BLOCK)
+        report.append(mtp or "no MTP head (vtcore_mtp_head builds none for this family)")
         return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances (sync; the " \
                "async engine verifies on the host)"
 

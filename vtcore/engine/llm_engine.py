@@ -10,7 +10,6 @@ from typing import Any
 
 import attrs
 import torch
-from torch import nn
 
 from vtcore.config import DTYPES, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
@@ -161,8 +160,9 @@ class LLMEngine:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self._generation_config_path()}: {exc} (or pass generation_config='vllm' to "
                               "ignore its sampling values)") from None
+        mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
         model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
-                                         config.load_format, config.seed)
+                                         config.load_format, config.seed, mtp=mtp)
         self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
         proposer = self._proposer()
         self.runner = ModelRunner(model, self.family, RunnerConfig(
@@ -171,7 +171,7 @@ class LLMEngine:
             self.depth, config.enforce_eager, config.enable_prefix_caching, config.num_state_snapshots,
             self._snapshot_interval(),
             config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-            self.max_num_batched_tokens))
+            self.max_num_batched_tokens, mtp))
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
@@ -180,18 +180,18 @@ class LLMEngine:
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
         spec = config.speculative_config
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   snapshots, proposer, spec.num_speculative_tokens if spec else 0)
+                                   snapshots, proposer, spec.num_speculative_tokens if spec else 0, device_drafts=mtp)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._grammar_cache: GrammarCache | None = None
 
     def _proposer(self) -> Proposer | None:
-        """The proposer ``speculative_config`` names (None: no speculative decoding). A draft model is
-        built before the target's KV cache is sized: its own cache (at most its max_num_seqs full
-        contexts) comes out of the same memory budget."""
+        """The proposer ``speculative_config`` names (None: no speculative decoding, or the model's MTP head,
+        which drafts on the device in the runner). A draft model is built before the target's KV cache is
+        sized: its own cache (at most its max_num_seqs full contexts) comes out of the same memory budget."""
         spec = self.config.speculative_config
-        if spec is None:
+        if spec is None or spec.method == "mtp":
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -418,11 +418,14 @@ class LLMEngine:
                 self._give_up(done)
                 raise
             row = 0
+            drafts = iter(result.drafts or ())
             for s in done:
                 if s.draft:
                     self._apply_verified(s, result, row)
                 elif s.samples:
                     self._apply(s.request, result, row)
+                if s.samples and result.drafts is not None:
+                    s.request.proposed = next(drafts)
                 row += s.num_sampled
             for _, later in self.inflight:  # their late rows' masks may exist now
                 later.draw_late()

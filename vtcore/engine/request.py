@@ -47,6 +47,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.generator: Any = None  # a per-request torch.Generator when params.seed is set
         self.grammar: Any = None  # its RequestGrammar when params.structured_outputs is set
+        self.proposed: list[int] = []  # the draft the MTP head made in the step that sampled its last token
         self.detok: Any = None  # the incremental detokenizer, when the engine has a tokenizer
         self.num_preemptions = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, this request's

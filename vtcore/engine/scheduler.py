@@ -49,10 +49,15 @@ _UNKNOWN_AFTER_SCHEDULE = 2
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  snapshots: SnapshotPool | None = None, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, device_drafts: bool = False) -> None:
+        """``proposer``: asked for drafts each step; ``device_drafts``: instead each request's ``proposed``
+        (its MTP head's draft, made on the device in the step before) is its draft, and a request's blocks
+        reach k - 1 tokens past what a step computes, where that head's chain writes."""
         self.pool = pool
         self.snapshots = snapshots
         self.proposer = proposer
+        self.device_drafts = device_drafts
+        self.lookahead = num_speculative_tokens - 1 if device_drafts else 0
         self.num_speculative_tokens = num_speculative_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -156,12 +161,14 @@ class Scheduler:
     def _proposals(self) -> dict[str, list[int]]:
         """One proposer call for every running decode row whose tokens the host knows: up to k tokens
         each, at most what its output limit leaves after the token the row samples anyway."""
-        if self.proposer is None:
+        if self.proposer is None and not self.device_drafts:
             return {}
         rows = [(r, min(self.num_speculative_tokens, r.max_output - r.num_output_tokens - 1)) for r in self.running
                 if r.status == RequestStatus.RUNNING and not r.num_inflight and r.grammar is None
                 and r.num_tokens_scheduled - r.num_computed_tokens == 1]
         rows = [(r, k) for r, k in rows if k > 0]
+        if self.device_drafts:
+            return {r.request_id: r.proposed[:k] for r, k in rows}
         drafts = self.proposer.propose_batch([(r.token_ids, k) for r, k in rows]) if rows else []
         return {r.request_id: d[:k] for (r, k), d in zip(rows, drafts)}
 
@@ -199,7 +206,8 @@ class Scheduler:
             if n <= 0:
                 continue
             draft = tuple(proposals.get(req.request_id, ())[:budget - 1]) if n == 1 else ()
-            while not self.pool.grow(req.block_ids, req.num_computed_tokens + n + len(draft)):
+            while not self.pool.grow(req.block_ids, min(req.num_computed_tokens + n + len(draft) + self.lookahead,
+                                                         self.max_model_len)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -215,7 +223,7 @@ class Scheduler:
             if not req.block_ids:
                 self._reuse_prefix(req)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
-            if not self.pool.grow(req.block_ids, req.num_computed_tokens + n):
+            if not self.pool.grow(req.block_ids, min(req.num_computed_tokens + n + self.lookahead, self.max_model_len)):
                 self.pool.free(req.block_ids)  # the cached prefix too: looked up again next time
                 req.num_computed_tokens = req.num_registered_blocks = 0
                 req.restore_snapshot = -1

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from vtcore.config import HFConfig
-from vtcore.errors import ConfigError, PluginError
+from vtcore.errors import NoMTPHead, PluginError
 from vtcore.family import ModelFamily
 from vtcore.layers.embedding import EmbedInto
 from vtcore.layers.quantized import take_over
@@ -58,7 +58,7 @@ def _attach_mtp_head(plugins: Plugins, family: ModelFamily, model: nn.Module, hf
         raise PluginError(f"vtcore_mtp_head (implemented by {hooked}) raised building family {family.name!r}: "
                           f"{type(exc).__name__}: {exc}") from exc
     if head is None:
-        raise ConfigError(f"family {family.name!r} ({hf_config.architecture}) has no multi-token-prediction head "
+        raise NoMTPHead(f"family {family.name!r} ({hf_config.architecture}) has no multi-token-prediction head "
                           f"for this checkpoint: no plugin's vtcore_mtp_head builds one (a Qwen3.5 checkpoint "
                           f"declares mtp_num_hidden_layers > 0)")
     head.attach(model)

@@ -10,13 +10,14 @@ from typing import Any
 import attrs
 
 #: the proposers this engine knows
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 
 
 @attrs.frozen
 class SpeculativeConfig:
-    """``method``: "ngram" (prompt lookup over the request's own tokens) or "draft_model" (a registered
-    family proposes: ``model``, its checkpoint or hub id); ``num_speculative_tokens``: the most tokens
+    """``method``: "ngram" (prompt lookup over the request's own tokens), "draft_model" (a registered
+    family proposes: ``model``, its checkpoint or hub id) or "mtp" (the target family's own
+    multi-token-prediction head, loaded from the checkpoint's ``mtp.*``); ``num_speculative_tokens``: the most tokens
     proposed for one request a step (k); ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram
     lengths an n-gram proposer matches, longest first."""
 

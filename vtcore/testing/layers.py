@@ -10,14 +10,18 @@ from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
 T = TypeVar("T")
 
 
-def sequence_step(start: int, n: int, run: Callable[[torch.Tensor], T], blocks: Sequence[int] = (0, 1)) -> T:
+def sequence_step(start: int, n: int, run: Callable[[torch.Tensor], T], blocks: Sequence[int] = (0, 1),
+                  device: torch.device | str = "cpu") -> T:
     """``run(positions)`` as one step of tokens ``start .. start + n - 1`` of one sequence whose KV
-    lives in cache slots ``0 ..`` of the layers' caches (block table ``blocks``)."""
+    lives in cache slots ``0 ..`` of the layers' caches (block table ``blocks``, in order); stateful
+    layers keep its state in slot 0 (starting from zero at position 0)."""
     set_attention_metadata(AttentionMetadata(
-        slot_mapping=torch.arange(start, start + n), block_tables=torch.tensor([list(blocks)]),
-        context_lens=torch.tensor([start + n]), query_start_loc=torch.tensor([0, n]), max_query_len=n,
-        max_context_len=start + n))
+        slot_mapping=torch.arange(start, start + n, device=device),
+        block_tables=torch.tensor([list(blocks)], device=device),
+        context_lens=torch.tensor([start + n], device=device),
+        query_start_loc=torch.tensor([0, n], device=device), max_query_len=n,
+        max_context_len=start + n, seq_rows=[(0, n)], state_slots=[0], has_state=[start > 0]))
     try:
-        return run(torch.arange(start, start + n))
+        return run(torch.arange(start, start + n, device=device))
     finally:
         set_attention_metadata(None)

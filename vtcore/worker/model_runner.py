@@ -47,6 +47,7 @@ from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
+from vtcore.worker.mtp import MTPDrafter, MTPRows, mtp_rows
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import Batch, Scheduled, StepOutput
@@ -80,6 +81,7 @@ class RunnerConfig:
     state_snapshot_interval: int = 512
     num_speculative_tokens: int = 0
     max_num_batched_tokens: int | None = None  # None: max_model_len
+    mtp: bool = False  # the model's MTP head drafts num_speculative_tokens a step (``vtcore.worker.mtp``)
 
 
 @attrs.define
@@ -96,6 +98,21 @@ class StepInputs:
     num_seqs: int
     state: "StateRows"
     stale: bool
+    mtp: MTPRows | None = None
+
+
+@attrs.frozen
+class Forward:
+    """What ``run_model`` leaves for the phases after it (device tensors)."""
+
+    hidden: torch.Tensor  # [rows, H], after the final norm
+    input_ids: torch.Tensor  # the fed ids, in-flight tokens combined in
+    consumed: bool  # whether EmbedInto consumed the device-token override
+    sample_rows: torch.Tensor
+    sample_slots: torch.Tensor  # the sampling rows' mirror slots
+    metadata: AttentionMetadata
+    positions: torch.Tensor
+    mtp_sections: list[torch.Tensor]  # the device views of ``StepInputs.mtp``'s sections, if any
 
 
 @attrs.define
@@ -187,10 +204,17 @@ class ModelRunner:
         self.stale_forwards = 0  # forwards whose host ids held placeholders (each must consume the override)
         self.late_draws = 0  # steps whose constrained rows were drawn late (vtcore.worker.sampler)
         self.on_submit: list[Callable[[Batch, bool], None]] = []  # (batch, done): before, then after each submit
+        # MTP drafting: the head runs after every step, over its rows; the block tables reach k - 1 positions
+        # past a step's last one, where the head's draft chain writes its KV
+        self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
+            if config.mtp else None
+        self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
-        # decode, W4A4 experts) keeps the model eager
-        if not config.enforce_eager and all(getattr(m, "supports_decode_graphs", True) for m in model.modules()):
+        # decode, W4A4 experts) keeps the model eager; so does MTP drafting (the padded steps keep no
+        # hidden states for the head)
+        if not config.enforce_eager and not config.mtp and all(
+                getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
                                               capture=self.cuda)
@@ -337,12 +361,19 @@ class ModelRunner:
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            hidden, input_ids, consumed, (srows, sslots) = self.run_model(inputs)
-            out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
+            f = self.run_model(inputs)
+            hidden = f.hidden
+            out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
             with torch.inference_mode():
+                tokens = f.sample_rows  # (empty: no row samples)
                 if inputs.metas:
-                    logits = self.model.compute_logits(hidden[srows]).float()
-                    self.sample(out, logits, inputs.sampling, input_ids[srows], sslots)
+                    logits = self.model.compute_logits(hidden[f.sample_rows]).float()
+                    tokens = self.sample(out, logits, inputs.sampling, f.input_ids[f.sample_rows], f.sample_slots)
+                if inputs.mtp is not None and tokens is not None:  # the head's KV for every row, its drafts
+                    drafts = self.mtp.propose(hidden, f.metadata, f.positions, tokens, f.sample_rows, f.mtp_sections,
+                                              inputs.mtp.width)
+                    if inputs.metas:
+                        out["drafts"] = self._to_host(drafts)
                 for req, row0, start, count in inputs.plp:
                     logits = self.model.compute_logits(hidden[row0:row0 + count])
                     targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
@@ -364,7 +395,7 @@ class ModelRunner:
         metas: list[SampleMeta] = []
         plp: list[tuple[Any, int, int, int]] = []
         max_ctx = max(s.start + s.num_tokens for s in batch)
-        max_blocks = -(-max_ctx // bs)
+        max_blocks = -(-(max_ctx + self.lookahead) // bs)
         block_table: list[int] = []
         context_lens: list[int] = []
         query_start: list[int] = [0]
@@ -400,10 +431,12 @@ class ModelRunner:
                     plp.append((req, row0 + first - start, first, last - first))
                     req.prompt_logprobs_scheduled = last + 1
         sample_slots = [m.request.mirror_slot for m in metas]
+        mtp = mtp_rows(batch, bs) if self.mtp is not None else None
         staged = self.staging.stage(step, [ids, positions, slots, block_table, context_lens, query_start,
-                                           combine_rows, combine_slots, sample_rows, sample_slots])
+                                           combine_rows, combine_slots, sample_rows, sample_slots]
+                                    + (mtp.sections() if mtp else []))
         return StepInputs(staged, metas, self.sampler.prepare(metas), plp, max_blocks,
-                          max(s.num_tokens for s in batch), max_ctx, len(batch), state, bool(combine_rows))
+                          max(s.num_tokens for s in batch), max_ctx, len(batch), state, bool(combine_rows), mtp)
 
     def draft_state_slot(self, mirror_slot: int, accepted: int) -> int:
         """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens
@@ -441,22 +474,22 @@ class ModelRunner:
         state.state_out_slots.append(end_slot)
         state.has_state.append(continues)
 
-    def run_model(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, bool, tuple[torch.Tensor, torch.Tensor]]:
+    def run_model(self, inputs: StepInputs) -> "Forward":
         """Phase 2 (device): upload, combine the in-flight tokens into the input ids, forward under
-        the override scope; reads nothing of the requests (the host may have rescheduled them). Returns (hidden, fed input ids, whether EmbedInto consumed the override,
-        (sample rows, their mirror slots))."""
+        the override scope; reads nothing of the requests (the host may have rescheduled them)."""
         (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
-         d_sslots) = self.staging.upload(inputs.staged)
+         d_sslots, *mtp) = self.staging.upload(inputs.staged)
         input_ids = d_ids
         if inputs.stale:
             input_ids = d_ids.clone()
             input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
         state = inputs.state
-        set_attention_metadata(AttentionMetadata(
+        md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=d_table.view(inputs.num_seqs, inputs.max_blocks), context_lens=d_ctx,
             query_start_loc=d_qstart, max_query_len=inputs.max_query_len, max_context_len=inputs.max_context_len,
             seq_rows=state.seq_rows, state_slots=state.state_slots, state_out_slots=state.state_out_slots,
-            has_state=state.has_state))
+            has_state=state.has_state)
+        set_attention_metadata(md)
         try:
             with torch.inference_mode(), self.scope(input_ids if inputs.stale else None, inputs.stale) as override:
                 self._copy_states(state.restores)
@@ -465,19 +498,21 @@ class ModelRunner:
             consumed = bool(override is not None and override.consumed)
         finally:
             set_attention_metadata(None)
-        return hidden, input_ids, consumed, (d_srows, d_sslots)
+        return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, mtp)
 
     def sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
-               mirror_slots: torch.Tensor) -> None:
+               mirror_slots: torch.Tensor) -> torch.Tensor | None:
         """Phase 3 (device): sample, write the tokens into the device mirror, start their copies to the host
-        (a step with late rows keeps their logits and copies once they are drawn: ``_draw_late``)."""
+        (a step with late rows keeps their logits and copies once they are drawn: ``_draw_late``). Returns
+        the sampled tokens (device), None while late rows wait for theirs."""
         sampled = self.sampler.sample(logits, sampling, fed)
         self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
         if sampling.late:
             rows = to_device(sampling.late, torch.int64, self.device)
             out["late"] = (sampled, rows, logits[rows], fed[rows], mirror_slots[rows])
-        else:
-            out.update({k: self._to_host(v) for k, v in sampled.items()})
+            return None
+        out.update({k: self._to_host(v) for k, v in sampled.items()})
+        return sampled["tokens"]
 
     def _draw_late(self, out: dict[str, Any], sampling: Any) -> dict[str, Any]:
         """Phase 3, late (device): draw the late rows with their masks over the logits kept for them; write
@@ -506,7 +541,8 @@ class ModelRunner:
         lp = "logprobs" in out
         return StepOutput(out["tokens"].tolist(), out["logprobs"].tolist() if lp else None,
                           out["ranks"].tolist() if lp else None, out["top_ids"].tolist() if lp else None,
-                          out["top_logprobs"].tolist() if lp else None, plp)
+                          out["top_logprobs"].tolist() if lp else None, plp,
+                          out["drafts"].tolist() if "drafts" in out else None)
 
     def _enqueue(self, step: int, index: int, device_work: Callable[[], dict[str, Any]],
                  late: Sequence[SampleMeta] = ()) -> StepHandle:

@@ -69,3 +69,4 @@ class StepOutput:
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
     prompt_logprobs: dict[str, list]  # request_id -> per-position {id: (logprob, rank)}
+    drafts: list[list[int]] | None = None  # per sampling request: its MTP head's draft (``vtcore.worker.mtp``)

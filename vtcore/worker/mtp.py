@@ -1,0 +1,119 @@
+"""Drafts from the target's own multi-token-prediction head (``model.mtp``), made on the device in each step.
+
+After a general step's forward and sampling the head runs over every row of the step: at position p it
+takes the target's hidden state at p and the token at p + 1, which is the next fed token where the host
+knows it (a prompt's next token, also across a chunk boundary) and otherwise the token sampled at that
+row. For a verify row's rows the token sampled after each position equals the draft token wherever the
+target accepted it, so the head sees the tokens the request will keep. This writes the head's KV at the
+step's positions, as the forward wrote the target's. A sampling request's first draft token is the
+head's greedy choice at its last accepted row (its fed token's row plus the draft tokens accepted,
+counted on the device); each further one runs the head one position on from its own last hidden state,
+reading and writing its KV at positions the scheduler allocated ahead (past them, or past max_model_len,
+nothing is written and the token is only a guess). What it wrote past the accepted tokens is overwritten
+by the next step's pass over those positions, and verification keeps the target's tokens exact whatever
+the head proposes.
+"""
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
+from vtcore.worker.step import Batch
+
+NO_TOKEN = -1  # a row whose next token is the one sampled there
+
+
+@attrs.define
+class MTPRows:
+    """A step's host sections for the head: per row the next token (``NO_TOKEN``: the row's sampled
+    token); per sampling request its fed token's row, the index of its first sampled token, its row in
+    the block table, the tokens its blocks hold, and its draft padded to ``width`` with ``NO_TOKEN``."""
+
+    next_ids: list[int] = attrs.Factory(list)
+    base_rows: list[int] = attrs.Factory(list)
+    first_samples: list[int] = attrs.Factory(list)
+    table_rows: list[int] = attrs.Factory(list)
+    capacity: list[int] = attrs.Factory(list)
+    drafts: list[int] = attrs.Factory(list)
+    width: int = 0
+
+    def sections(self) -> list[list[int]]:
+        return [self.next_ids, self.base_rows, self.first_samples, self.table_rows, self.capacity, self.drafts]
+
+
+def mtp_rows(batch: Batch, block_size: int) -> MTPRows:
+    """The head's sections of ``batch`` (rows laid out as the runner lays them out: in batch order)."""
+    rows = MTPRows(width=max((len(s.draft) for s in batch), default=0))
+    row0 = sampled = 0
+    for seq, s in enumerate(batch):
+        req, fed = s.request, s.num_tokens - len(s.draft)
+        tokens = req.token_ids
+        for p in range(s.start, s.start + s.num_tokens):
+            known = p + 1 < s.start + fed or (not s.samples and p + 1 < len(tokens))
+            rows.next_ids.append(tokens[p + 1] if known else NO_TOKEN)
+        if s.samples:
+            rows.base_rows.append(row0 + fed - 1)
+            rows.first_samples.append(sampled)
+            rows.table_rows.append(seq)
+            rows.capacity.append(len(req.block_ids) * block_size)
+            rows.drafts += [*s.draft] + [NO_TOKEN] * (rows.width - len(s.draft))
+        row0 += s.num_tokens
+        sampled += s.num_sampled
+    return rows
+
+
+class MTPDrafter:
+    """Runs ``model.mtp`` after each general step and returns each sampling request's ``k`` draft tokens."""
+
+    def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int) -> None:
+        self.model, self.head, self.k = model, model.mtp, k
+        self.block_size, self.max_model_len = block_size, max_model_len
+
+    def propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor,
+                tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
+                ) -> torch.Tensor:
+        """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata,
+        ``tokens`` its sampled tokens at ``sample_rows``; ``sections`` the device views of
+        :meth:`MTPRows.sections`. Returns int64 [sampling requests, k]."""
+        next_ids, base, first, table_rows, capacity, drafts = sections
+        ids = next_ids.index_put((sample_rows,), tokens)
+        h = self._run(ids, positions, hidden, md, 0)
+        if not base.numel():  # no row samples: the pass wrote the head's KV, nothing to draft
+            return base.new_empty((0, self.k))
+        accepted = torch.zeros_like(base)
+        if width:
+            draft = drafts.view(-1, width)
+            index = (first[:, None] + torch.arange(width, device=first.device)).clamp(max=tokens.numel() - 1)
+            accepted = ((tokens[index] == draft) & (draft >= 0)).long().cumprod(1).sum(1)
+        rows = base + accepted
+        h, pos = h[rows], positions[rows]
+        out = [self._greedy(h)]
+        tables = md.block_tables[table_rows]
+        room = capacity.clamp(max=min(self.max_model_len, tables.shape[1] * self.block_size))
+        for step in range(1, self.k):
+            pos = pos + 1
+            inside = pos < room
+            at = torch.where(inside, pos, room - 1)  # a guess past the allocated blocks reads, never writes
+            block = tables.gather(1, (at // self.block_size)[:, None])[:, 0]
+            slots = torch.where(inside, block * self.block_size + at % self.block_size, -1)
+            n = rows.numel()
+            step_md = AttentionMetadata(
+                slot_mapping=slots, block_tables=tables, context_lens=(at + 1).to(md.context_lens.dtype),
+                query_start_loc=torch.arange(n + 1, device=pos.device, dtype=md.query_start_loc.dtype),
+                max_query_len=1, max_context_len=md.max_context_len + self.k)
+            h = self._run(out[-1], at, h, step_md, step)
+            out.append(self._greedy(h))
+        return torch.stack(out, dim=1)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata,
+             step: int) -> torch.Tensor:
+        set_attention_metadata(md)
+        try:
+            return self.head(ids, positions, hidden, step)
+        finally:
+            set_attention_metadata(None)
+
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden).float().argmax(dim=-1)
