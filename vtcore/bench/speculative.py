@@ -21,6 +21,9 @@ work; ``time.perf_counter``):
 * ``method``: the configured proposer itself (e.g. ``ngram``, real acceptance on real weights such as
   the embedded default model): acceptance rate, mean acceptance length, TPOT and speedup, and
   ``outputs_equal`` (its tokens are the plain run's; in bf16 a near-tie may flip, as above).
+* With ``"method": "mtp"`` the replay runs keep the model's MTP head running after every step (its
+  drafts unused), so their verify steps carry its cost; ``mtp_head_ms`` is the head's own median time a
+  step (its pass over the step's rows and its chain; CUDA events on CUDA), in every run.
 
 Also in the same run: the roofline (the device copy bandwidth, measured before any engine is built,
 and the bytes a plain decode step must move; see :mod:`vtcore.bench.roofline`).
@@ -168,21 +171,25 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     prompts = {c: [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(c)] for c in concurrency}
 
     def measure(engine: Any, forcing: TeacherForcing | None = None
-                ) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None]]:
-        """Per concurrency: the timed run, the proposals counted in it alone, and (teacher-forced) the
-        share of its sampled tokens the target itself sampled as recorded."""
+                ) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None, float | None]]:
+        """Per concurrency: the timed run, the proposals counted in it alone, (teacher-forced) the share of
+        its sampled tokens the target itself sampled as recorded, and an MTP head's median time a step."""
         runs = {}
+        drafter = engine.runner.mtp
         for c in concurrency:  # untimed first: lazy setup and kernel compilation (a prefix of the same run)
             timed_run(engine, prompts[c], min(output_len, WARM_UP_TOKENS), f"warm{c}")
             engine.spec_stats = counted = SpecDecodeStats(len(engine.spec_stats.accepted_per_position))
             if forcing is not None:
                 forcing.sampled = forcing.agreed = 0
+            if drafter is not None:
+                drafter.timings = []
             run = timed_run(engine, prompts[c], output_len, f"c{c}")
-            runs[c] = run, counted, forcing.agreement if forcing is not None else None
+            head = statistics.median(drafter.timed_ms()) if drafter is not None and drafter.timings else None
+            runs[c] = run, counted, forcing.agreement if forcing is not None else None, head
             engine.spec_stats = SpecDecodeStats(len(counted.accepted_per_position))
         return runs
 
-    plain = {c: run for c, (run, _, _) in measure(plain_engine).items()}
+    plain = {c: run for c, (run, *_) in measure(plain_engine).items()}
     param_bytes = {c: parameter_bytes(plain_engine.runner.model, c) for c in concurrency}
     kv_per_token = kv_bytes_per_token(plain_engine.runner.attention_layers, plain_engine.dtype)
     device, dtype, plain_depth = plain_engine.device, plain_engine.dtype, plain_engine.depth
@@ -190,11 +197,12 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     _collect()
     sequences = [p + t for c in concurrency for p, t in zip(prompts[c], plain[c].tokens)]
 
-    def speculative(k: int, replay: bool) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None]]:
+    def speculative(k: int, replay: bool) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None, float | None]]:
         engine = build(attrs.evolve(config, speculative_config={**attrs.asdict(spec), "num_speculative_tokens": k}))
         forcing = None
         if replay:
             engine.scheduler.proposer = ReplayProposer(sequences, vocab)
+            engine.scheduler.device_drafts = False  # an MTP head still runs (and is timed), its drafts unused
             forcing = TeacherForcing({tuple(s[:input_len]): s for s in sequences})
             forcing.install(engine)
         runs = measure(engine, forcing)
@@ -210,7 +218,8 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
         plain_step = _median_ms(base.decode_steps)
         plain_tpot = base.tpot(output_len)
 
-        def entry(k: int, run: TimedRun, stats: SpecDecodeStats, agreement: float | None) -> dict[str, Any]:
+        def entry(k: int, run: TimedRun, stats: SpecDecodeStats, agreement: float | None, head_ms: float | None
+                  ) -> dict[str, Any]:
             step = _median_ms(run.verify_steps)
             tpot = run.tpot(output_len)
             return {"k": k, "verify_steps": len(run.verify_steps), "verify_step_ms": step,
@@ -219,7 +228,8 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
                     "speedup": plain_tpot / tpot if tpot and plain_tpot else None,
                     "acceptance_rate": stats.acceptance_rate, "mean_acceptance_length": stats.mean_acceptance_length,
                     "accepted_per_position": list(stats.accepted_per_position),
-                    "outputs_equal": run.tokens == base.tokens, "target_agreement": agreement}
+                    "outputs_equal": run.tokens == base.tokens, "target_agreement": agreement,
+                    "mtp_head_ms": head_ms}
 
         step_bytes = decode_step_bytes(param_bytes[c], kv_per_token, c, input_len, output_len)
         out_runs.append({
@@ -260,5 +270,6 @@ def format_speculative(doc: dict[str, Any]) -> str:
                          f"mean length {'-' if length is None else f'{length:.2f}'}, " + (
                              f"target's own tokens as recorded {100 * e['target_agreement']:.1f}%"
                              if e["target_agreement"] is not None else
-                             f"tokens {'equal to' if e['outputs_equal'] else 'NOT equal to'} plain's"))
+                             f"tokens {'equal to' if e['outputs_equal'] else 'NOT equal to'} plain's")
+                         + ("" if e.get("mtp_head_ms") is None else f", MTP head {ms(e['mtp_head_ms'])} ms a step"))
     return "\n".join(lines) + "\n"

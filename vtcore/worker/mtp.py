@@ -15,6 +15,9 @@ the head proposes.
 """
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import attrs
 import torch
 from torch import nn
@@ -70,6 +73,19 @@ class MTPDrafter:
     def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int) -> None:
         self.model, self.head, self.k = model, model.mtp, k
         self.block_size, self.max_model_len = block_size, max_model_len
+        #: set to [] to time every ``propose`` (a benchmark's): CUDA event pairs on CUDA, else perf_counter pairs
+        self.timings: list[tuple[Any, Any]] | None = None
+
+    def timed_ms(self) -> list[float]:
+        """The recorded ``propose`` times, ms (waits for CUDA events)."""
+        return [a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3 for a, b in self.timings or ()]
+
+    def _mark(self, device: torch.device) -> Any:
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor,
                 tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
@@ -77,6 +93,16 @@ class MTPDrafter:
         """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata,
         ``tokens`` its sampled tokens at ``sample_rows``; ``sections`` the device views of
         :meth:`MTPRows.sections`. Returns int64 [sampling requests, k]."""
+        if self.timings is None:
+            return self._propose(hidden, md, positions, tokens, sample_rows, sections, width)
+        start = self._mark(hidden.device)
+        drafts = self._propose(hidden, md, positions, tokens, sample_rows, sections, width)
+        self.timings.append((start, self._mark(hidden.device)))
+        return drafts
+
+    def _propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor,
+                 tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
+                 ) -> torch.Tensor:
         next_ids, base, first, table_rows, capacity, drafts = sections
         ids = next_ids.index_put((sample_rows,), tokens)
         h = self._run(ids, positions, hidden, md, 0)

@@ -162,3 +162,29 @@ def test_mtp_drafts_are_the_heads_own_from_scratch_and_tokens_stay_exact(example
                     checked += 1
     assert [done[str(i)] for i in range(len(PROMPTS))] == plain
     assert checked >= 30  # drafts after prefills, plain decode rows and verify rows were compared
+
+
+def test_the_speculative_bench_times_the_mtp_head_and_replays_with_it_running(tmp_path: Any) -> None:
+    """``vtcore bench --speculative-config '{"method": "mtp", ...}'``: the replay runs use the replayed
+    drafts (all accepted) while the head still runs, and every run reports the head's time a step."""
+    import argparse
+    import io
+
+    from vtcore.bench.serving import add_bench_parser
+
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(moe_example().hf_config))
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--model", str(path), "--load-format", "dummy", "--device", "cpu",
+                              "--no-progress", "--json", str(tmp_path / "b.json"), "--speculative-config",
+                              json.dumps(SPEC), "--speculative-k", "2", "--concurrency", "1", "--input-len", "12",
+                              "--output-len", "8", "--copy-mib", "16"])
+    out = io.StringIO()
+    assert args.func(args, out) == 0
+    (run,) = json.loads((tmp_path / "b.json").read_text())["runs"]
+    (replay,) = run["replay"]
+    assert replay["acceptance_rate"] == 1.0 and replay["mtp_head_ms"] > 0
+    assert run["method"]["mtp_head_ms"] > 0 and run["method"]["outputs_equal"]
+    assert "MTP head" in out.getvalue()
