@@ -10,7 +10,7 @@ from torch import nn
 from vtcore.config import HFConfig
 from vtcore.layers.attention import Attention
 from vtcore.layers.embedding import EmbedInto
-from vtcore.layers import linear
+from vtcore.layers import linear, parallel
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm
 from vtcore.layers.rotary import RotaryEmbedding
@@ -27,8 +27,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, [("gate", intermediate), ("up", intermediate)], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, [("gate", intermediate), ("up", intermediate)], bias=bias,
+                                   parallel="column")
+        self.down_proj = Linear(intermediate, hidden, bias=bias, parallel="row")
 
     @property
     def in_proj(self) -> Linear | None:
@@ -61,12 +62,20 @@ class QKVAttention(nn.Module):
         hd, nq, nkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         bias = bool(config.get("attention_bias", False))
         qkv_bias, o_bias = (bias if b is None else b for b in (qkv_bias, o_bias))
-        self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
-        self.output_gate = output_gate
+        # tensor parallelism: this rank's query heads; key/value heads split, or each rank keeps the one its
+        # query heads read when there are fewer than ranks
+        group = parallel.tp()
+        kv_part = (group.rank, group.size) if nkv >= group.size else (group.rank * nkv // group.size, nkv)
+        if nkv < group.size and group.size % nkv:
+            raise ValueError(f"tensor_parallel_size={group.size} is not a multiple of num_key_value_heads={nkv}")
         q_width = (2 if output_gate else 1) * nq * hd
         self.qkv_proj = Linear(config.hidden_size, [("q", q_width), ("k", nkv * hd), ("v", nkv * hd)],
-                               bias=qkv_bias)
-        self.o_proj = Linear(nq * hd, config.hidden_size, bias=o_bias)
+                               bias=qkv_bias, parallel="column", parts={"k": kv_part, "v": kv_part})
+        self.o_proj = Linear(nq * hd, config.hidden_size, bias=o_bias, parallel="row")
+        nq = parallel.split(nq, "num_attention_heads")
+        nkv = nkv // kv_part[1]
+        self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
+        self.output_gate = output_gate
         self.q_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered) if qk_norm else None
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, zero_centered) if qk_norm else None
         self.rotary = rotary
@@ -193,7 +202,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.model = model
         tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, parallel="column")
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         # HF ignores a stored lm_head.weight when the embeddings are tied; so do we.
@@ -203,4 +212,5 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits over the whole vocabulary (under tensor parallelism each rank's slice, gathered)."""
+        return parallel.all_gather_last(self.lm_head(hidden))

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from vtcore.errors import DeviceTokenOverrideIgnored
+from vtcore.layers import parallel as tp
+from vtcore.layers.linear import copy_checked, loadable_param
 
 
 class TokenOverride:
@@ -58,12 +60,30 @@ def device_token_scope(device_ids: torch.Tensor | None, host_ids_stale: bool) ->
 class EmbedInto(nn.Module):
     """A vocabulary embedding that honours the device-token override. Every family embeds with it."""
 
+    tp_sharded = True  # its rank's slice of the vocabulary (vtcore.layers.parallel)
+    vocab_start = 0  # the first id of that slice (a class default: a wrapper need not call __init__)
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        """Under tensor parallelism (:mod:`vtcore.layers.parallel`) it holds its rank's slice of the
+        vocabulary (``vocab_start``, ``num_local``), and the partial lookups are summed over the ranks."""
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        num_local = tp.split(num_embeddings, "vocab_size")
+        self.vocab_start = tp.tp().rank * num_local
+        self.weight = loadable_param(torch.empty(num_local, embedding_dim), (None,), self.weight_loader)
         self.family = "<unknown>"  # set by the model builder, for the error message
+
+    @property
+    def num_local(self) -> int:
+        """The ids this rank embeds (all of them at tensor-parallel size 1)."""
+        return self.weight.shape[0]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        """The rank's rows of the whole checkpoint embedding."""
+        if self.num_local != self.num_embeddings and loaded.shape[0] == self.num_embeddings:
+            loaded = loaded.narrow(0, self.vocab_start, self.num_local)
+        copy_checked(param.data, loaded)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         override = current_override()
@@ -73,4 +93,9 @@ class EmbedInto(nn.Module):
                 input_ids = override.device_ids
             elif override.host_ids_stale:
                 raise DeviceTokenOverrideIgnored(self.family)
-        return nn.functional.embedding(input_ids, self.weight)
+        if self.num_local == self.num_embeddings:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_local)
+        out = nn.functional.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
+        return tp.all_reduce(out)

@@ -7,6 +7,11 @@ its shard's own entry). The loader uses ``param.shards`` to check that every sha
 A quant method may take a Linear over (:mod:`vtcore.layers.quantized`): ``weight`` is replaced by the
 method's tensors and ``self.quant``'s ``apply`` computes the layer (at decode sizes its
 ``gemv_weight``, when not None, feeds the Triton GEMV instead).
+
+Under tensor parallelism (:mod:`vtcore.layers.parallel`) a ``parallel="column"`` Linear holds its
+rank's rows of each shard (``parts``: a shard split into other than one part per rank, such as key/value
+heads replicated over ranks), a ``parallel="row"`` one its columns, its output summed over the ranks;
+the loader hands it whole checkpoint tensors and ``weight_loader`` keeps the rank's part.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vtcore.layers import parallel as tp
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.quantized import QuantSlot, QuantTarget
 from vtcore.quant.base import QuantTensor, WeightSpec
@@ -31,9 +37,32 @@ PROLOGUE_MAX_ROWS = 1  # up to this many rows, the GEMV also computes the op fee
 class Linear(nn.Module, QuantTarget):
     """``y = x W^T (+ b)`` with an optional split of the output rows into named shards."""
 
-    def __init__(self, in_features: int, out_features: int | list[tuple[str, int]], bias: bool = False) -> None:
+    tp_sharded = True  # (``parallel``) see vtcore.layers.parallel
+
+    def __init__(self, in_features: int, out_features: int | list[tuple[str, int]], bias: bool = False,
+                 parallel: str | None = None, parts: dict[str, tuple[int, int]] | None = None) -> None:
+        """``out_features``: whole sizes (a shard's, or the layer's); ``parallel`` / ``parts``: see the module
+        docstring (``parts``: shard -> (this rank's part, parts), default (rank, size))."""
         super().__init__()
         shards = out_features if isinstance(out_features, list) else []
+        if parallel not in (None, "column", "row"):
+            raise ValueError(f"Linear parallel={parallel!r}: expected None, 'column' or 'row'")
+        group = tp.tp()
+        self.parallel = parallel if group.size > 1 else None
+        self.reduce_bias = self.parallel != "row" or group.rank == 0  # a row-parallel bias is added once
+        #: shard (None: the whole layer) -> (whole rows, this rank's part, parts) of a column-parallel layer
+        self.column_parts: dict[str | None, tuple[int, int, int]] = {}
+        if self.parallel == "column":
+            for name, size in shards or [(None, int(out_features))]:
+                part, count = (parts or {}).get(name, (group.rank, group.size))
+                if size % count:
+                    raise ValueError(f"tensor_parallel_size={group.size} does not divide {name or 'the'} rows "
+                                     f"({size}) into {count} parts")
+                self.column_parts[name] = (size, part, count)
+            shards = [(name, size // self.column_parts[name][2]) for name, size in shards]
+            out_features = out_features if shards else int(out_features) // self.column_parts[None][2]
+        if self.parallel == "row":
+            in_features = tp.split(in_features, "a row-parallel layer's in_features")
         self.in_features = in_features
         self.out_features = sum(n for _, n in shards) if shards else int(out_features)
         self.shard_slices: dict[str, slice] = {}
@@ -63,8 +92,34 @@ class Linear(nn.Module, QuantTarget):
         return param.data[self.shard_slices[shard]]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        """Copy one checkpoint tensor into ``param`` (its shard's rows when ``shard`` is given)."""
-        copy_checked(self.shard_view(param, shard), loaded)
+        """Copy one checkpoint tensor into ``param`` (its shard's rows when ``shard`` is given; under tensor
+        parallelism the rank's part of it)."""
+        copy_checked(self.shard_view(param, shard), self._rank_part(param, loaded, shard))
+
+    def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        if self.parallel is None or getattr(param, "per_shard", False):
+            return loaded
+        if self.parallel == "row":  # a bias is whole
+            return loaded if loaded.dim() == 1 else loaded.narrow(1, tp.tp().rank * self.in_features,
+                                                                   self.in_features)
+        if shard is None and self.shard_slices:  # a fused tensor whole: each shard's part
+            whole = [self.column_parts[name][0] for name in self.shard_slices]
+            return torch.cat([self._column_part(t, name) for t, name in zip(loaded.split(whole), self.shard_slices)])
+        return self._column_part(loaded, shard)
+
+    def _column_part(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        whole, part, count = self.column_parts[shard]
+        if loaded.shape[0] != whole:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {whole} rows")
+        return loaded.narrow(0, part * (whole // count), whole // count)
+
+    def _reduced(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's partial output summed over the ranks."""
+        return tp.all_reduce(y) if self.parallel == "row" else y
+
+    @property
+    def _bias(self) -> torch.Tensor | None:
+        return self.bias if self.reduce_bias else None
 
     def quant_slots(self, name: str, model: nn.Module) -> list[QuantSlot]:
         """The one weight, its shards checked as the checkpoint modules they were fused from
@@ -87,6 +142,8 @@ class Linear(nn.Module, QuantTarget):
         prologue sits between the loads and the dot and stalls the pipelined loop (a 0.6B decode step
         at batch 2: 2.3 ms with prologues, 1.3 ms with the separate launches, H200)."""
         rows = GEMV_MAX_ROWS if fused is None else PROLOGUE_MAX_ROWS
+        if self.parallel == "row" and fused not in (None, "silu_and_mul"):
+            return None  # (the paths that sum a row-parallel output over the ranks)
         if not use_gemv(x) or x.dim() != 2 or x.shape[0] > rows:
             return None
         weight = self.weight if self.quant is None else self.quant.gemv_weight(self.quant_weights["weight"])
@@ -97,10 +154,10 @@ class Linear(nn.Module, QuantTarget):
         weight = self._gemv_weight(x)
         if weight is not None:  # decode: a Triton GEMV beats cuBLAS (and the FP4 tile GEMM) at small M
             from vtcore.kernels import gemv
-            return gemv.gemv(x, weight, self.bias)
+            return self._reduced(gemv.gemv(x, weight, self._bias))
         if self.quant is not None:
-            return self.quant.apply(self.quant_weights["weight"], x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return self._reduced(self.quant.apply(self.quant_weights["weight"], x, self._bias))
+        return self._reduced(F.linear(x, self.weight, self._bias))
 
     def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``self(silu(gate) * up)`` for ``gate_up`` = [gate | up]; the SwiGLU fused into the GEMV's loads
@@ -108,7 +165,7 @@ class Linear(nn.Module, QuantTarget):
         weight = self._gemv_weight(gate_up, "silu_and_mul")
         if weight is not None:
             from vtcore.kernels import gemv
-            return gemv.gemv_silu_and_mul(gate_up, weight, self.bias)
+            return self._reduced(gemv.gemv_silu_and_mul(gate_up, weight, self._bias))
         return self(silu_and_mul(gate_up))
 
     def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:

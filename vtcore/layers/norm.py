@@ -17,6 +17,8 @@ __all__ = ["RMSNorm", "rms_norm"]
 class RMSNorm(nn.Module):
     """``x / rms(x) * w``; ``zero_centered`` gives Qwen3.5's ``x / rms(x) * (1 + w)``."""
 
+    tp_replicated = True  # under tensor parallelism every rank holds the whole weight
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps

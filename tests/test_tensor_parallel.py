@@ -1,0 +1,81 @@
+"""Tensor parallelism of vtcore's layers (``vtcore.layers.parallel``), two processes over gloo on the CPU: a
+Qwen3 model built as rank 0 and rank 1 of 2 (column-parallel q/k/v and gate/up, row-parallel o and down
+with one all-reduce each, a vocabulary-parallel embedding, gathered logits; key/value heads split or, with
+fewer than ranks, replicated; biases of row-parallel layers added once) gives the logits of the whole
+model, over a prefill and a decode step through the paged KV cache, its weights loaded from the whole
+checkpoint tensors."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vtcore.config import HFConfig
+from vtcore.layers.attention import Attention
+from vtcore.layers.parallel import tensor_parallel
+from vtcore.loading.model_loader import build_model
+from vtcore.testing.layers import sequence_step
+
+BLOCK = 8
+PROMPT = [5, 9, 2, 7, 7, 1, 3, 8, 6, 4, 11]
+
+
+def _logits(path: str) -> torch.Tensor:
+    """The model's logits over ``PROMPT`` as a prefill of all but the last token, then a decode step."""
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    model, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors")
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.k_cache, m.v_cache = (torch.zeros(2 * BLOCK, m.num_kv_heads, m.head_dim) for _ in range(2))
+            m.block_size = BLOCK
+    ids, n = torch.tensor(PROMPT), len(PROMPT) - 1
+    with torch.inference_mode():
+        prefill = sequence_step(0, n, lambda pos: model.compute_logits(model(ids[:n], pos)))
+        decode = sequence_step(n, 1, lambda pos: model.compute_logits(model(ids[n:], pos)))
+    return torch.cat((prefill, decode))
+
+
+def _rank(rank: int, world: int, path: str, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        with tensor_parallel(rank, world):
+            logits = _logits(path)
+        torch.save(logits, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, overrides", [(2, {}), (2, {"num_key_value_heads": 1}), (2, {"attention_bias": True}),
+                                              (2, {"tie_word_embeddings": True}), (4, {})],
+                         ids=["gqa-split", "kv-one-head", "biases", "tied", "4-ranks-kv-replicated"])
+def test_ranks_give_the_whole_models_logits(make_checkpoint, tmp_path: Any, world: int, overrides: dict) -> None:
+    """(4 ranks over the 2 key/value heads: ranks 0, 1 keep head 0, ranks 2, 3 head 1.)"""
+    path, _ = make_checkpoint(**overrides)
+    out = str(tmp_path / "logits")
+    mp.spawn(_rank, args=(world, path, str(tmp_path / "store"), out), nprocs=world, join=True)
+    whole = _logits(path)
+    for rank in range(world):  # every rank computes the same (gathered) logits
+        torch.testing.assert_close(torch.load(f"{out}.{rank}"), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_by_name(make_checkpoint) -> None:
+    path, _ = make_checkpoint(num_attention_heads=3, num_key_value_heads=3)
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    with tensor_parallel(0, 2), pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide"):
+        build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")
+
+
+def test_a_layer_that_does_not_shard_its_parameters_is_refused_by_name(tmp_path: Any) -> None:
+    """Qwen3.5's Gated DeltaNet owns parameters (its conv and decay) that it does not shard yet."""
+    from vtcore_qwen3_5.plugin import dense_example
+
+    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
+    hf = HFConfig(dense_example().hf_config)
+    with tensor_parallel(0, 2), pytest.raises(ValueError, match=r"module 'model\.layers\.0\.linear_attn"
+                                                                r"(\.conv1d)?' \((GatedDeltaNet|_ConvWeight)\)"):
+        build_model(str(tmp_path), hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")

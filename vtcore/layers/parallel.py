@@ -1,0 +1,85 @@
+"""Tensor parallelism (Megatron-style) for vtcore's layers: the process's rank and group, and the collectives.
+
+A model built while ``tensor_parallel(rank, size, group)`` is in effect holds only this rank's share: a
+column-parallel Linear (``Linear(..., parallel="column")``: fused q/k/v, gate/up, an untied lm_head) keeps
+its rows of every shard, a row-parallel one (``parallel="row"``: o_proj, down_proj) its columns, and sums
+its output over the group (an all-reduce; its bias added once); attention keeps its heads (key/value heads
+split too, or replicated where there are fewer than ranks); ``EmbedInto`` keeps its slice of the vocabulary
+and sums the partial lookups; logits are gathered. Every rank runs the same forward on the same inputs.
+The weight loaders take whole checkpoint tensors and keep their rank's part. Outside the context (the
+default) the size is 1 and every layer is whole: nothing here runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed process group (None: the default group)
+
+
+_current = TensorParallel()
+
+
+def tp() -> TensorParallel:
+    """The tensor-parallel rank and size models are built for now (size 1: no parallelism)."""
+    return _current
+
+
+@contextlib.contextmanager
+def tensor_parallel(rank: int, size: int, group: Any = None) -> Iterator[TensorParallel]:
+    """Build (and run) models as rank ``rank`` of ``size``; ``torch.distributed`` must be initialised."""
+    global _current
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor parallel rank={rank}: expected 0 <= rank < size={size}")
+    previous, _current = _current, TensorParallel(rank, size, group)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def refuse_unsharded(model: torch.nn.Module) -> None:
+    """The contract for a layer of a family's own, at a size above 1: a module that owns parameters either
+    shards them itself as it is built (``tp_sharded = True``: ``Linear``, ``EmbedInto``) or declares them the
+    same on every rank (``tp_replicated = True``: norms). Anything else would run whole on every rank, on
+    sharded inputs; the first such module is refused by name."""
+    if _current.size == 1:
+        return
+    for name, module in model.named_modules():
+        owns = any(True for _ in module.parameters(recurse=False))
+        if owns and not (getattr(module, "tp_sharded", False) or getattr(module, "tp_replicated", False)):
+            raise ValueError(f"tensor_parallel_size={_current.size}: module {name!r} ({type(module).__name__}) owns "
+                             f"parameters it does not shard; a layer of a family's own must shard itself or declare "
+                             f"its parameters replicated (tp_replicated = True; vtcore.layers.parallel)")
+
+
+def split(total: int, what: str) -> int:
+    """This rank's share of ``total`` (heads, rows, vocabulary), refused by name when it does not divide."""
+    size = _current.size
+    if total % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide {what}={total}")
+    return total // size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the group (in place; ``x`` itself at size 1)."""
+    if _current.size > 1:
+        torch.distributed.all_reduce(x, group=_current.group)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along the last dimension, in rank order (``x`` itself at size 1)."""
+    if _current.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_current.size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=_current.group)
+    return torch.cat(parts, dim=-1)
