@@ -1,5 +1,6 @@
-"""Tensor parallelism of vtcore's layers (``vtcore.layers.parallel``), two processes over gloo on the CPU: a
-Qwen3 model built as rank 0 and rank 1 of 2 (column-parallel q/k/v and gate/up, row-parallel o and down
+"""Tensor parallelism of vtcore's layers (``vtcore.layers.parallel``), processes over gloo on the CPU: a
+Qwen3 (and Qwen3.5 dense and MoE) model built as rank 0 and rank 1 of 2 (column-parallel q/k/v and
+gate/up, row-parallel o and down
 with one all-reduce each, a vocabulary-parallel embedding, gathered logits; key/value heads split or, with
 fewer than ranks, replicated; biases of row-parallel layers added once) gives the logits of the whole
 model, over a prefill and a decode step through the paged KV cache, its weights loaded from the whole
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 from vtcore.config import HFConfig
 from vtcore.layers.attention import Attention
 from vtcore.layers.parallel import tensor_parallel
+from vtcore.layers.state import StatefulLayer
 from vtcore.loading.model_loader import build_model
 from vtcore.testing.layers import sequence_step
 
@@ -33,6 +35,8 @@ def _logits(path: str) -> torch.Tensor:
         if isinstance(m, Attention):
             m.k_cache, m.v_cache = (torch.zeros(2 * BLOCK, m.num_kv_heads, m.head_dim) for _ in range(2))
             m.block_size = BLOCK
+        elif isinstance(m, StatefulLayer):
+            m.allocate_state(1, torch.device("cpu"))
     ids, n = torch.tensor(PROMPT), len(PROMPT) - 1
     with torch.inference_mode():
         prefill = sequence_step(0, n, lambda pos: model.compute_logits(model(ids[:n], pos)))
@@ -70,12 +74,32 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_by_name(make_checkpoin
         build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")
 
 
-def test_a_layer_that_does_not_shard_its_parameters_is_refused_by_name(tmp_path: Any) -> None:
-    """Qwen3.5's Gated DeltaNet owns parameters (its conv and decay) that it does not shard yet."""
-    from vtcore_qwen3_5.plugin import dense_example
+def test_a_module_that_neither_shards_nor_replicates_its_parameters_is_refused_by_name() -> None:
+    from vtcore.layers.parallel import refuse_unsharded
 
-    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
-    hf = HFConfig(dense_example().hf_config)
-    with tensor_parallel(0, 2), pytest.raises(ValueError, match=r"module 'model\.layers\.0\.linear_attn"
-                                                                r"(\.conv1d)?' \((GatedDeltaNet|_ConvWeight)\)"):
-        build_model(str(tmp_path), hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
+    refuse_unsharded(model)  # size 1: nothing to refuse
+    with tensor_parallel(0, 2), pytest.raises(ValueError, match=r"module '0' \(LayerNorm\) owns parameters"):
+        refuse_unsharded(model)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from vtcore.testing.oracle import hf_model, save_checkpoint
+    from vtcore_qwen3_5.plugin import dense_example, moe_example
+
+    return {name: save_checkpoint(hf_model(example.hf_config, seed=2), str(tmp_path_factory.mktemp(name)))
+            for name, example in (("dense", dense_example()), ("moe", moe_example()))}
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_qwen3_5_on_two_ranks_gives_the_whole_models_logits(qwen3_5_checkpoints, tmp_path: Any, family: str) -> None:
+    """Gated DeltaNet's key and value heads (its q/k/v/z rows, conv channels, decay and out_proj columns;
+    its state the rank's heads) and the MoE experts split along their intermediate size (the shared
+    expert as a GatedMLP, the router replicated)."""
+    path = qwen3_5_checkpoints[family]
+    out = str(tmp_path / "logits")
+    mp.spawn(_rank, args=(2, path, str(tmp_path / "store"), out), nprocs=2, join=True)
+    whole = _logits(path)
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(f"{out}.{rank}"), whole, atol=1e-5, rtol=1e-5)

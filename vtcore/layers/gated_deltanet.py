@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, get_attention_metadata
 from vtcore.layers.gated_delta import gated_delta_chunked, gated_delta_recurrent, l2_normalize
-from vtcore.layers.linear import Linear
+from vtcore.layers.linear import Linear, copy_checked, loadable_param
 from vtcore.layers.state import StatefulLayer
 
 
@@ -42,6 +43,8 @@ GDN_FUSED = {"in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz
 
 class GatedRMSNorm(nn.Module):
     """rms(x) * w * silu(z), w starting at 1 (not zero-centred), statistics in float32."""
+
+    tp_replicated = True  # one head's width: the same on every rank
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -65,11 +68,19 @@ class GatedRMSNorm(nn.Module):
 
 
 class _ConvWeight(nn.Module):
-    """Holds the depthwise conv kernel under the checkpoint's name ``conv1d.weight`` [channels, 1, K]."""
+    """Holds the depthwise conv kernel under the checkpoint's name ``conv1d.weight`` [channels, 1, K]; under
+    tensor parallelism the rank's channels of each of ``segments`` (q, k, v)."""
 
-    def __init__(self, channels: int, kernel: int) -> None:
+    tp_sharded = True
+
+    def __init__(self, segments: list[int], kernel: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.segments = segments
+        channels = sum(n // tp.tp().size for n in segments)
+        self.weight = loadable_param(torch.empty(channels, 1, kernel), (None,), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        copy_checked(param.data, tp.rank_part(loaded, 0, self.segments))
 
     def dummy_init(self, gen: torch.Generator) -> None:
         kernel = self.weight.shape[-1]
@@ -77,11 +88,16 @@ class _ConvWeight(nn.Module):
 
 
 class GatedDeltaNet(StatefulLayer):
+    """Under tensor parallelism (:mod:`vtcore.layers.parallel`) a rank keeps its share of the key and value
+    heads: its q, k, v and z rows of the input projections and its conv channels, its heads' ``A_log`` and
+    ``dt_bias``, its columns of ``out_proj`` (summed over the ranks); its state is its heads'."""
+
     #: prefill chunk of the chunked algorithm
     chunk_size = 64
     supports_decode_graphs = True
     supports_chunk_graphs = True
     supports_state_snapshots = True
+    tp_sharded = True
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_kernel: int, eps: float) -> None:
@@ -89,16 +105,25 @@ class GatedDeltaNet(StatefulLayer):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads={num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={num_k_heads}")
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim  # whole, before any split
+        qkv = [key_dim, key_dim, value_dim]
+        self.in_proj_qkvz = Linear(hidden_size, [("qkv", sum(qkv)), ("z", value_dim)], parallel="column",
+                                   segments={"qkv": qkv})
+        self.in_proj_ba = Linear(hidden_size, [("b", num_v_heads), ("a", num_v_heads)], parallel="column")
+        self.conv1d = _ConvWeight(qkv, conv_kernel)
+        self.out_proj = Linear(value_dim, hidden_size, parallel="row")
+        num_k_heads = tp.split(num_k_heads, "linear_num_key_heads")
+        num_v_heads = tp.split(num_v_heads, "linear_num_value_heads")
         self.hk, self.hv, self.dk, self.dv, self.kernel = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = Linear(hidden_size, [("qkv", self.conv_dim), ("z", self.value_dim)])
-        self.in_proj_ba = Linear(hidden_size, [("b", num_v_heads), ("a", num_v_heads)])
-        self.conv1d = _ConvWeight(self.conv_dim, conv_kernel)
-        self.dt_bias = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(num_v_heads), requires_grad=False)
+        self.dt_bias = loadable_param(torch.empty(num_v_heads), (None,), self._head_loader)
+        self.A_log = loadable_param(torch.empty(num_v_heads), (None,), self._head_loader)
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = Linear(self.value_dim, hidden_size)
+
+    @staticmethod
+    def _head_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        copy_checked(param.data, tp.rank_part(loaded, 0))
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"conv": ((self.conv_dim, self.kernel - 1), torch.float32),

@@ -40,9 +40,12 @@ class Linear(nn.Module, QuantTarget):
     tp_sharded = True  # (``parallel``) see vtcore.layers.parallel
 
     def __init__(self, in_features: int, out_features: int | list[tuple[str, int]], bias: bool = False,
-                 parallel: str | None = None, parts: dict[str, tuple[int, int]] | None = None) -> None:
+                 parallel: str | None = None, parts: dict[str, tuple[int, int]] | None = None,
+                 segments: dict[str, list[int]] | None = None) -> None:
         """``out_features``: whole sizes (a shard's, or the layer's); ``parallel`` / ``parts``: see the module
-        docstring (``parts``: shard -> (this rank's part, parts), default (rank, size))."""
+        docstring (``parts``: shard -> (this rank's part, parts), default (rank, size)); ``segments``: a
+        column-parallel shard made of consecutive blocks each split over the ranks (Gated DeltaNet's
+        [q | k | v] rows), shard -> the blocks' whole lengths."""
         super().__init__()
         shards = out_features if isinstance(out_features, list) else []
         if parallel not in (None, "column", "row"):
@@ -52,6 +55,7 @@ class Linear(nn.Module, QuantTarget):
         self.reduce_bias = self.parallel != "row" or group.rank == 0  # a row-parallel bias is added once
         #: shard (None: the whole layer) -> (whole rows, this rank's part, parts) of a column-parallel layer
         self.column_parts: dict[str | None, tuple[int, int, int]] = {}
+        self.segments = segments or {}
         if self.parallel == "column":
             for name, size in shards or [(None, int(out_features))]:
                 part, count = (parts or {}).get(name, (group.rank, group.size))
@@ -108,6 +112,8 @@ class Linear(nn.Module, QuantTarget):
         return self._column_part(loaded, shard)
 
     def _column_part(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        if shard in self.segments:
+            return tp.rank_part(loaded, 0, self.segments[shard])
         whole, part, count = self.column_parts[shard]
         if loaded.shape[0] != whole:
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {whole} rows")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vtcore.layers import parallel as tp
 from vtcore.layers.activation import silu_and_mul
 from vtcore.layers.linear import copy_checked, loadable_param
 from vtcore.layers.quantized import QuantSlot, QuantTarget
@@ -23,10 +24,17 @@ from vtcore.quant.base import QuantTensor, WeightSpec
 
 
 class Experts(nn.Module, QuantTarget):
-    """Stacked expert MLPs: ``sum_j weights[:, j] * mlp_{experts[:, j]}(x)`` for the routed ``experts``."""
+    """Stacked expert MLPs: ``sum_j weights[:, j] * mlp_{experts[:, j]}(x)`` for the routed ``experts``.
+
+    Under tensor parallelism (:mod:`vtcore.layers.parallel`) every rank holds every expert, split along
+    its intermediate size (its rows of gate and of up, its columns of down), and sums its partial output
+    over the ranks."""
+
+    tp_sharded = True
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int = 1) -> None:
         super().__init__()
+        intermediate = tp.split(intermediate, "the experts' intermediate size")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k  # experts a token uses (for active_fraction)
         self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up_proj")
@@ -72,7 +80,15 @@ class Experts(nn.Module, QuantTarget):
         return target
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        copy_checked(self.shard_view(param, shard), loaded)
+        copy_checked(self.shard_view(param, shard), self._rank_part(param, loaded, shard))
+
+    def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """The rank's intermediate rows (gate, up) or columns (down) of a whole expert tensor."""
+        down = param is self.down_proj
+        if shard is None:  # all experts: [E, 2I, H] gate|up, or [E, H, I]
+            whole = loaded.shape[1] // 2
+            return tp.rank_part(loaded, 2) if down else tp.rank_part(loaded, 1, [whole, whole])
+        return tp.rank_part(loaded, 1 if down else 0)  # one expert's [I, H] gate or up, or [H, I] down
 
     def dummy_init(self, gen: torch.Generator) -> None:
         if self.quant is not None:
@@ -111,13 +127,13 @@ class Experts(nn.Module, QuantTarget):
         if self.fused(x):
             from vtcore.kernels.fused_moe import fused_experts
             fp4 = None if self.quant is None else self._operand()
-            return fused_experts(x, experts, weights, self.gate_up_proj, self.down_proj, fp4=fp4)
+            return tp.all_reduce(fused_experts(x, experts, weights, self.gate_up_proj, self.down_proj, fp4=fp4))
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
             h = silu_and_mul(self._project(x[token], "gate_up_proj", e))
             out.index_add_(0, token, self._project(h, "down_proj", e) * weights[token, slot, None])
-        return out
+        return tp.all_reduce(out)
 
     def _project(self, x: torch.Tensor, dense: str, e: int) -> torch.Tensor:
         if self.quant is None:

@@ -61,6 +61,20 @@ def refuse_unsharded(model: torch.nn.Module) -> None:
                              f"its parameters replicated (tp_replicated = True; vtcore.layers.parallel)")
 
 
+def rank_part(loaded: torch.Tensor, dim: int, segments: list[int] | None = None) -> torch.Tensor:
+    """This rank's part of a whole tensor along ``dim``: of each of ``segments`` (consecutive lengths
+    along ``dim``, each split in equal parts over the ranks; default the whole length); the tensor itself
+    at size 1 or when it is already the part's size."""
+    whole = segments or [loaded.shape[dim]]
+    if _current.size == 1:
+        return loaded
+    if loaded.shape[dim] != sum(whole):
+        raise ValueError(f"shape {tuple(loaded.shape)}, expected {sum(whole)} along dimension {dim}")
+    parts = [t.narrow(dim, _current.rank * (n // _current.size), n // _current.size)
+             for t, n in zip(loaded.split(whole, dim), whole)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 def split(total: int, what: str) -> int:
     """This rank's share of ``total`` (heads, rows, vocabulary), refused by name when it does not divide."""
     size = _current.size
