@@ -1,10 +1,9 @@
 """Tensor parallelism of vtcore's layers (``vtcore.layers.parallel``), processes over gloo on the CPU: a
 Qwen3 (and Qwen3.5 dense and MoE) model built as rank 0 and rank 1 of 2 (column-parallel q/k/v and
-gate/up, row-parallel o and down
-with one all-reduce each, a vocabulary-parallel embedding, gathered logits; key/value heads split or, with
-fewer than ranks, replicated; biases of row-parallel layers added once) gives the logits of the whole
-model, over a prefill and a decode step through the paged KV cache, its weights loaded from the whole
-checkpoint tensors."""
+gate/up, row-parallel o and down with one all-reduce each, a vocabulary-parallel embedding, gathered
+logits; key/value heads split or, with fewer than ranks, replicated; biases of row-parallel layers added
+once) gives the logits of the whole model, over a prefill and a decode step through the paged KV cache,
+each rank reading only its part of each checkpoint tensor."""
 from __future__ import annotations
 
 import json
@@ -103,3 +102,30 @@ def test_qwen3_5_on_two_ranks_gives_the_whole_models_logits(qwen3_5_checkpoints,
     whole = _logits(path)
     for rank in range(2):
         torch.testing.assert_close(torch.load(f"{out}.{rank}"), whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "attention_bias": True}],
+                         ids=["untied", "tied"])
+def test_a_rank_reads_only_its_part_of_each_tensor(make_checkpoint, monkeypatch: pytest.MonkeyPatch,
+                                                   overrides: dict) -> None:
+    """Rank 1 of 2 loads through safetensors slices the parameters the same weight loaders make of the whole
+    tensors, reading about half of the checkpoint (the norms whole)."""
+    from safetensors.torch import load_file
+
+    from vtcore.loading.lazy import LazySlice
+    from vtcore.loading.weights import WeightMapper
+
+    path, _ = make_checkpoint(**overrides)
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    read, materialize = [0], LazySlice.materialize
+    monkeypatch.setattr(LazySlice, "materialize", lambda self: (read.append(self.shape.numel()), materialize(self))[1])
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    with tensor_parallel(1, 2):
+        lazy, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors")
+        whole, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")
+        mapper = WeightMapper(whole)
+        for name, tensor in tensors.items():
+            mapper.load(path, name, "F32", lambda: tensor)
+    for (name, got), (_, want) in zip(lazy.named_parameters(), whole.named_parameters()):
+        assert torch.equal(got, want), name
+    assert 0.45 < sum(read) / sum(t.numel() for t in tensors.values()) < 0.55

@@ -108,7 +108,8 @@ class Linear(nn.Module, QuantTarget):
                                                                    self.in_features)
         if shard is None and self.shard_slices:  # a fused tensor whole: each shard's part
             whole = [self.column_parts[name][0] for name in self.shard_slices]
-            return torch.cat([self._column_part(t, name) for t, name in zip(loaded.split(whole), self.shard_slices)])
+            return torch.cat([tp.materialize(self._column_part(t, name))
+                              for t, name in zip(loaded.split(whole), self.shard_slices)])
         return self._column_part(loaded, shard)
 
     def _column_part(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
@@ -227,7 +228,7 @@ def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
     """``target.copy_(loaded)``, refusing a tensor of another shape (the loader names the tensor)."""
     if tuple(target.shape) != tuple(loaded.shape):
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-    target.copy_(loaded)
+    target.copy_(tp.materialize(loaded))
 
 
 def use_gemv(x: torch.Tensor) -> bool:

@@ -61,6 +61,12 @@ def refuse_unsharded(model: torch.nn.Module) -> None:
                              f"its parameters replicated (tp_replicated = True; vtcore.layers.parallel)")
 
 
+def materialize(x: Any) -> torch.Tensor:
+    """``x`` itself if it is a tensor, else the elements it selects, read now (the loaders hand ranks
+    ``vtcore.loading.lazy.LazySlice`` views, so that a rank reads only its part of each tensor)."""
+    return x.materialize() if hasattr(x, "materialize") else x
+
+
 def rank_part(loaded: torch.Tensor, dim: int, segments: list[int] | None = None) -> torch.Tensor:
     """This rank's part of a whole tensor along ``dim``: of each of ``segments`` (consecutive lengths
     along ``dim``, each split in equal parts over the ranks; default the whole length); the tensor itself
@@ -72,7 +78,7 @@ def rank_part(loaded: torch.Tensor, dim: int, segments: list[int] | None = None)
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {sum(whole)} along dimension {dim}")
     parts = [t.narrow(dim, _current.rank * (n // _current.size), n // _current.size)
              for t, n in zip(loaded.split(whole, dim), whole)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return parts[0] if len(parts) == 1 else torch.cat([materialize(p) for p in parts], dim)
 
 
 def split(total: int, what: str) -> int:

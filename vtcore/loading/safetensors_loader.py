@@ -47,6 +47,9 @@ def load_safetensors(model: nn.Module, model_path: str, hf_config: HFConfig, see
     """Fill ``model`` from the checkpoint's safetensors; every error names the file and tensor."""
     from safetensors import SafetensorError, safe_open
 
+    from vtcore.layers.parallel import tp
+    from vtcore.loading.lazy import LazySlice
+
     mapper = WeightMapper(model)
     files = checkpoint_files(model_path)
     seen: dict[str, str] = {}  # tensor name -> the file it came from
@@ -61,7 +64,9 @@ def load_safetensors(model: nn.Module, model_path: str, hf_config: HFConfig, see
                                                   "expected one copy")
                         seen[name] = path
                         dtype = f.get_slice(name).get_dtype()
-                        mapper.load(path, name, dtype, lambda: f.get_tensor(name))
+                        # under tensor parallelism a rank reads only its part of each tensor
+                        read = (lambda: LazySlice(f.get_slice(name))) if tp().size > 1 else (lambda: f.get_tensor(name))
+                        mapper.load(path, name, dtype, read)
                         bar.update()
             except SafetensorError as exc:
                 raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({exc})") from None

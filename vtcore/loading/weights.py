@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from vtcore.errors import CheckpointError
+from vtcore.layers.parallel import materialize
 
 #: safetensors dtype tags a float weight may be stored in.
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -92,4 +93,4 @@ def unfused_name(pname: str, shard: str | None, packed: dict[str, tuple[str, str
 def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(materialize(loaded))
