@@ -180,6 +180,9 @@ class EngineConfig:
         "default_help": "the checkpoint's max_position_embeddings"})
     max_num_seqs: int = attrs.field(default=256, validator=positive, metadata={
         "help": "the most sequences in one step, and the largest padded decode batch (one CUDA graph each)"})
+    tensor_parallel_size: int = attrs.field(default=1, validator=positive, metadata={
+        "help": "ranks the model is split over (tensor parallelism, one process each: this one is rank 0; "
+                "gloo on CPU, NCCL on CUDA)"})
     max_num_batched_tokens: int | None = attrs.field(default=None, validator=positive, metadata={
         "help": "the most tokens in one step (prefill chunks included)",
         "default_help": "max(max_model_len, 2048)"})

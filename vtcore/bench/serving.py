@@ -63,7 +63,7 @@ import json
 import os
 import random
 import time
-from typing import Any, Sequence, TextIO
+from typing import Any, TextIO
 
 import attrs
 

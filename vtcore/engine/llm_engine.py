@@ -21,6 +21,7 @@ from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.engine.tokenizer import load_tokenizer
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
+from vtcore.layers.parallel import tensor_parallel
 from vtcore.loading.model_loader import build_model, quant_format
 from vtcore.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
@@ -33,6 +34,7 @@ from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import GrammarCache
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.step import StepOutput
+from vtcore.worker.tensor_parallel import Peers, WorkerSetup
 
 log = logging.getLogger("vtcore")
 
@@ -161,17 +163,32 @@ class LLMEngine:
             raise ConfigError(f"{self._generation_config_path()}: {exc} (or pass generation_config='vllm' to "
                               "ignore its sampling values)") from None
         mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
-        model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
-                                         config.load_format, config.seed, mtp=mtp)
-        self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
+        ranks = config.tensor_parallel_size
+        if ranks > 1 and mtp:
+            raise ConfigError("tensor_parallel_size > 1 with speculative_config method 'mtp': the MTP head does not "
+                              "run on tensor-parallel workers yet; use another method or one rank")
         proposer = self._proposer()
-        self.runner = ModelRunner(model, self.family, RunnerConfig(
-            self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
-            config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids, config.seed,
-            self.depth, config.enforce_eager, config.enable_prefix_caching, config.num_state_snapshots,
-            self._snapshot_interval(),
-            config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-            self.max_num_batched_tokens, mtp))
+        peers = Peers(ranks, self.device) if ranks > 1 else None
+        try:
+            with tensor_parallel(0, ranks):
+                model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
+                                                 config.load_format, config.seed, mtp=mtp)
+                self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
+                self.runner = ModelRunner(model, self.family, RunnerConfig(
+                    self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
+                    config.gpu_memory_utilization, self.max_model_len, config.max_num_seqs, self.eos_token_ids,
+                    config.seed, self.depth, config.enforce_eager, config.enable_prefix_caching,
+                    config.num_state_snapshots, self._snapshot_interval(),
+                    config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
+                    self.max_num_batched_tokens, mtp, ranks))
+            if peers is not None:
+                peers.setup(WorkerSetup(self.model_path, dict(hf._data), self.dtype, self.max_model_len,
+                                        config.load_format, config.seed, self.runner.config))
+                self.runner.peers = peers
+        except BaseException:
+            if peers is not None:
+                peers.shutdown()
+            raise
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
@@ -199,7 +216,7 @@ class LLMEngine:
         draft = LLMEngine(attrs.evolve(c, model=spec.model, tokenizer=None, speculative_config=None,
                                        async_scheduling=False, enable_prefix_caching=True,
                                        max_model_len=self.max_model_len, num_kv_blocks=None,
-                                       num_state_snapshots=None))
+                                       num_state_snapshots=None, tensor_parallel_size=1))
         if draft.vocab_size != self.vocab_size:
             raise ConfigError(f"speculative_config: the draft model {spec.model!r} has vocab_size={draft.vocab_size},"
                               f" the target {c.model!r} {self.vocab_size}: a draft must share the target's vocabulary")

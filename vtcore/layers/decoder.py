@@ -213,4 +213,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (under tensor parallelism each rank's slice, gathered)."""
-        return parallel.all_gather_last(self.lm_head(hidden))
+        return parallel.all_gather_last(self.lm_head(hidden), self.lm_head.tp_group)

@@ -61,7 +61,8 @@ class EmbedInto(nn.Module):
     """A vocabulary embedding that honours the device-token override. Every family embeds with it."""
 
     tp_sharded = True  # its rank's slice of the vocabulary (vtcore.layers.parallel)
-    vocab_start = 0  # the first id of that slice (a class default: a wrapper need not call __init__)
+    vocab_start = 0  # the first id of that slice (class defaults: a wrapper need not call __init__)
+    tp_group = tp.TensorParallel()
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         """Under tensor parallelism (:mod:`vtcore.layers.parallel`) it holds its rank's slice of the
@@ -70,7 +71,8 @@ class EmbedInto(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         num_local = tp.split(num_embeddings, "vocab_size")
-        self.vocab_start = tp.tp().rank * num_local
+        self.tp_group = tp.tp()
+        self.vocab_start = self.tp_group.rank * num_local
         self.weight = loadable_param(torch.empty(num_local, embedding_dim), (None,), self.weight_loader)
         self.family = "<unknown>"  # set by the model builder, for the error message
 
@@ -98,4 +100,4 @@ class EmbedInto(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_local)
         out = nn.functional.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
-        return tp.all_reduce(out)
+        return tp.all_reduce(out, self.tp_group)

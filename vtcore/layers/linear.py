@@ -50,7 +50,7 @@ class Linear(nn.Module, QuantTarget):
         shards = out_features if isinstance(out_features, list) else []
         if parallel not in (None, "column", "row"):
             raise ValueError(f"Linear parallel={parallel!r}: expected None, 'column' or 'row'")
-        group = tp.tp()
+        self.tp_group = group = tp.tp()
         self.parallel = parallel if group.size > 1 else None
         self.reduce_bias = self.parallel != "row" or group.rank == 0  # a row-parallel bias is added once
         #: shard (None: the whole layer) -> (whole rows, this rank's part, parts) of a column-parallel layer
@@ -122,7 +122,7 @@ class Linear(nn.Module, QuantTarget):
 
     def _reduced(self, y: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's partial output summed over the ranks."""
-        return tp.all_reduce(y) if self.parallel == "row" else y
+        return tp.all_reduce(y, self.tp_group) if self.parallel == "row" else y
 
     @property
     def _bias(self) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ class Experts(nn.Module, QuantTarget):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, top_k: int = 1) -> None:
         super().__init__()
         intermediate = tp.split(intermediate, "the experts' intermediate size")
+        self.tp_group = tp.tp()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.top_k = top_k  # experts a token uses (for active_fraction)
         self.gate_up_proj = self._param(torch.empty(num_experts, 2 * intermediate, hidden), "gate_up_proj")
@@ -127,13 +128,14 @@ class Experts(nn.Module, QuantTarget):
         if self.fused(x):
             from vtcore.kernels.fused_moe import fused_experts
             fp4 = None if self.quant is None else self._operand()
-            return tp.all_reduce(fused_experts(x, experts, weights, self.gate_up_proj, self.down_proj, fp4=fp4))
+            return tp.all_reduce(fused_experts(x, experts, weights, self.gate_up_proj, self.down_proj, fp4=fp4),
+                                 self.tp_group)
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             token, slot = torch.where(experts == e)
             h = silu_and_mul(self._project(x[token], "gate_up_proj", e))
             out.index_add_(0, token, self._project(h, "down_proj", e) * weights[token, slot, None])
-        return tp.all_reduce(out)
+        return tp.all_reduce(out, self.tp_group)
 
     def _project(self, x: torch.Tensor, dense: str, e: int) -> torch.Tensor:
         if self.quant is None:

@@ -89,17 +89,17 @@ def split(total: int, what: str) -> int:
     return total // size
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the group (in place; ``x`` itself at size 1)."""
-    if _current.size > 1:
-        torch.distributed.all_reduce(x, group=_current.group)
+def all_reduce(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
+    """The sum of ``x`` over ``group`` (the one a layer was built for; in place, ``x`` itself at size 1)."""
+    if group.size > 1:
+        torch.distributed.all_reduce(x, group=group.group)
     return x
 
 
-def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+def all_gather_last(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
     """The ranks' ``x`` concatenated along the last dimension, in rank order (``x`` itself at size 1)."""
-    if _current.size == 1:
+    if group.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_current.size)]
-    torch.distributed.all_gather(parts, x.contiguous(), group=_current.group)
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group.group)
     return torch.cat(parts, dim=-1)

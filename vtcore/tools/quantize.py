@@ -417,7 +417,6 @@ def _calibrate(model: nn.Module, src: str, config: dict[str, Any], linears: dict
                experts: dict[str, nn.Module], text: str) -> dict[str, torch.Tensor]:
     """Static min-max: the largest |input| each targeted Linear and expert projection sees on ``text``."""
     import torch
-    from torch import nn
 
     amax: dict[str, torch.Tensor] = {}
 

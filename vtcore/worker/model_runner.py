@@ -48,6 +48,7 @@ from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
 from vtcore.worker.mtp import MTPDrafter, MTPRows, mtp_rows
+from vtcore.worker.tensor_parallel import Peers, StepMessage
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import Batch, Scheduled, StepOutput
@@ -82,6 +83,7 @@ class RunnerConfig:
     num_speculative_tokens: int = 0
     max_num_batched_tokens: int | None = None  # None: max_model_len
     mtp: bool = False  # the model's MTP head drafts num_speculative_tokens a step (``vtcore.worker.mtp``)
+    tensor_parallel_size: int = 1  # ranks of the model (``vtcore.worker.tensor_parallel``); this runner is one
 
 
 @attrs.define
@@ -209,11 +211,13 @@ class ModelRunner:
         self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
             if config.mtp else None
         self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
+        #: rank 0 of several: the worker ranks its steps are sent to (set by the engine)
+        self.peers: Peers | None = None
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
         # decode, W4A4 experts) keeps the model eager; so does MTP drafting (the padded steps keep no
         # hidden states for the head)
-        if not config.enforce_eager and not config.mtp and all(
+        if not config.enforce_eager and not config.mtp and config.tensor_parallel_size == 1 and all(
                 getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
@@ -358,9 +362,21 @@ class ModelRunner:
 
     def _submit_general(self, batch: Batch, step: int) -> StepHandle:
         inputs = self.prepare_inputs(batch, step)
+        if self.peers is not None:
+            self.peers.send(StepMessage(inputs.staged, inputs.num_seqs, inputs.max_blocks, inputs.max_query_len,
+                                        inputs.max_context_len, inputs.state, inputs.stale, bool(inputs.metas),
+                                        [(row0, count) for _, row0, _, count in inputs.plp]))
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
+            try:
+                return rank0_work()
+            except RuntimeError:
+                if self.peers is not None:
+                    self.peers.check()  # a dead worker: say which
+                raise
+
+        def rank0_work() -> dict[str, Any]:
             f = self.run_model(inputs)
             hidden = f.hidden
             out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
@@ -474,7 +490,7 @@ class ModelRunner:
         state.state_out_slots.append(end_slot)
         state.has_state.append(continues)
 
-    def run_model(self, inputs: StepInputs) -> "Forward":
+    def run_model(self, inputs: "StepInputs | StepMessage") -> "Forward":
         """Phase 2 (device): upload, combine the in-flight tokens into the input ids, forward under
         the override scope; reads nothing of the requests (the host may have rescheduled them)."""
         (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
@@ -483,6 +499,8 @@ class ModelRunner:
         if inputs.stale:
             input_ids = d_ids.clone()
             input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
+        if self.config.tensor_parallel_size > 1:  # rank 0's ids, its in-flight tokens combined in
+            torch.distributed.broadcast(input_ids, src=0)
         state = inputs.state
         md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=d_table.view(inputs.num_seqs, inputs.max_blocks), context_lens=d_ctx,
@@ -631,9 +649,22 @@ class ModelRunner:
 
         return self._enqueue(step, staged.index, device_work, [metas[i] for i in sampling.late])
 
+    def follow(self, message: StepMessage) -> None:
+        """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits
+        (their collectives with the other ranks); rank 0 samples."""
+        f = self.run_model(message)
+        with torch.inference_mode():
+            if message.samples:
+                self.model.compute_logits(f.hidden[f.sample_rows])
+            for row0, count in message.plp_rows:
+                self.model.compute_logits(f.hidden[row0:row0 + count])
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        if self.peers is not None:
+            self.peers.shutdown()
+            self.peers = None
 
 
 def _sample_metas(s: Scheduled) -> list[SampleMeta]:
