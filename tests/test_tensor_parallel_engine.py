@@ -60,6 +60,8 @@ def test_a_worker_that_dies_ends_the_engine_naming_it_and_nothing_is_left(tiny_c
     llm = LLM(tiny_checkpoint[0], **KNOBS, tensor_parallel_size=2, async_scheduling=False)
     (worker,) = llm.engine.runner.peers.processes
     llm.generate([{"prompt_token_ids": [5, 9, 2]}], GREEDY)
+    with pytest.raises(TensorParallelError, match="already runs a tensor-parallel engine"):
+        LLM(tiny_checkpoint[0], **KNOBS, tensor_parallel_size=2)
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(timeout=10)
     with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) died \(exit code -9\)"):

@@ -67,6 +67,10 @@ class Peers:
     """Rank 0's side: the worker processes and the control group."""
 
     def __init__(self, size: int, device: torch.device) -> None:
+        if dist.is_initialized():
+            raise TensorParallelError("tensor_parallel_size > 1: this process already runs a tensor-parallel engine "
+                                      "(or another torch.distributed group); one at a time: shut the other "
+                                      "down first (its runner.shutdown())")
         self.size, self.device = size, device
         self._store = tempfile.NamedTemporaryFile(prefix="vtcore-tp-", delete=False).name
         os.unlink(self._store)  # the file rendezvous creates it
