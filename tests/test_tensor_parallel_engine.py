@@ -57,11 +57,14 @@ def test_two_ranks_decode_one_ranks_tokens_sync_async_and_mirror_off(tiny_checkp
 
 
 def test_a_worker_that_dies_ends_the_engine_naming_it_and_nothing_is_left(tiny_checkpoint) -> None:
+    """(Two engines of two ranks each run in one process meanwhile.)"""
     llm = LLM(tiny_checkpoint[0], **KNOBS, tensor_parallel_size=2, async_scheduling=False)
     (worker,) = llm.engine.runner.peers.processes
     llm.generate([{"prompt_token_ids": [5, 9, 2]}], GREEDY)
-    with pytest.raises(TensorParallelError, match="already runs a tensor-parallel engine"):
-        LLM(tiny_checkpoint[0], **KNOBS, tensor_parallel_size=2)
+    other = LLM(tiny_checkpoint[0], **KNOBS, tensor_parallel_size=2)  # a second engine of its own ranks
+    assert other.generate([{"prompt_token_ids": [5, 9, 2]}], GREEDY)[0].outputs[0].token_ids == \
+        llm.generate([{"prompt_token_ids": [5, 9, 2]}], GREEDY)[0].outputs[0].token_ids
+    other.engine.runner.shutdown()
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(timeout=10)
     with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) died \(exit code -9\)"):

@@ -170,7 +170,7 @@ class LLMEngine:
         proposer = self._proposer()
         peers = Peers(ranks, self.device) if ranks > 1 else None
         try:
-            with tensor_parallel(0, ranks):
+            with tensor_parallel(0, ranks, None if peers is None else peers.group):
                 model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
                                                  config.load_format, config.seed, mtp=mtp)
                 self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)

@@ -90,9 +90,14 @@ def split(total: int, what: str) -> int:
 
 
 def all_reduce(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
-    """The sum of ``x`` over ``group`` (the one a layer was built for; in place, ``x`` itself at size 1)."""
+    """The sum of ``x`` over ``group`` (the one a layer was built for; in place, ``x`` itself at size 1).
+    ``group.group``: a process group object of its own (an engine's ranks), or None for torch.distributed's
+    default group."""
     if group.size > 1:
-        torch.distributed.all_reduce(x, group=group.group)
+        if group.group is None:
+            torch.distributed.all_reduce(x)
+        else:
+            group.group.allreduce([x]).wait()
     return x
 
 
@@ -101,5 +106,18 @@ def all_gather_last(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
     if group.size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(group.size)]
-    torch.distributed.all_gather(parts, x.contiguous(), group=group.group)
+    if group.group is None:
+        torch.distributed.all_gather(parts, x.contiguous())
+    else:
+        group.group.allgather([parts], [x.contiguous()]).wait()
     return torch.cat(parts, dim=-1)
+
+
+def broadcast(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank (in place; ``x`` itself at size 1)."""
+    if group.size > 1:
+        if group.group is None:
+            torch.distributed.broadcast(x, src=0)
+        else:
+            group.group.broadcast(x, 0).wait()
+    return x

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from vtcore.family import ModelFamily
+from vtcore.layers import parallel as tp
 from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_metadata
 from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
@@ -211,8 +212,9 @@ class ModelRunner:
         self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
             if config.mtp else None
         self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
-        #: rank 0 of several: the worker ranks its steps are sent to (set by the engine)
+        #: rank 0 of several: the worker ranks its steps are sent to (set by the engine); the ranks' group
         self.peers: Peers | None = None
+        self.tp_group = tp.tp()
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
         # decode, W4A4 experts) keeps the model eager; so does MTP drafting (the padded steps keep no
@@ -499,8 +501,8 @@ class ModelRunner:
         if inputs.stale:
             input_ids = d_ids.clone()
             input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
-        if self.config.tensor_parallel_size > 1:  # rank 0's ids, its in-flight tokens combined in
-            torch.distributed.broadcast(input_ids, src=0)
+        if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
+            tp.broadcast(input_ids, self.tp_group)
         state = inputs.state
         md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=d_table.view(inputs.num_seqs, inputs.max_blocks), context_lens=d_ctx,
