@@ -3,11 +3,12 @@
 The scheduler, sampling and everything on the host stay with rank 0. Each step rank 0 prepares sends the
 workers a ``StepMessage`` (its staged inputs and the metadata its forward needs) over a gloo control
 group (the ranks' groups are process-group objects of their own, not torch.distributed's default group,
-so one process may run several engines); every rank then runs the same forward on its share of the model (``vtcore.layers.parallel``: the
-collectives inside it), rank 0 broadcasting the step's input ids after its combine (so in-flight tokens
-come from rank 0's device mirror, and the workers need none), and the same ``compute_logits`` calls
-(the logits are gathered on every rank). Only rank 0 samples. A worker that dies ends the engine with a
-``TensorParallelError`` naming its rank and exit code; ``shutdown`` stops and joins every worker.
+so one process may run several engines); every rank then runs the same forward on its share of the
+model (``vtcore.layers.parallel``: the collectives inside it), rank 0 broadcasting the step's input ids
+after its combine (so in-flight tokens come from rank 0's device mirror, and the workers need none), and
+the same ``compute_logits`` calls (the logits are gathered on every rank). Only rank 0 samples. A worker
+that dies ends the engine with a ``TensorParallelError`` naming its rank and exit code; ``shutdown``
+stops and joins every worker.
 """
 from __future__ import annotations
 
