@@ -49,10 +49,10 @@ from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
 from vtcore.worker.mtp import MTPDrafter, MTPRows, mtp_rows
-from vtcore.worker.tensor_parallel import Peers, StepMessage
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import Batch, Scheduled, StepOutput
+from vtcore.worker.tensor_parallel import Peers, StepMessage
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
 #: state snapshots (prefix caching of stateful layers) when num_state_snapshots is not given: as many
