@@ -34,6 +34,7 @@ FIXTURES = {
                                  ("oracle-schedule", "prefix-cache", "speculative")),
     "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
     "snapshot_into_read_slot": ({"prefix-cache", "speculative"}, "state_out_slots", ("prefix-cache", "speculative")),
+    "padding_into_state": ({"prefix-cache"}, "state_tokens", ("prefix-cache",)),
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
                     ("parameters",)),
 }

@@ -73,6 +73,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     ('{"method": "ngram"', "not valid JSON"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle', expected one of ['ngram', 'draft_model', 'mtp']"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "model='x' is the draft of method='draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens=True, expected a positive"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, "unknown key(s) ['draft']"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},

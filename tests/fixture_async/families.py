@@ -173,6 +173,18 @@ class SnapshotIntoReadSlot(_Qwen3_5WithGDN):
     gdn = _SnapshotIntoReadSlotGDN
 
 
+class _PaddingIntoStateGDN(GatedDeltaNet):
+    """Declares chunk graphs but runs a padded lone prefill chunk as if every row were real (ignores
+    ``state_tokens``): the padding's tokens change the state a later step continues from."""
+
+    def _chunk_indexed(self, mixed, b, a, slot, continues, tokens):
+        return super()._chunk_indexed(mixed, b, a, slot, continues, torch.full_like(tokens, mixed.shape[0]))
+
+
+class PaddingIntoState(_Qwen3_5WithGDN):
+    gdn = _PaddingIntoStateGDN
+
+
 class DeadTensorOracle(HFQwen3ForCausalLM):
     """HF's Qwen3 with a tensor its forward never reads: no family can be checked on it."""
 
@@ -242,6 +254,10 @@ def snapshot_into_read_slot_example() -> ConformanceExample:
     return _hybrid_example("SnapshotIntoReadSlotForCausalLM")
 
 
+def padding_into_state_example() -> ConformanceExample:
+    return _hybrid_example("PaddingIntoStateForCausalLM")
+
+
 def dead_tensor_example() -> ConformanceExample:
     return ConformanceExample(hf_config={**qwen3_example().hf_config, "architectures": ["DeadTensorForCausalLM"]},
                               oracle=f"{HERE}:DeadTensorOracle")
@@ -277,7 +293,7 @@ def vtcore_model_families() -> list[ModelFamily]:
           for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
                             ("state_not_reset", "StateNotReset"), ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
-                            ("dead_tensor", "DeadTensor"))),
+                            ("padding_into_state", "PaddingIntoState"), ("dead_tensor", "DeadTensor"))),
         ModelFamily(name="dropped_bias", architectures=("DroppedBiasForCausalLM",),
                     model_cls="tests.fixture_async.qwen2:DroppedBias", consumes_device_tokens=True,
                     conformance_example="tests.fixture_async.qwen2:dropped_bias_example"),

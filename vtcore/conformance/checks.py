@@ -62,7 +62,9 @@ def _cached_hint(rids: list[str], cached: dict[str, int], stateful: bool = False
            "prefill chunk must attend over the context already cached for it, at its true positions"
     if stateful:
         hint += "; and resume from the state snapshot at the prefix's end: a stateful layer must start each " \
-                "segment from its state_slots entry and end it in its state_out_slots entry (StatefulLayer)"
+                "segment from its state_slots entry and end it in its state_out_slots entry (StatefulLayer); a " \
+                "lone chunk padded to its bucket must leave the rows past AttentionMetadata.state_tokens out of " \
+                "the state"
     return hint
 
 
