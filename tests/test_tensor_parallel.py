@@ -16,11 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vtcore.config import HFConfig
-from vtcore.layers.attention import Attention
 from vtcore.layers.parallel import tensor_parallel
-from vtcore.layers.state import StatefulLayer
 from vtcore.loading.model_loader import build_model
-from vtcore.testing.layers import sequence_step
+from vtcore.testing.layers import allocate_caches, sequence_step
 
 BLOCK = 8
 PROMPT = [5, 9, 2, 7, 7, 1, 3, 8, 6, 4, 11]
@@ -30,12 +28,7 @@ def _logits(path: str) -> torch.Tensor:
     """The model's logits over ``PROMPT`` as a prefill of all but the last token, then a decode step."""
     hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
     model, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors")
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.k_cache, m.v_cache = (torch.zeros(2 * BLOCK, m.num_kv_heads, m.head_dim) for _ in range(2))
-            m.block_size = BLOCK
-        elif isinstance(m, StatefulLayer):
-            m.allocate_state(1, torch.device("cpu"))
+    allocate_caches(model, 2, BLOCK)
     ids, n = torch.tensor(PROMPT), len(PROMPT) - 1
     with torch.inference_mode():
         prefill = sequence_step(0, n, lambda pos: model.compute_logits(model(ids[:n], pos)))

@@ -182,8 +182,8 @@ class LLMEngine:
                     config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
                     self.max_num_batched_tokens, mtp, ranks))
             if peers is not None:
-                peers.setup(WorkerSetup(self.model_path, dict(hf._data), self.dtype, self.max_model_len,
-                                        config.load_format, config.seed, self.runner.config))
+                peers.setup(WorkerSetup(self.model_path, self.dtype, self.max_model_len, config.load_format,
+                                        config.seed, self.runner.config))
                 self.runner.peers = peers
         except BaseException:
             if peers is not None:

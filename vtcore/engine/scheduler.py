@@ -158,6 +158,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _ahead(self, tokens: int) -> int:
+        """The tokens a request's blocks must hold after a step computing up to ``tokens``: ``lookahead``
+        more where ``max_model_len`` leaves room (an MTP head's draft chain writes there)."""
+        return max(tokens, min(tokens + self.lookahead, self.max_model_len))
+
     def _proposals(self) -> dict[str, list[int]]:
         """One proposer call for every running decode row whose tokens the host knows: up to k tokens
         each, at most what its output limit leaves after the token the row samples anyway."""
@@ -206,8 +211,7 @@ class Scheduler:
             if n <= 0:
                 continue
             draft = tuple(proposals.get(req.request_id, ())[:budget - 1]) if n == 1 else ()
-            while not self.pool.grow(req.block_ids, min(req.num_computed_tokens + n + len(draft) + self.lookahead,
-                                                         self.max_model_len)):
+            while not self.pool.grow(req.block_ids, self._ahead(req.num_computed_tokens + n + len(draft))):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -223,7 +227,7 @@ class Scheduler:
             if not req.block_ids:
                 self._reuse_prefix(req)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
-            if not self.pool.grow(req.block_ids, min(req.num_computed_tokens + n + self.lookahead, self.max_model_len)):
+            if not self.pool.grow(req.block_ids, self._ahead(req.num_computed_tokens + n)):
                 self.pool.free(req.block_ids)  # the cached prefix too: looked up again next time
                 req.num_computed_tokens = req.num_registered_blocks = 0
                 req.restore_snapshot = -1

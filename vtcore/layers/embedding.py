@@ -83,9 +83,7 @@ class EmbedInto(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         """The rank's rows of the whole checkpoint embedding."""
-        if self.num_local != self.num_embeddings and loaded.shape[0] == self.num_embeddings:
-            loaded = loaded.narrow(0, self.vocab_start, self.num_local)
-        copy_checked(param.data, loaded)
+        copy_checked(param.data, tp.rank_part(loaded, 0, self.tp_group))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         override = current_override()

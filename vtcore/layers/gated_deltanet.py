@@ -75,12 +75,12 @@ class _ConvWeight(nn.Module):
 
     def __init__(self, segments: list[int], kernel: int) -> None:
         super().__init__()
-        self.segments = segments
-        channels = sum(n // tp.tp().size for n in segments)
+        self.segments, self.tp_group = segments, tp.tp()
+        channels = sum(n // self.tp_group.size for n in segments)
         self.weight = loadable_param(torch.empty(channels, 1, kernel), (None,), self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        copy_checked(param.data, tp.rank_part(loaded, 0, self.segments))
+        copy_checked(param.data, tp.rank_part(loaded, 0, self.tp_group, self.segments))
 
     def dummy_init(self, gen: torch.Generator) -> None:
         kernel = self.weight.shape[-1]
@@ -117,13 +117,13 @@ class GatedDeltaNet(StatefulLayer):
         self.hk, self.hv, self.dk, self.dv, self.kernel = num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.tp_group = tp.tp()
         self.dt_bias = loadable_param(torch.empty(num_v_heads), (None,), self._head_loader)
         self.A_log = loadable_param(torch.empty(num_v_heads), (None,), self._head_loader)
         self.norm = GatedRMSNorm(head_v_dim, eps)
 
-    @staticmethod
-    def _head_loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
-        copy_checked(param.data, tp.rank_part(loaded, 0))
+    def _head_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+        copy_checked(param.data, tp.rank_part(loaded, 0, self.tp_group))
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {"conv": ((self.conv_dim, self.kernel - 1), torch.float32),
@@ -198,13 +198,14 @@ class GatedDeltaNet(StatefulLayer):
         mixed = mixed.float()
         beta = b.float().sigmoid()
         g = self._decay(a)
+        weight = self.conv1d.weight.float()
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         out = torch.empty(mixed.shape[0], self.hv, self.dv, dtype=torch.float32, device=mixed.device)
         outs = md.state_out_slots or md.state_slots
         for (row0, n), slot, out_slot, continues in zip(md.seq_rows, md.state_slots, outs, md.has_state):
             rows = slice(row0, row0 + n)
             prev = conv_states[slot] if continues else torch.zeros_like(conv_states[slot])
-            window, qkv = self._conv(prev, mixed[rows])
+            window, qkv = self._conv(prev, mixed[rows], weight)
             conv_states[out_slot] = window[:, window.shape[1] - (self.kernel - 1):]
             q, k, v = self._heads(qkv)
             state = rec_states[slot] if continues else torch.zeros_like(rec_states[slot])
@@ -221,7 +222,7 @@ class GatedDeltaNet(StatefulLayer):
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         valid = (torch.arange(mixed.shape[0], device=mixed.device) < tokens)[:, None]  # [T, 1]
         prev = torch.where(continues, conv_states.index_select(0, slot)[0], 0.0)
-        window, qkv = self._conv(prev, mixed.float())
+        window, qkv = self._conv(prev, mixed.float(), self.conv1d.weight.float())
         tail = tokens + torch.arange(self.kernel - 1, device=mixed.device)
         conv_states.index_copy_(0, slot, window.index_select(1, tail)[None])
         q, k, v = (t * valid[..., None] for t in self._heads(qkv))
@@ -230,11 +231,12 @@ class GatedDeltaNet(StatefulLayer):
         rec_states.index_copy_(0, slot, state[None])
         return out
 
-    def _conv(self, prev: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The causal depthwise conv of float32 ``mixed`` [n, conv_dim] after the conv state ``prev``
-        [conv_dim, K-1]: (the window [conv_dim, K-1+n], its SiLU outputs [n, conv_dim])."""
+    def _conv(self, prev: torch.Tensor, mixed: torch.Tensor, weight: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The causal depthwise conv (float32 ``weight`` [conv_dim, 1, K]) of float32 ``mixed`` [n, conv_dim]
+        after the conv state ``prev`` [conv_dim, K-1]: (the window [conv_dim, K-1+n], its SiLU outputs)."""
         window = torch.cat((prev, mixed.T), dim=-1)
-        return window, F.silu(F.conv1d(window[None], self.conv1d.weight.float(), groups=self.conv_dim)[0].T)
+        return window, F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)[0].T)
 
     def _rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,8 +104,7 @@ class Linear(nn.Module, QuantTarget):
         if self.parallel is None or getattr(param, "per_shard", False):
             return loaded
         if self.parallel == "row":  # a bias is whole
-            return loaded if loaded.dim() == 1 else loaded.narrow(1, tp.tp().rank * self.in_features,
-                                                                   self.in_features)
+            return loaded if loaded.dim() == 1 else tp.rank_part(loaded, 1, self.tp_group)
         if shard is None and self.shard_slices:  # a fused tensor whole: each shard's part
             whole = [self.column_parts[name][0] for name in self.shard_slices]
             return torch.cat([tp.materialize(self._column_part(t, name))
@@ -114,7 +113,7 @@ class Linear(nn.Module, QuantTarget):
 
     def _column_part(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
         if shard in self.segments:
-            return tp.rank_part(loaded, 0, self.segments[shard])
+            return tp.rank_part(loaded, 0, self.tp_group, self.segments[shard])
         whole, part, count = self.column_parts[shard]
         if loaded.shape[0] != whole:
             raise ValueError(f"shape {tuple(loaded.shape)}, expected {whole} rows")

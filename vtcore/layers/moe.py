@@ -88,8 +88,9 @@ class Experts(nn.Module, QuantTarget):
         down = param is self.down_proj
         if shard is None:  # all experts: [E, 2I, H] gate|up, or [E, H, I]
             whole = loaded.shape[1] // 2
-            return tp.rank_part(loaded, 2) if down else tp.rank_part(loaded, 1, [whole, whole])
-        return tp.rank_part(loaded, 1 if down else 0)  # one expert's [I, H] gate or up, or [H, I] down
+            return tp.rank_part(loaded, 2, self.tp_group) if down else \
+                tp.rank_part(loaded, 1, self.tp_group, [whole, whole])
+        return tp.rank_part(loaded, 1 if down else 0, self.tp_group)  # one expert's [I, H] gate or up, or [H, I] down
 
     def dummy_init(self, gen: torch.Generator) -> None:
         if self.quant is not None:

@@ -67,16 +67,17 @@ def materialize(x: Any) -> torch.Tensor:
     return x.materialize() if hasattr(x, "materialize") else x
 
 
-def rank_part(loaded: torch.Tensor, dim: int, segments: list[int] | None = None) -> torch.Tensor:
-    """This rank's part of a whole tensor along ``dim``: of each of ``segments`` (consecutive lengths
-    along ``dim``, each split in equal parts over the ranks; default the whole length); the tensor itself
-    at size 1 or when it is already the part's size."""
+def rank_part(loaded: torch.Tensor, dim: int, group: TensorParallel, segments: list[int] | None = None
+              ) -> torch.Tensor:
+    """``group``'s rank's part of a whole tensor along ``dim`` (the group a layer was built for): of each of
+    ``segments`` (consecutive lengths along ``dim``, each split in equal parts over the ranks; default the
+    whole length); the tensor itself at size 1."""
     whole = segments or [loaded.shape[dim]]
-    if _current.size == 1:
+    if group.size == 1:
         return loaded
     if loaded.shape[dim] != sum(whole):
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {sum(whole)} along dimension {dim}")
-    parts = [t.narrow(dim, _current.rank * (n // _current.size), n // _current.size)
+    parts = [t.narrow(dim, group.rank * (n // group.size), n // group.size)
              for t, n in zip(loaded.split(whole, dim), whole)]
     return parts[0] if len(parts) == 1 else torch.cat([materialize(p) for p in parts], dim)
 

@@ -5,9 +5,23 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
+from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_metadata
+from vtcore.layers.state import StatefulLayer
 
 T = TypeVar("T")
+
+
+def allocate_caches(model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    """Fresh, zeroed KV caches of ``num_blocks`` blocks for every attention layer of ``model``, and one state
+    slot for every stateful layer (what :func:`sequence_step` addresses)."""
+    param = next(model.parameters())
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.k_cache, m.v_cache = (torch.zeros(num_blocks * block_size, m.num_kv_heads, m.head_dim, dtype=param.dtype,
+                                                device=param.device) for _ in range(2))
+            m.block_size = block_size
+        elif isinstance(m, StatefulLayer):
+            m.allocate_state(1, param.device)
 
 
 def sequence_step(start: int, n: int, run: Callable[[torch.Tensor], T], blocks: Sequence[int] = (0, 1),

@@ -6,9 +6,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from vtcore.layers.attention import Attention
-from vtcore.layers.state import StatefulLayer
-from vtcore.testing.layers import sequence_step
+from vtcore.testing.layers import allocate_caches, sequence_step
 
 
 def head_drafts_from_scratch(model: nn.Module, tokens: Sequence[int], k: int, block_size: int
@@ -18,13 +16,7 @@ def head_drafts_from_scratch(model: nn.Module, tokens: Sequence[int], k: int, bl
     each draft token with its logit margin over the runner-up (a near-tie may go either way in a batch)."""
     n, device = len(tokens) - 1, next(model.parameters()).device
     blocks = range(-(-(n + k) // block_size))
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.k_cache, m.v_cache = (torch.zeros(len(blocks) * block_size, m.num_kv_heads, m.head_dim,
-                                                dtype=next(model.parameters()).dtype, device=device) for _ in range(2))
-            m.block_size = block_size
-        elif isinstance(m, StatefulLayer):
-            m.allocate_state(1, device)
+    allocate_caches(model, len(blocks), block_size)
     ids = torch.tensor(list(tokens), device=device)
     out: list[tuple[int, float]] = []
     with torch.inference_mode():

@@ -54,8 +54,7 @@ class StepMessage:
 class WorkerSetup:
     """How a worker builds its share: the model's build arguments and rank 0's resolved runner config."""
 
-    model_path: str
-    hf_config: dict[str, Any]
+    model_path: str  # a checkpoint folder (rank 0 resolved a hub id); the worker reads its config.json
     dtype: torch.dtype
     max_model_len: int
     load_format: str
@@ -152,7 +151,7 @@ def worker_main(rank: int, size: int, store: str, device_type: str) -> None:
     setup: WorkerSetup = _broadcast_object(control, _RECEIVE)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     with tensor_parallel(rank, size, group):
-        model, family = build_model(setup.model_path, HFConfig(setup.hf_config), device, setup.dtype,
+        model, family = build_model(setup.model_path, HFConfig.from_path(setup.model_path), device, setup.dtype,
                                     setup.max_model_len, setup.load_format, setup.seed)
         runner = ModelRunner(model, family, attrs.evolve(setup.runner_config, device=device, depth=1))
     while (message := _broadcast_object(control, _RECEIVE)) is not None:

@@ -15,9 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from vtcore.config import HFConfig
 from vtcore.errors import ConfigError
-from vtcore.layers.attention import Attention
 from vtcore.loading.model_loader import build_model
-from vtcore.testing.layers import sequence_step
+from vtcore.testing.layers import allocate_caches, sequence_step
 from vtcore.testing.mtp import head_drafts_from_scratch
 from vtcore.testing.oracle import hf_model, save_checkpoint
 from vtcore_qwen3_5.plugin import dense_example, moe_example
@@ -84,9 +83,7 @@ def test_mtp_head_matches_a_float64_reference_of_the_architecture(example: Any, 
     path, modules = _checkpoint(str(tmp_path), example, seed=3)
     hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
     model, _ = build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors", mtp=True)
-    (attn,) = [m for m in model.mtp.modules() if isinstance(m, Attention)]
-    attn.k_cache, attn.v_cache = (torch.zeros(2 * BLOCK, attn.num_kv_heads, attn.head_dim) for _ in range(2))
-    attn.block_size = BLOCK
+    allocate_caches(model.mtp, 2, BLOCK)  # the head's own attention layer
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, hf.vocab_size, (T + 1,), generator=gen)
     hidden = torch.randn(T + 1, hf.hidden_size, generator=gen)
