@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 
 from vtcore.testing.oracle import tiny_config
+
+if TYPE_CHECKING:
+    from vtcore.plugins.manager import Plugins
 
 
 
@@ -21,6 +24,20 @@ def _real_plugins(monkeypatch: pytest.MonkeyPatch):
     reset_plugins(None)
     yield
     reset_plugins(None)
+
+
+@pytest.fixture(scope="module")
+def plugins() -> Plugins:
+    """The installed plugins and ``tests/fixture_async``'s families, each breaking one part of the contract."""
+    import importlib.metadata as md
+    import os
+    import sys
+
+    from vtcore.plugins.manager import Plugins
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return Plugins(entry_points=[*md.entry_points(group="vtcore"), md.EntryPoint(
+        name="fixture_async", value="tests.fixture_async.families", group="vtcore")])
 
 
 @pytest.fixture(scope="session")

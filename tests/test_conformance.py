@@ -18,13 +18,6 @@ from vtcore.plugins.manager import Plugins, reset_plugins
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def plugins() -> Plugins:
-    sys.path.insert(0, ROOT)
-    return Plugins(entry_points=[*md.entry_points(group="vtcore"), md.EntryPoint(
-        name="fixture_async", value="tests.fixture_async.families", group="vtcore")])
-
-
 @pytest.mark.parametrize("family, check, message", [
     ("ignores_override", "async-abc", "family 'ignores_override': EmbedInto ignores the device-token override"),
     ("undeclared", "declares-device-tokens", "family 'undeclared': does not declare consumes_device_tokens=True"),

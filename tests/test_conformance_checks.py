@@ -2,10 +2,7 @@
 hostile schedule, each shown by a fixture family that only it catches, and by disabling it."""
 from __future__ import annotations
 
-import importlib.metadata as md
 import io
-import os
-import sys
 
 import pytest
 
@@ -15,7 +12,6 @@ from vtcore.conformance.checks import PREREQUISITES
 from vtcore.conformance.gate import run_gate, write_table
 from vtcore.plugins.manager import Plugins, reset_plugins
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INPUT_NORM = "likely cause: the oracle agrees with the family once model.layers.*.input_layernorm.weight (2 tensors) " \
              "is set to 1 (the family ignores it, or loads it wrongly)"
 CACHED_CONTEXT = "a prefill chunk must attend over the"  # the schedule's and the prefix check's hint
@@ -38,13 +34,6 @@ FIXTURES = {
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
                     ("parameters",)),
 }
-
-
-@pytest.fixture(scope="module")
-def plugins() -> Plugins:
-    sys.path.insert(0, ROOT)
-    return Plugins(entry_points=[*md.entry_points(group="vtcore"), md.EntryPoint(
-        name="fixture_async", value="tests.fixture_async.families", group="vtcore")])
 
 
 def _disable(how: str | tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -195,7 +195,7 @@ def test_the_widest_padded_step_fits_its_upload_buffer(q, chunk) -> None:
     from vtcore.worker.decode_graphs import DecodeGraphs
 
     bs, max_len = 4, 64
-    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), bs, max_len, 8, 8, capture=False, query_len=q,
+    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), bs, max_len, 8, 8, query_len=q,
                           chunk=chunk)
     blocks = list(range(graphs.max_table))
     start = max_len - q

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vtcore.config import HFConfig
+from vtcore.errors import CheckpointError
 from vtcore.layers.parallel import tensor_parallel
 from vtcore.loading.model_loader import build_model
 from vtcore.testing.layers import allocate_caches, sequence_step
@@ -122,3 +123,46 @@ def test_a_rank_reads_only_its_part_of_each_tensor(make_checkpoint, monkeypatch:
     for (name, got), (_, want) in zip(lazy.named_parameters(), whole.named_parameters()):
         assert torch.equal(got, want), name
     assert 0.45 < sum(read) / sum(t.numel() for t in tensors.values()) < 0.55
+
+
+@pytest.fixture(scope="module")
+def fp4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """compressed-tensors FP4 checkpoints (``vtcore quantize``): a Qwen3 in MXFP4 (groups of 32) and a Qwen3.5
+    MoE in NVFP4 (groups of 16, global scales per shard: each expert's gate and up), sized so that each
+    rank's part of every row-parallel input (o, down, experts' down, Gated DeltaNet's out) holds whole groups."""
+    pytest.importorskip("compressed_tensors")
+    from vtcore.testing.oracle import hf_model, save_checkpoint, tiny_config
+    from vtcore.tools.quantize import quantize_checkpoint
+    from vtcore_qwen3_5.plugin import moe_example
+
+    moe = {**moe_example().hf_config, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+           "linear_value_head_dim": 16}
+    out = {}
+    for name, config, scheme in (("qwen3-mxfp4", tiny_config(), "MXFP4A16"), ("moe-nvfp4", moe, "NVFP4A16")):
+        src = save_checkpoint(hf_model(config, seed=3), str(tmp_path_factory.mktemp(name + "-dense")))
+        out[name] = str(tmp_path_factory.mktemp(name))
+        quantize_checkpoint(src, out[name], scheme, show_progress=False)
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3-mxfp4", "moe-nvfp4"])
+def test_fp4_checkpoints_on_two_ranks_give_the_whole_models_logits(fp4_checkpoints, tmp_path: Any, name: str) -> None:
+    """Packed codes and group scales split with the rows (column-parallel) or the input groups (row-parallel,
+    the experts' down), global scales whole on every rank."""
+    path = fp4_checkpoints[name]
+    assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]
+    out = str(tmp_path / "logits")
+    mp.spawn(_rank, args=(2, path, str(tmp_path / "store"), out), nprocs=2, join=True)
+    whole = _logits(path)
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(f"{out}.{rank}"), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_fp4_layer_whose_part_of_its_input_splits_a_group_is_refused_by_name(fp4_checkpoints) -> None:
+    path = fp4_checkpoints["qwen3-mxfp4"]
+    config = json.load(open(os.path.join(path, "config.json")))
+    hf = HFConfig({**config, "intermediate_size": 96})  # down's input: 48 a rank, not whole groups of 32
+    refused = r"down_proj: in_features=48 is not divisible by the mxfp4-pack-quantized group size 32 \(this " \
+              r"rank's part at tensor_parallel_size=2"
+    with tensor_parallel(0, 2), pytest.raises(CheckpointError, match=refused):
+        build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")

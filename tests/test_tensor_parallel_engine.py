@@ -1,8 +1,8 @@
 """``tensor_parallel_size`` (vLLM's name): the engine runs rank 0 itself and spawns a worker process per other
 rank (gloo on the CPU). The tokens equal one rank's, sync, async (the device mirror on rank 0, the step's
-ids broadcast) and with the mirror off, for a dense family and a hybrid one resuming cached prefixes
-from state snapshots; a worker that dies ends the engine with an error naming it; shutdown leaves no
-process behind."""
+ids broadcast, on the general path and the padded one that CUDA graphs replay) and with the mirror off,
+for a dense family and a hybrid one resuming cached prefixes from state snapshots; a worker that dies ends
+the engine with an error naming it; shutdown leaves no process behind."""
 from __future__ import annotations
 
 import json
@@ -48,6 +48,9 @@ def test_two_ranks_decode_one_ranks_tokens_sync_async_and_mirror_off(tiny_checkp
             runs[mode], _ = run_engine(engine, _arrivals(base))
             if family == "qwen3_5":  # request c resumed a cached prefix from a state snapshot on both ranks
                 assert engine.requests == {} and engine.pool.hits > 0
+            # padded decode steps (CUDA graphs on the GPU) on every rank, as general ones (the gate's prefix-cache
+            # check at two ranks requires lone padded chunks)
+            assert engine.runner.padded_decode_steps > 0
         finally:
             engine.runner.shutdown()
     greedy = [rid for rid in one if rid != "b"]  # float sums in another order: sampled draws may differ

@@ -84,6 +84,36 @@ class IgnoresNormWeight(Qwen3ForCausalLM):
             layer.input_layernorm.__class__ = _WeightlessNorm
 
 
+class _UndeclaredNorm(RMSNorm):
+    """A norm of a family's own that says nothing about tensor parallelism."""
+
+    tp_replicated = False
+
+
+class UnshardedNorm(Qwen3ForCausalLM):
+    """Right on one rank; above one its own norm neither shards nor declares itself replicated."""
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        self.model.norm.__class__ = _UndeclaredNorm
+
+
+class _RankZeroRowLinear(Linear):
+    """A row-parallel Linear whose loader keeps rank 0's columns on every rank: right on one rank only."""
+
+    def _rank_part(self, param, loaded, shard):
+        return loaded if self.parallel is None or loaded.dim() == 1 else loaded.narrow(1, 0, self.in_features)
+
+
+class RankZeroOProj(Qwen3ForCausalLM):
+    """Every layer's o_proj loads rank 0's part of its weight on every rank."""
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        for layer in self.model.layers:
+            layer.self_attn.o_proj.__class__ = _RankZeroRowLinear
+
+
 class _OwnTokensAttention(Attention):
     """Prefill attends over the step's own K/V only, not the context already in the cache: right while
     every prompt is prefilled whole in one step."""
@@ -241,6 +271,14 @@ def cached_prefix_off_by_one_example() -> ConformanceExample:
     return _example("CachedPrefixOffByOneForCausalLM")
 
 
+def unsharded_norm_example() -> ConformanceExample:
+    return _example("UnshardedNormForCausalLM")
+
+
+def rank_zero_o_proj_example() -> ConformanceExample:
+    return _example("RankZeroOProjForCausalLM")
+
+
 def _hybrid_example(arch: str) -> ConformanceExample:
     base = qwen3_5_example()
     return ConformanceExample(hf_config={**base.hf_config, "architectures": [arch]}, oracle=base.oracle)
@@ -293,7 +331,8 @@ def vtcore_model_families() -> list[ModelFamily]:
           for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
                             ("state_not_reset", "StateNotReset"), ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
-                            ("padding_into_state", "PaddingIntoState"), ("dead_tensor", "DeadTensor"))),
+                            ("padding_into_state", "PaddingIntoState"), ("dead_tensor", "DeadTensor"),
+                            ("unsharded_norm", "UnshardedNorm"), ("rank_zero_o_proj", "RankZeroOProj"))),
         ModelFamily(name="dropped_bias", architectures=("DroppedBiasForCausalLM",),
                     model_cls="tests.fixture_async.qwen2:DroppedBias", consumes_device_tokens=True,
                     conformance_example="tests.fixture_async.qwen2:dropped_bias_example"),

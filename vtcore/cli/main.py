@@ -83,7 +83,7 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
 
     resolve_device(args.device)  # no CUDA here: one error now, not a failed check per family
     quant = [] if args.no_quant else (args.quant or None)
-    return gate_main(args.family or None, args.device, args.json, out, quant, args.check)
+    return gate_main(args.family or None, args.device, args.json, out, quant, args.check, args.tensor_parallel_size)
 
 
 def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
@@ -104,7 +104,7 @@ def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from vtcore.bench.serving import add_bench_parser, json_path
     from vtcore.conformance import CHECKS
-    from vtcore.engine.arg_utils import add_engine_args
+    from vtcore.engine.arg_utils import add_engine_args, positive_int
     from vtcore.tools.quantize import add_quantize_parser
     from vtcore.server.serve import add_serve_parser
 
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only this family check and the ones it needs (repeatable; one of: "
                         f"{', '.join(CHECKS)})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int("--tensor-parallel-size"), default=1,
+                   metavar="N", help="run every check on engines of N ranks (worker processes: gloo on the "
+                                     "CPU, NCCL on CUDA)")
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write the results as JSON")
     quant = p.add_mutually_exclusive_group()
     quant.add_argument("--quant", action="append", metavar="FORMAT",

@@ -71,8 +71,11 @@ def _cached_hint(rids: list[str], cached: dict[str, int], stateful: bool = False
 class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
-    def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str) -> None:
+    def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str,
+                 tensor_parallel_size: int = 1) -> None:
         self.plugins, self.family, self.device, self.workdir = plugins, family, device, workdir
+        self.tensor_parallel_size = tensor_parallel_size
+        self._engines: list[LLMEngine] = []  # built by the running check, shut down after it
         self.example: ConformanceExample | None = None
         self._hf: Any = None
         self._path: str | None = None
@@ -96,12 +99,15 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
         return self._path, self._hf
 
     def engine(self, mode: str = "sync", path: str | None = None, **knobs: Any) -> LLMEngine:
-        """An engine over the oracle checkpoint (or ``path``): float32, the gate's blocks and pool unless
-        ``knobs`` say."""
+        """An engine over the oracle checkpoint (or ``path``): float32, the gate's blocks and pool and
+        tensor-parallel size unless ``knobs`` say; shut down when the check that built it ends."""
         path = path or self._checkpoint()[0]
-        return build_engine(path, mode, **{"device": self.device, "dtype": "float32", "block_size": BLOCK,
-                                           "num_kv_blocks": 256, "max_model_len": 128, "max_num_seqs": 32,
-                                           "seed": SEED, **knobs})
+        engine = build_engine(path, mode, **{"device": self.device, "dtype": "float32", "block_size": BLOCK,
+                                             "num_kv_blocks": 256, "max_model_len": 128, "max_num_seqs": 32,
+                                             "seed": SEED, "tensor_parallel_size": self.tensor_parallel_size,
+                                             **knobs})
+        self._engines.append(engine)
+        return engine
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(SEED)
@@ -111,23 +117,30 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
     # ------------------------------------------------------------------ driver
     def run(self, only: list[str] | None = None) -> dict[str, CheckResult]:
         """Run every check in order, or only those of ``only`` and the checks they need (the others
-        are reported as skipped)."""
-        for check in CHECKS:
-            method: Callable[[], str] = getattr(self, "check_" + check.replace("-", "_"))
-            try:
-                if only is not None and check not in only and check not in PREREQUISITES:
-                    raise Skipped("not selected (--check)")
-                self._require(check)
-                result = CheckResult(check, "pass", method() or "")
-            except Skipped as exc:
-                result = CheckResult(check, "skip", str(exc))
-            except Failed as exc:
-                result = CheckResult(check, "fail", f"family {self.name!r}: {exc}")
-            except Exception as exc:  # noqa: BLE001 - a crash in a check is a failure of the family
-                result = CheckResult(check, "fail", f"family {self.name!r}: {check} raised "
-                                                    f"{type(exc).__name__}: {exc}")
-            self.results[check] = result
+        are reported as skipped). Tensor-parallel workers serve one engine after another."""
+        from vtcore.worker.tensor_parallel import reused_workers
+
+        with reused_workers():
+            for check in CHECKS:
+                self.results[check] = self._run_check(check, only)
         return self.results
+
+    def _run_check(self, check: str, only: list[str] | None) -> CheckResult:
+        try:
+            method: Callable[[], str] = getattr(self, "check_" + check.replace("-", "_"))
+            if only is not None and check not in only and check not in PREREQUISITES:
+                raise Skipped("not selected (--check)")
+            self._require(check)
+            return CheckResult(check, "pass", method() or "")
+        except Skipped as exc:
+            return CheckResult(check, "skip", str(exc))
+        except Failed as exc:
+            return CheckResult(check, "fail", f"family {self.name!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a crash in a check is a failure of the family
+            return CheckResult(check, "fail", f"family {self.name!r}: {check} raised {type(exc).__name__}: {exc}")
+        finally:
+            while self._engines:
+                self._engines.pop().shutdown()
 
     def _require(self, check: str) -> None:
         def failed(name: str) -> bool:
@@ -198,6 +211,9 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
         return f"{layers} layers, {distinct} distinct tokens in {STRENGTH_TOKENS}"
 
     def check_weights(self) -> str:
+        """Each checkpoint tensor lands bit for bit in its parameter; at a tensor-parallel size above 1, in
+        rank 0's share of it: whole where the parameter is replicated, else 1/size of it along one
+        dimension, starting with the tensor's first slice along it (the oracle checks prove the rest)."""
         from safetensors import safe_open
 
         from vtcore.loading.weights import WeightMapper
@@ -205,7 +221,7 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
         path, _ = self._checkpoint()
         model = self.engine().runner.model
         mapper = WeightMapper(model)
-        checked = 0
+        checked = parts = 0
         with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
             for name in f.keys():
                 target = mapper.target(name)
@@ -216,12 +232,29 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
                 if shard is not None:
                     param = model.get_submodule(pname.rpartition(".")[0]).shard_view(mapper.params[pname], shard)
                 tensor = f.get_tensor(name).to(param.dtype)
-                if param.shape != tensor.shape or not torch.equal(param.cpu(), tensor):
-                    where = f"{pname!r}" + (f" shard {shard!r}" if shard else "")
+                where = f"{pname!r}" + (f" shard {shard!r}" if shard else "")
+                if self.tensor_parallel_size > 1 and param.shape != tensor.shape:
+                    self._rank0_part(name, tensor, param.cpu(), where)
+                    parts += 1
+                elif param.shape != tensor.shape or not torch.equal(param.cpu(), tensor):
                     raise Failed(f"checkpoint tensor {name!r} does not land bit for bit in parameter {where}: "
                                  "fix the family's weight mapping (packed_modules_mapping / weight_loader)")
                 checked += 1
-        return f"{checked} tensors land bit for bit"
+        return f"{checked} tensors land bit for bit" + (
+            f" ({parts} of them as rank 0's part of {self.tensor_parallel_size})" if parts else "")
+
+    def _rank0_part(self, name: str, tensor: torch.Tensor, part: torch.Tensor, where: str) -> None:
+        size = self.tensor_parallel_size
+        dims = [d for d in range(tensor.dim()) if part.dim() == tensor.dim() and part.shape[d] != tensor.shape[d]]
+        if len(dims) != 1 or part.shape[dims[0]] * size != tensor.shape[dims[0]]:
+            raise Failed(f"at tensor_parallel_size={size}, rank 0's parameter {where} has shape {tuple(part.shape)} "
+                         f"for checkpoint tensor {name!r} of {tuple(tensor.shape)}: a sharded layer keeps 1/{size} "
+                         "of each tensor along one dimension (vtcore.layers.parallel)")
+        d = dims[0]
+        if not torch.equal(part.narrow(d, 0, 1), tensor.narrow(d, 0, 1)):
+            raise Failed(f"at tensor_parallel_size={size}, rank 0's part of checkpoint tensor {name!r} in parameter "
+                         f"{where} does not start with the tensor's first slice along dimension {d}: rank 0 holds "
+                         "the first part of each block (vtcore.layers.parallel.rank_part)")
 
     def check_parameters(self) -> str:
         from vtcore.conformance.sensitivity import MIN_EFFECT, tensor_effects

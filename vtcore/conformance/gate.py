@@ -10,15 +10,17 @@ from vtcore.conformance import CHECKS, QUANT_CHECKS
 from vtcore.conformance.checks import CheckResult, FamilyGate
 from vtcore.conformance.quant_checks import QuantGate
 from vtcore.plugins.manager import Plugins, get_plugins, use_plugins
+from vtcore.worker.tensor_parallel import reused_workers
 
 Gate = Union[FamilyGate, QuantGate]
 
 
 def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Plugins | None = None,
-             quant: list[str] | None = None, checks: list[str] | None = None) -> list[Gate]:
+             quant: list[str] | None = None, checks: list[str] | None = None,
+             tensor_parallel_size: int = 1) -> list[Gate]:
     """Run every check (or ``checks`` and the ones they need) on each named family (default: all
-    registered), then the quant checks of each named quant format (default: all registered; ``[]``
-    for none) over those families."""
+    registered), then the quant checks of each named quant format (default: all registered; ``[]`` for
+    none) over those families; every engine over ``tensor_parallel_size`` ranks."""
     plugins = plugins or get_plugins()
     names = families or sorted(plugins.families)
     formats = sorted(plugins.quant_methods) if quant is None else quant
@@ -38,16 +40,17 @@ def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Pl
     for fmt in formats:
         plugins.quant_method(fmt)
     gates: list[Gate] = []
-    with tempfile.TemporaryDirectory(prefix="vtcore-conformance-") as workdir, use_plugins(plugins):
+    with tempfile.TemporaryDirectory(prefix="vtcore-conformance-") as workdir, use_plugins(plugins), \
+            reused_workers():
         for name in names:
-            gate = FamilyGate(plugins, plugins.family(name), device, workdir)
+            gate = FamilyGate(plugins, plugins.family(name), device, workdir, tensor_parallel_size)
             gate.run(checks)
             gates.append(gate)
         # A family that failed its own gate would fail the quant checks for its own fault: left out.
         failed = {g.name for g in gates if _failed(g)}
         for fmt in formats:
             gate = QuantGate(plugins, fmt, [plugins.family(n) for n in names if n not in failed], device, workdir,
-                             left_out=sorted(failed))
+                             left_out=sorted(failed), tensor_parallel_size=tensor_parallel_size)
             gate.run()
             gates.append(gate)
     return gates
@@ -71,9 +74,10 @@ def _section(gates: list[Gate], checks: tuple[str, ...], title: str, out: TextIO
         out.write("  ".join(cells) + "\n")
 
 
-def write_table(gates: list[Gate], out: TextIO, device: str) -> None:
+def write_table(gates: list[Gate], out: TextIO, device: str, tensor_parallel_size: int = 1) -> None:
     """Family x check and quant method x check, then what to fix for each failure and why each skip happened."""
-    out.write(f"vtcore conformance (device {device})\n")
+    ranks = f", tensor_parallel_size {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
+    out.write(f"vtcore conformance (device {device}{ranks})\n")
     _section([g for g in gates if isinstance(g, FamilyGate)], CHECKS, "family", out)
     _section([g for g in gates if isinstance(g, QuantGate)], QUANT_CHECKS, "quant method", out)
     for g in gates:
@@ -117,11 +121,11 @@ def summary(gates: list[Gate]) -> str:
     return f"FAILED: {fam}; quant methods: {', '.join(parts) or 'none run'}"
 
 
-def to_json(gates: list[Gate], device: str) -> dict:
+def to_json(gates: list[Gate], device: str, tensor_parallel_size: int = 1) -> dict:
     def checks(g: Gate) -> dict:
         return {c: {"status": r.status, "detail": r.detail} for c, r in g.results.items()}
 
-    return {"device": device, "passed": passed(gates),
+    return {"device": device, "tensor_parallel_size": tensor_parallel_size, "passed": passed(gates),
             "families": {g.name: {"plugin": g.family.plugin, "oracle": g.oracle, "checks": checks(g)}
                          for g in gates if isinstance(g, FamilyGate)},
             "quant": {g.name: {"plugin": g.plugins.quant_methods[g.fmt][0], "checks": checks(g)}
@@ -129,13 +133,13 @@ def to_json(gates: list[Gate], device: str) -> dict:
 
 
 def main(families: list[str] | None, device: str, json_path: str | None, out: TextIO,
-         quant: list[str] | None = None, checks: list[str] | None = None) -> int:
+         quant: list[str] | None = None, checks: list[str] | None = None, tensor_parallel_size: int = 1) -> int:
     """The ``vtcore conformance`` command: exit code 1 on any failure (or nothing to check)."""
-    gates = run_gate(families, device, quant=quant, checks=checks)
-    write_table(gates, out, device)
+    gates = run_gate(families, device, quant=quant, checks=checks, tensor_parallel_size=tensor_parallel_size)
+    write_table(gates, out, device, tensor_parallel_size)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(to_json(gates, device), f, indent=2)
+            json.dump(to_json(gates, device, tensor_parallel_size), f, indent=2)
     return 0 if passed(gates) else 1
 
 

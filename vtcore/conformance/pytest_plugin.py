@@ -32,7 +32,7 @@ def conformance_results(request: pytest.FixtureRequest, tmp_path_factory: pytest
         pytest.fail(f"{cls.__name__}.family is not set: name the model family to check")
     plugins = get_plugins()
     gate = FamilyGate(plugins, plugins.family(cls.family), request.config.getoption("vtcore_device"),
-                      str(tmp_path_factory.mktemp("conformance")))
+                      str(tmp_path_factory.mktemp("conformance")), getattr(cls, "tensor_parallel_size", 1))
     with use_plugins(plugins):
         return gate.run()
 

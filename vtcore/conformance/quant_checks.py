@@ -42,9 +42,10 @@ class QuantGate:
     """Runs the quant checks of one registered format against the given families."""
 
     def __init__(self, plugins: Plugins, fmt: str, families: list[ModelFamily], device: str, workdir: str,
-                 left_out: list[str] = ()) -> None:
+                 left_out: list[str] = (), tensor_parallel_size: int = 1) -> None:
         self.plugins, self.fmt, self.families, self.device, self.workdir = plugins, fmt, families, device, workdir
         self.left_out = list(left_out)  # families that failed their own gate, named in the report
+        self.tensor_parallel_size = tensor_parallel_size  # the ranks of the ``tokens`` check's engines
         self.results: dict[str, CheckResult] = {}
 
     @property
@@ -112,10 +113,14 @@ class QuantGate:
             quantize_checkpoint(src, dst, PRESETS[self.fmt], show_progress=False)
             oracle = dense_oracle(copy.deepcopy(hf), dst)
             engine = LLM(dst, device=self.device, dtype="float32", block_size=BLOCK, num_kv_blocks=128,
-                         max_model_len=128, async_scheduling=False).engine
+                         max_model_len=128, async_scheduling=False,
+                         tensor_parallel_size=self.tensor_parallel_size).engine
             vocab = int(example.hf_config["vocab_size"])
             prompts = [random_prompt(n, SEED + n, vocab) for n in (1, BLOCK + 1, 3 * BLOCK)]
-            tokens, _ = run_engine(engine, {0: [(str(i), p, greedy(12)) for i, p in enumerate(prompts)]})
+            try:
+                tokens, _ = run_engine(engine, {0: [(str(i), p, greedy(12)) for i, p in enumerate(prompts)]})
+            finally:
+                engine.shutdown()
             for i, p in enumerate(prompts):
                 bad = near_tie_violations(oracle, p, tokens[str(i)])
                 if bad:

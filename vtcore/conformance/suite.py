@@ -24,10 +24,13 @@ class ConformanceSuite:
     """Set ``family`` to a registered family name; every gate check becomes one test.
 
     The gate runs once per class (its checkpoint and engines are shared by the checks); a failed
-    check fails its test with the gate's message saying what to fix, and a skipped one skips.
+    check fails its test with the gate's message saying what to fix, and a skipped one skips. A
+    subclass with ``tensor_parallel_size = 2`` runs the checks on engines of two ranks (worker
+    processes over gloo on the CPU), as ``vtcore conformance --tensor-parallel-size 2`` does.
     """
 
     family: str = ""
+    tensor_parallel_size: int = 1
 
     @pytest.mark.parametrize("check", CHECKS)
     def test_conformance(self, conformance_results: dict[str, Any], check: str) -> None:

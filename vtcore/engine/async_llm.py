@@ -105,7 +105,7 @@ class AsyncLLM(EngineFrontEnd):
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
-        self.engine.runner.shutdown()
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ engine thread
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:

@@ -29,6 +29,10 @@ class LLM(EngineFrontEnd):
         when prefix caching is on."""
         return self.engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the engine's threads and tensor-parallel worker processes (also done at interpreter exit)."""
+        self.engine.shutdown()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json sampling values (vLLM's
         ``generation_config="auto"``); what ``generate`` uses when given none."""

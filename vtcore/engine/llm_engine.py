@@ -23,6 +23,7 @@ from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
 from vtcore.layers.parallel import tensor_parallel
 from vtcore.loading.model_loader import build_model, quant_format
+from vtcore.plugins.manager import get_plugins
 from vtcore.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.engine.scheduler import Batch, Scheduled
@@ -183,8 +184,9 @@ class LLMEngine:
                     self.max_num_batched_tokens, mtp, ranks))
             if peers is not None:
                 peers.setup(WorkerSetup(self.model_path, self.dtype, self.max_model_len, config.load_format,
-                                        config.seed, self.runner.config))
+                                        config.seed, self.runner.config, get_plugins().entry_points))
                 self.runner.peers = peers
+                self.runner.capture_graphs()  # every rank's model built: the ranks capture together
         except BaseException:
             if peers is not None:
                 peers.shutdown()
@@ -600,6 +602,13 @@ class LLMEngine:
         if self.scheduler.snapshots is not None:
             self.scheduler.snapshots.reset()
         return self.pool.caching
+
+    def shutdown(self) -> None:
+        """Stop the runner's threads and tensor-parallel workers, and a draft model's (idempotent)."""
+        self.runner.shutdown()
+        draft = getattr(self.scheduler.proposer, "engine", None)
+        if draft is not None:
+            draft.shutdown()
 
     def stats(self) -> EngineStats:
         """The load now; safe from another thread (it reads lengths and counters only)."""

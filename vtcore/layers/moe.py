@@ -48,7 +48,9 @@ class Experts(nn.Module, QuantTarget):
         """Loaded per expert (and gate/up); ``per_shard``: one entry per shard ([E, 2] gate|up, [E, 1] down)."""
         shards = tuple(f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")) \
             if dense == "gate_up_proj" else tuple(str(e) for e in range(self.num_experts))
-        return loadable_param(data, shards, self.weight_loader, per_shard, exact_dtype)
+        param = loadable_param(data, shards, self.weight_loader, per_shard, exact_dtype)
+        param.down = dense == "down_proj"  # (a quant method's tensors replace the dense two: which one it holds)
+        return param
 
     # ------------------------------------------------------------------------------ quantization
     def quant_slots(self, name: str, model: nn.Module) -> list[QuantSlot]:
@@ -84,8 +86,11 @@ class Experts(nn.Module, QuantTarget):
         copy_checked(self.shard_view(param, shard), self._rank_part(param, loaded, shard))
 
     def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
-        """The rank's intermediate rows (gate, up) or columns (down) of a whole expert tensor."""
-        down = param is self.down_proj
+        """The rank's intermediate rows (gate, up) or columns (down) of a whole expert tensor (packed FP4
+        codes and group scales alike); a per-shard tensor (a global scale) whole."""
+        if getattr(param, "per_shard", False):
+            return loaded
+        down = param.down
         if shard is None:  # all experts: [E, 2I, H] gate|up, or [E, H, I]
             whole = loaded.shape[1] // 2
             return tp.rank_part(loaded, 2, self.tp_group) if down else \

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vtcore.errors import CheckpointError
+from vtcore.layers import parallel as tp
 from vtcore.quant.base import QuantMethod, QuantTensor, QuantWeights, WeightSpec
 
 Loader = Callable[[nn.Parameter, torch.Tensor, "str | None"], None]
@@ -67,7 +68,7 @@ def take_over(model: nn.Module, method: QuantMethod) -> None:
             on, off = [m for m, c in chosen.items() if c], [m for m, c in chosen.items() if not c]
             raise CheckpointError(f"{name}: the quantization_config quantizes {_some(on)} but not {_some(off)}; "
                                   "the weights of one layer must be quantized all or none")
-        created = [(slot, method.create_weights(slot.spec, getattr(module, slot.dense).device)) for slot in slots]
+        created = [(slot, _create(method, slot, getattr(module, slot.dense).device)) for slot in slots]
         module.quant_weights = {}
         for slot, tensors in created:
             setattr(module, slot.dense, None)
@@ -78,6 +79,19 @@ def take_over(model: nn.Module, method: QuantMethod) -> None:
                 setattr(module, slot.prefix + key, param)
             module.quant_weights[slot.dense] = weights
         module.quant = method
+
+
+def _create(method: QuantMethod, slot: QuantSlot, device: torch.device) -> dict[str, QuantTensor]:
+    """The method's tensors for ``slot``; a spec it refuses at a tensor-parallel size above 1 is this rank's
+    part, which the error says."""
+    try:
+        return method.create_weights(slot.spec, device)
+    except CheckpointError as exc:
+        size = tp.tp().size
+        if size == 1:
+            raise
+        raise CheckpointError(f"{exc} (this rank's part at tensor_parallel_size={size}: serve it on fewer ranks)"
+                              ) from None
 
 
 def _loader(load: Loader, weights: QuantWeights, slot: QuantSlot, key: str, shared: bool) -> Loader:

@@ -8,7 +8,7 @@ from vtcore.config import HFConfig
 from vtcore.errors import NoMTPHead, PluginError
 from vtcore.family import ModelFamily
 from vtcore.layers.embedding import EmbedInto
-from vtcore.layers.parallel import refuse_unsharded, tp
+from vtcore.layers.parallel import refuse_unsharded
 from vtcore.layers.quantized import take_over
 from vtcore.plugins.manager import Plugins, get_plugins
 
@@ -34,9 +34,6 @@ def build_model(model_path: str, hf_config: HFConfig, device: torch.device, dtyp
         torch.set_default_dtype(previous)
     refuse_unsharded(model)
     quant = hf_config.get("quantization_config")
-    if quant and tp().size > 1:
-        raise ValueError(f"tensor_parallel_size={tp().size}: quantized checkpoints ({quant_format(quant)}) do not "
-                         "shard yet; serve this one on one device")
     if quant:
         take_over(model, plugins.quant_method(quant_format(quant))(quant))
     for name, module in list(model.named_modules()):

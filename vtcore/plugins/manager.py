@@ -106,6 +106,8 @@ class Plugins:
             entry_points = md.entry_points(group=ENTRY_POINT_GROUP)
         allow = _allow_list()
         entry_points = sorted(entry_points, key=lambda e: e.name)
+        #: (name, value) of each entry point given: what another process needs to load the same plugins
+        self.entry_points = [(ep.name, ep.value) for ep in entry_points]
         for ep in entry_points:
             if allow is not None and ep.name not in allow:
                 continue
@@ -265,6 +267,12 @@ def get_plugins() -> Plugins:
     if _PLUGINS is None:
         _PLUGINS = Plugins()
     return _PLUGINS
+
+
+def plugins_from(entry_points: list[tuple[str, str]]) -> Plugins:
+    """A manager of the plugins of ``entry_points`` ((name, value) pairs: ``Plugins.entry_points`` of another
+    process's manager)."""
+    return Plugins(md.EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in entry_points)
 
 
 def reset_plugins(plugins: Plugins | None = None) -> None:

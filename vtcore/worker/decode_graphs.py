@@ -55,8 +55,7 @@ class DecodeGraphs:
     ``chunk`` one row of up to ``query_len`` tokens."""
 
     def __init__(self, forward: DecodeForward, device: torch.device, block_size: int, max_model_len: int,
-                 max_num_seqs: int, dummy_slot: int, capture: bool, query_len: int = 1,
-                 pool: Any = None, chunk: bool = False) -> None:
+                 max_num_seqs: int, dummy_slot: int, query_len: int = 1, chunk: bool = False) -> None:
         self.forward, self.device, self.block_size, self.q = forward, device, block_size, query_len
         self.chunk = chunk
         q = query_len
@@ -78,11 +77,9 @@ class DecodeGraphs:
         self.views = {p: self._sections(p) for p in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], bool]] = {}
         self.steps = self.replays = 0  # padded steps run, and how many of them replayed a graph
-        self.pool = pool
+        self.pool = None
         # the longest context a padded row can have (a verify row's padding runs past max_model_len)
         self.max_context_len = max_model_len + (q if q > 1 else 0)
-        if capture and self.sizes:
-            self._capture()
 
     def _sections(self, p: int) -> list[torch.Tensor]:
         lengths = [p * (self.q if per_token else 1) for per_token in self.per_token]
@@ -116,8 +113,12 @@ class DecodeGraphs:
         return self.forward(*views[:6], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len,
                             views[6] if self.chunk else None)
 
-    def _capture(self) -> None:
-        pool = self.pool
+    def capture(self, pool: Any = None) -> Any:
+        """Capture one CUDA graph per padded size into the memory pool ``pool`` (None: a new one), largest
+        first; returns the pool, for the next graphs to share. Tensor-parallel ranks capture their graphs
+        (collectives inside) in the same order, after every rank has built its model."""
+        if not self.sizes:
+            return pool
         with torch.inference_mode(), _no_collection():
             for p in reversed(self.sizes):  # largest first: the others reuse its memory pool
                 for view, pad in zip(self.views[p], self.padding):
@@ -131,6 +132,7 @@ class DecodeGraphs:
                 self.graphs[p] = (graph, (fed, logits), consumed)
         self.pool = pool
         torch.cuda.synchronize(self.device)
+        return pool
 
     def prepare(self, batch: Batch) -> DecodeInputs:
         """The host side of a padded step of ``batch``."""

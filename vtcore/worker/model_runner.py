@@ -52,7 +52,7 @@ from vtcore.worker.mtp import MTPDrafter, MTPRows, mtp_rows
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import Batch, Scheduled, StepOutput
-from vtcore.worker.tensor_parallel import Peers, StepMessage
+from vtcore.worker.tensor_parallel import PaddedStep, Peers, StepMessage
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
 #: state snapshots (prefix caching of stateful layers) when num_state_snapshots is not given: as many
@@ -219,29 +219,35 @@ class ModelRunner:
         # a module that must read host values to decode (a stateful layer without device-indexed
         # decode, W4A4 experts) keeps the model eager; so does MTP drafting (the padded steps keep no
         # hidden states for the head)
-        if not config.enforce_eager and not config.mtp and config.tensor_parallel_size == 1 and all(
+        if not config.enforce_eager and not config.mtp and all(
                 getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
-                                              config.max_model_len, config.max_num_seqs, self.dummy_slot,
-                                              capture=self.cuda)
+                                              config.max_model_len, config.max_num_seqs, self.dummy_slot)
         # verify rows padded to k + 1 tokens; a stateful layer's per-token state segments stay eager
         self.verify_graphs: DecodeGraphs | None = None
         if self.decode_graphs is not None and config.num_speculative_tokens and not self.stateful_layers:
             self.verify_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
-                                              capture=self.cuda, query_len=config.num_speculative_tokens + 1,
-                                              pool=self.decode_graphs.pool)
+                                              query_len=config.num_speculative_tokens + 1)
         # a step that is one prefill chunk alone, padded to the next bucket (stateful layers that can: their
-        # state from device tensors too)
+        # state from device tensors too); the smallest bucket is asked first
         self.chunk_graphs: list[DecodeGraphs] = []
         if self.decode_graphs is not None and all(m.supports_chunk_graphs for m in self.stateful_layers):
-            pool = self.decode_graphs.pool
             longest = min(config.max_num_batched_tokens or config.max_model_len, config.max_model_len)
-            for q in reversed([q for q in CHUNK_SIZES if q <= longest]):
-                graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size, config.max_model_len, 1,
-                                      self.dummy_slot, capture=self.cuda, query_len=q, pool=pool, chunk=True)
-                self.chunk_graphs.insert(0, graphs)  # the smallest bucket is asked first
-                pool = graphs.pool
+            self.chunk_graphs = [DecodeGraphs(self._decode_forward, self.device, self.block_size, config.max_model_len,
+                                              1, self.dummy_slot, query_len=q, chunk=True)
+                                 for q in CHUNK_SIZES if q <= longest]
+        if config.tensor_parallel_size == 1:  # ranks capture once every rank has built its model
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """On CUDA, capture the padded steps' graphs: decode, verify, then the chunks largest first, each
+        set sharing the memory pool of those before it."""
+        if not self.cuda:
+            return
+        pool = None
+        for graphs in [g for g in (self.decode_graphs, self.verify_graphs) if g is not None] + self.chunk_graphs[::-1]:
+            pool = graphs.capture(pool)
 
     # ------------------------------------------------------------------ padded decode counters
     @property
@@ -371,14 +377,6 @@ class ModelRunner:
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            try:
-                return rank0_work()
-            except RuntimeError:
-                if self.peers is not None:
-                    self.peers.check()  # a dead worker: say which
-                raise
-
-        def rank0_work() -> dict[str, Any]:
             f = self.run_model(inputs)
             hidden = f.hidden
             out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
@@ -568,6 +566,7 @@ class ModelRunner:
                  late: Sequence[SampleMeta] = ()) -> StepHandle:
         """Run ``device_work`` (on the worker thread on CPU at depth > 1) and hand back its handle, whose
         ``draw_late`` draws ``late``, the step's late rows."""
+        device_work = self._with_peers(device_work)
         if self._worker is not None:
             future: Future = self._worker.submit(device_work)
             wait: Callable[[], StepOutput] = lambda: self.publish(future.result(), None)
@@ -588,6 +587,19 @@ class ModelRunner:
 
         return StepHandle(self, step, index, wait, draw_late if late else None)
 
+    def _with_peers(self, device_work: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+        """``device_work`` that, with tensor-parallel workers, names a dead one when it fails, or else ends
+        the ranks (``Peers.failed``: the workers may wait in a collective this rank never reaches)."""
+        def work() -> dict[str, Any]:
+            try:
+                return device_work()
+            except Exception as exc:
+                if self.peers is not None:
+                    self.peers.check()
+                    self.peers.failed(exc)
+                raise
+        return work
+
     def _record(self) -> torch.cuda.Event | None:
         """An event after the device work enqueued so far (None on CPU)."""
         if not self.cuda:
@@ -604,6 +616,8 @@ class ModelRunner:
         """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
         graph on CUDA)."""
         fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
+        if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
+            tp.broadcast(fed, self.tp_group)
         # stateful layers: one state a row (verify graphs exist only for models without them); a lone
         # chunk's state continues where its first position is past 0 and ends after its last real row
         decode, chunk = query_len == 1, last is not None
@@ -636,24 +650,37 @@ class ModelRunner:
             restores += [(s.request.mirror_slot, self.draft_state_slot(s.request.mirror_slot, s.resume))
                          for s in batch if s.resume >= 0]
             saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
+        padded = PaddedStep(self._padded.index(graphs), inputs, staged, restores, saves)
+        if self.peers is not None:
+            self.peers.send(padded)
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            sections = self.staging.upload(staged, graphs.buffer)
-            with torch.inference_mode():
-                self._copy_states(restores)
-                fed, logits, consumed, mirror = graphs.run(inputs, sections)
-                self._copy_states(saves)
-                out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
-                if metas:  # a chunk before the prompt's last samples nothing
+            fed, logits, consumed, mirror = self._run_padded(padded)
+            out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
+            if metas:  # a chunk before the prompt's last samples nothing
+                with torch.inference_mode():
                     self.sample(out, logits, sampling, fed, mirror)
             return out
 
         return self._enqueue(step, staged.index, device_work, [metas[i] for i in sampling.late])
 
-    def follow(self, message: StepMessage) -> None:
+    def _run_padded(self, step: "PaddedStep") -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+        """A padded step's device side (the same on every rank): upload, restores, forward, saves."""
+        graphs = self._padded[step.graphs]
+        sections = self.staging.upload(step.staged, graphs.buffer)
+        with torch.inference_mode():
+            self._copy_states(step.restores)
+            fed, logits, consumed, mirror = graphs.run(step.inputs, sections)
+            self._copy_states(step.saves)
+        return fed, logits, consumed, mirror
+
+    def follow(self, message: "StepMessage | PaddedStep") -> None:
         """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits
         (their collectives with the other ranks); rank 0 samples."""
+        if isinstance(message, PaddedStep):
+            self._run_padded(message)
+            return
         f = self.run_model(message)
         with torch.inference_mode():
             if message.samples:

@@ -8,16 +8,19 @@ model (``vtcore.layers.parallel``: the collectives inside it), rank 0 broadcasti
 after its combine (so in-flight tokens come from rank 0's device mirror, and the workers need none), and
 the same ``compute_logits`` calls (the logits are gathered on every rank). Only rank 0 samples. A worker
 that dies ends the engine with a ``TensorParallelError`` naming its rank and exit code; ``shutdown``
-stops and joins every worker.
+stops and joins every worker, or, inside ``reused_workers()``, parks them for the next engine (a worker
+process serves one engine after another: it is told each engine's rank, size and store over a pipe).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import tempfile
 from datetime import timedelta
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, Iterator
 
 import attrs
 import torch
@@ -51,6 +54,19 @@ class StepMessage:
 
 
 @attrs.frozen
+class PaddedStep:
+    """A padded step (``vtcore.worker.decode_graphs``), as every rank runs it: which of the runner's padded
+    paths (its index in ``ModelRunner._padded``), the host side ``DecodeGraphs.prepare`` made, the staged
+    sections, and the state copies before and after the forward."""
+
+    graphs: int
+    inputs: Any  # DecodeInputs
+    staged: Staged
+    restores: list[tuple[int, int]]
+    saves: list[tuple[int, int]]
+
+
+@attrs.frozen
 class WorkerSetup:
     """How a worker builds its share: the model's build arguments and rank 0's resolved runner config."""
 
@@ -60,6 +76,63 @@ class WorkerSetup:
     load_format: str
     seed: int
     runner_config: Any
+    plugins: list[tuple[str, str]]  # rank 0's plugin entry points (``Plugins.entry_points``): the same families
+
+
+@attrs.define
+class _Worker:
+    """A worker process and rank 0's end of its pipe (where it is told which engine to join next)."""
+
+    process: Any  # multiprocessing.Process
+    conn: Connection
+    device_type: str
+
+    def stop(self) -> None:
+        """End the process (a stop on its pipe, then termination if it lingers) and join it."""
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+#: workers parked between engines inside ``reused_workers()`` (None outside it: shutdown stops them)
+_idle: list[_Worker] | None = None
+
+
+@contextlib.contextmanager
+def reused_workers() -> Iterator[None]:
+    """Within it, an engine's shutdown parks its workers and the next engine takes them instead of spawning
+    new ones (a spawn imports torch and vtcore: seconds, where the conformance gate builds dozens of
+    engines); on exit every parked worker stops."""
+    global _idle
+    if _idle is not None:  # nested: the outer one owns the workers
+        yield
+        return
+    _idle = []
+    try:
+        yield
+    finally:
+        parked, _idle = _idle, None
+        for w in parked:
+            w.stop()
+
+
+def _take_worker(device_type: str) -> _Worker:
+    """A parked live worker for ``device_type``, else a new process."""
+    for w in list(_idle or ()):
+        _idle.remove(w)
+        if w.device_type == device_type and w.process.is_alive():
+            return w
+        w.stop()
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(target=worker_main, args=(theirs, device_type),
+                                                           name="vtcore-tp-worker", daemon=True)
+    process.start()
+    theirs.close()
+    return _Worker(process, ours, device_type)
 
 
 class Peers:
@@ -71,18 +144,31 @@ class Peers:
         self.size, self.device = size, device
         self._store = tempfile.NamedTemporaryFile(prefix="vtcore-tp-", delete=False).name
         os.unlink(self._store)  # the file store creates it
-        context = multiprocessing.get_context("spawn")
-        self.processes = [context.Process(target=worker_main, args=(rank, size, self._store, device.type),
-                                          name=f"vtcore-tp-rank{rank}", daemon=True) for rank in range(1, size)]
-        for p in self.processes:
-            p.start()
+        self.broken: str | None = None  # why the ranks are out of step (a step failed on rank 0)
+        self.workers = [_take_worker(device.type) for _ in range(1, size)]
+        for rank, w in enumerate(self.workers, start=1):
+            w.conn.send((rank, size, self._store))
         self.group, self.control = _groups(0, size, self._store, device.type)
+
+    @property
+    def processes(self) -> list[Any]:
+        """The workers' processes, rank 1 first."""
+        return [w.process for w in self.workers]
 
     def setup(self, setup: WorkerSetup) -> None:
         self._send(setup)
 
-    def send(self, message: StepMessage) -> None:
+    def send(self, message: StepMessage | PaddedStep) -> None:
         self._send(message)
+
+    def failed(self, exc: BaseException) -> None:
+        """Rank 0's part of a step raised ``exc``: the workers may wait in a collective it never reaches, and
+        rank 0 may already be sending them the next step, so they are killed now (rank 0's waits on them end at
+        once) and the engine runs no more steps, each saying why."""
+        if self.broken is None:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            for p in self.processes:
+                p.kill()
 
     def _send(self, obj: Any) -> None:
         self.check()
@@ -93,24 +179,31 @@ class Peers:
             raise TensorParallelError(f"tensor parallelism: sending a step to the workers failed ({exc})") from exc
 
     def check(self) -> None:
-        """Raise ``TensorParallelError`` naming the first worker that is no longer running."""
+        """Raise ``TensorParallelError`` naming the first worker that is no longer running (or the failed step
+        that ended them)."""
+        if self.broken is not None:
+            raise TensorParallelError(f"tensor parallelism: a step failed on rank 0 ({self.broken}), leaving the "
+                                      "workers mid-step; the engine runs no more steps")
         for rank, p in enumerate(self.processes, start=1):
             if not p.is_alive():
                 raise TensorParallelError(f"tensor-parallel worker rank {rank} (pid {p.pid}) died "
                                           f"(exit code {p.exitcode}); the engine cannot run its steps")
 
     def shutdown(self) -> None:
-        """Stop the workers (a stop message, then termination of any that lingers)."""
+        """End the workers' part in this engine, then stop them (or park them inside ``reused_workers()``)."""
+        alive = self.broken is None and all(p.is_alive() for p in self.processes)
         try:
-            if all(p.is_alive() for p in self.processes):
+            if alive:
                 _broadcast_object(self.control, None)
         except RuntimeError:
-            pass  # a dead peer: the others are terminated below
-        for p in self.processes:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            alive = False  # a dead peer: the others are stopped below
+        self.group = self.control = None
+        for w in self.workers:
+            if alive and _idle is not None:
+                _idle.append(w)
+            else:
+                w.stop()
+        self.workers = []
         if os.path.exists(self._store):
             os.unlink(self._store)
 
@@ -140,19 +233,31 @@ def _broadcast_object(control: Any, obj: Any) -> Any:
 _RECEIVE = object()  # a worker's side of _broadcast_object
 
 
-def worker_main(rank: int, size: int, store: str, device_type: str) -> None:
-    """A worker process: join the groups, build its share of the model and runner, follow rank 0's steps."""
+def worker_main(conn: Connection, device_type: str) -> None:
+    """A worker process: serve one engine after another (its rank, size and store arrive on ``conn``; None
+    ends the process)."""
+    while (job := conn.recv()) is not None:
+        _serve(*job, device_type)
+
+
+def _serve(rank: int, size: int, store: str, device_type: str) -> None:
+    """Join one engine's groups, build its share of the model and runner, follow rank 0's steps until it
+    stops (a stop before the setup: rank 0 failed to build its own share)."""
     from vtcore.config import HFConfig
     from vtcore.layers.parallel import tensor_parallel
     from vtcore.loading.model_loader import build_model
+    from vtcore.plugins.manager import plugins_from, use_plugins
     from vtcore.worker.model_runner import ModelRunner
 
     group, control = _groups(rank, size, store, device_type)
-    setup: WorkerSetup = _broadcast_object(control, _RECEIVE)
+    setup: WorkerSetup | None = _broadcast_object(control, _RECEIVE)
+    if setup is None:
+        return
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    with tensor_parallel(rank, size, group):
+    with use_plugins(plugins_from(setup.plugins)), tensor_parallel(rank, size, group):
         model, family = build_model(setup.model_path, HFConfig.from_path(setup.model_path), device, setup.dtype,
                                     setup.max_model_len, setup.load_format, setup.seed)
         runner = ModelRunner(model, family, attrs.evolve(setup.runner_config, device=device, depth=1))
+    runner.capture_graphs()  # with rank 0, which captures after sending the setup
     while (message := _broadcast_object(control, _RECEIVE)) is not None:
         runner.follow(message)

@@ -1,4 +1,5 @@
-"""The conformance gate on the Qwen3.5 dense and MoE families, through vtcore's pytest plugin."""
+"""The conformance gate on the Qwen3.5 dense and MoE families, through vtcore's pytest plugin, on one rank
+and on two."""
 from vtcore.conformance.suite import ConformanceSuite
 
 
@@ -8,3 +9,15 @@ class TestQwen3_5Conformance(ConformanceSuite):
 
 class TestQwen3_5MoeConformance(ConformanceSuite):
     family = "qwen3_5_moe"
+
+
+class TestQwen3_5ConformanceTensorParallel2(TestQwen3_5Conformance):
+    """The same checks on engines of two ranks (a worker process over gloo)."""
+
+    tensor_parallel_size = 2
+
+
+class TestQwen3_5MoeConformanceTensorParallel2(TestQwen3_5MoeConformance):
+    """The same checks on engines of two ranks (a worker process over gloo)."""
+
+    tensor_parallel_size = 2
