@@ -372,7 +372,11 @@ def test_aggregate_device_counts_kernels_per_step():
     a = aggregate_device(records, 4, 0.010)
     assert a["steps"] == 4 and a["reason"] is None
     assert a["kernels_per_step"] == 1.0  # 4 kernels / 4 steps: memcpy, memset, runtime and CPU ops are not kernels
-    assert a["device_ms_per_step"] == pytest.approx(64.0 / 4 / 1e3)
+    assert a["device_ms_per_step"] == pytest.approx(64.0 / 4 / 1e3) and a["collective_ms_per_step"] == 0.0
+    nccl = _rec("kernel", 8.0, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    tp = aggregate_device(records + [nccl, _rec("kernel", 6.0, "ncclDevKernel_AllGather_RING_LL")], 2, 0.010)
+    assert tp["collective_ms_per_step"] == pytest.approx(14.0 / 2 / 1e3)
+    assert tp["device_ms_per_step"] == pytest.approx(78.0 / 2 / 1e3)
     assert a["memcpy_per_step"] == 0.5 and a["memcpy_ms_per_step"] == pytest.approx(160.0 / 4 / 1e3)
     assert a["memset_per_step"] == 0.25
     assert a["wall_ms_per_step"] == pytest.approx(2.5)

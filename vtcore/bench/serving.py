@@ -571,7 +571,10 @@ def format_table(doc: dict[str, Any]) -> str:
                      f" over {r['decode_steps']} decode steps; " + (
                          f"profiled {d['steps']} steps (batch {_num(d.get('mean_batch_size'), '.1f')}, "
                          f"{d['profiler']}): wall {_num(d['wall_ms_per_step'], '.3f')} ms, device "
-                         f"{_num(d['device_ms_per_step'], '.3f')} ms, kernels {_num(d['kernels_per_step'], '.1f')}, "
+                         f"{_num(d['device_ms_per_step'], '.3f')} ms"
+                         + (f" (collectives {d['collective_ms_per_step']:.3f} ms)" if d.get("collective_ms_per_step")
+                            else "")
+                         + f", kernels {_num(d['kernels_per_step'], '.1f')}, "
                          f"memcpy {_num(d['memcpy_per_step'], '.1f')}, memset {_num(d['memset_per_step'], '.1f')}"
                          f" per step" if d["profiled"] else "device time and kernels not measured")
                      + ("" if d["reason"] is None else f" ({d['reason']})")

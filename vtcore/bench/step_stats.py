@@ -147,18 +147,26 @@ def records_from_kineto(events: Iterable[Any]) -> list[tuple[str, str, float]]:
     return out
 
 
+def is_collective(name: str) -> bool:
+    """A tensor-parallel collective's kernel (NCCL's all-reduce, all-gather, broadcast)."""
+    return name.startswith("nccl") or "AllReduce" in name or "AllGather" in name
+
+
 def aggregate_device(records: Iterable[tuple[str, str, float]], steps: int, wall_s: float | None) -> dict[str, Any]:
-    """Per decode step: kernels and their summed duration (ms), memcpy/memset counts (and memcpy ms)
-    apart, and the window's wall ms. Counts are None with a ``reason`` when no step, or no kernel, was seen."""
+    """Per decode step: kernels and their summed duration (ms), of it the collectives' (tensor parallelism),
+    memcpy/memset counts (and memcpy ms) apart, and the window's wall ms. Counts are None with a ``reason``
+    when no step, or no kernel, was seen."""
     n = {KERNEL: 0, MEMCPY: 0, MEMSET: 0}
     us = {KERNEL: 0.0, MEMCPY: 0.0, MEMSET: 0.0}
-    for _name, kind, dur in records:
+    collective_us = 0.0
+    for name, kind, dur in records:
         if kind in n:
             n[kind] += 1
             us[kind] += dur
+            collective_us += dur if kind == KERNEL and is_collective(name) else 0.0
     out: dict[str, Any] = {"steps": steps, "wall_ms_per_step": None, "device_ms_per_step": None,
-                           "kernels_per_step": None, "memcpy_per_step": None, "memcpy_ms_per_step": None,
-                           "memset_per_step": None, "reason": None}
+                           "collective_ms_per_step": None, "kernels_per_step": None, "memcpy_per_step": None,
+                           "memcpy_ms_per_step": None, "memset_per_step": None, "reason": None}
     if steps <= 0:
         return {**out, "reason": "no full-batch decode step was profiled"}
     out.update(wall_ms_per_step=None if wall_s is None else wall_s / steps * 1e3,
@@ -168,7 +176,8 @@ def aggregate_device(records: Iterable[tuple[str, str, float]], steps: int, wall
         out["reason"] = (f"the profiler saw no kernel events in {steps} decode steps (kernels replayed from a "
                          f"CUDA graph are not traced by this torch/CUPTI?)")
     else:
-        out.update(kernels_per_step=n[KERNEL] / steps, device_ms_per_step=us[KERNEL] / steps / 1e3)
+        out.update(kernels_per_step=n[KERNEL] / steps, device_ms_per_step=us[KERNEL] / steps / 1e3,
+                   collective_ms_per_step=collective_us / steps / 1e3)
     return out
 
 
