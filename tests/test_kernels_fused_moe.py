@@ -35,6 +35,7 @@ pytest.importorskip("triton")
 from vtcore.kernels.fused_moe import (  # noqa: E402
     FP4Experts,
     _align,
+    _align_ref,
     fused_experts,
     fused_experts_ref,
     moe_route,
@@ -243,14 +244,16 @@ def test_partial_tiles(kind, path, dtype, h, i):
     _close(y, fused_experts_ref(x, ids, weights, *dense, fp4=fp4, path=path))
 
 
-@pytest.mark.parametrize("t,k,block_m", [(40, 4, 16), (5, 2, 4), (1, 1, 16)])
-def test_align_groups_rows_by_expert(t, k, block_m):
+@pytest.mark.parametrize("align", [_align_ref, pytest.param(_align, marks=interp)], ids=["torch", "triton"])
+@pytest.mark.parametrize("t,k,block_m", [(40, 4, 16), (5, 2, 4), (1, 1, 16), (300, 8, 64)])
+def test_align_groups_rows_by_expert(t, k, block_m, align):
     """The prefill grouping: each valid (token, slot) row exactly once, in the blocks of its expert,
     an expert's rows in (token, slot) order then padding (``n``); invalid ids (-1, E) in no block;
-    used blocks first, in expert order, within the host bound ``T * k / BLOCK_M + E``."""
+    used blocks first, in expert order, within the host bound ``T * k / BLOCK_M + E``. The Triton
+    grouping (two launches) gives the torch reference's tensors exactly."""
     ids = torch.randint(-1, E + 1, (t, k), generator=_gen(t))
     ids[0, 0] = 3
-    rows, block_expert, blocks = _align(ids, E, block_m)
+    rows, block_expert, blocks = align(ids, E, block_m)
     n, flat = t * k, ids.flatten()
     assert blocks <= -(-n // block_m) + E and rows.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
     assert rows.dtype == block_expert.dtype == torch.int32
@@ -261,6 +264,9 @@ def test_align_groups_rows_by_expert(t, k, block_m):
         mine = (flat == e).nonzero().flatten() if e < E else torch.zeros(0, dtype=torch.long)
         pad = (-mine.numel()) % block_m if e < E else got.numel()
         assert got.tolist() == mine.tolist() + [n] * pad, e
+    if align is _align:
+        want = _align_ref(ids, E, block_m)
+        assert torch.equal(rows, want[0]) and torch.equal(block_expert, want[1])
 
 
 @interp

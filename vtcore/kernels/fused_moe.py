@@ -45,12 +45,12 @@ Decode path (T <= 16 by default), two launches, each one grouped launch over the
   rounds once (``4 * T * k * H`` bytes of workspace).
 
 Prefill path (T > 16), grouped GEMMs (``tl.dot``) over rows sorted by expert, as vLLM's
-``moe_align_block_size``: the flattened ``(token, slot)`` rows are stably sorted by expert id on the
-device (``torch.sort``), each expert's rows padded to a multiple of ``BLOCK_M``; block ``b`` holds
+``moe_align_block_size``: the flattened ``(token, slot)`` rows are grouped by expert id on the
+device, in (token, slot) order within an expert (``_align``), each expert's rows padded to a multiple of ``BLOCK_M``; block ``b`` holds
 rows of one expert (``block_expert[b]``, or E past the end: the program returns). The grid is sized
 by the host-int bound ``(T * k + min(E, T * k) * (BLOCK_M - 1)) // BLOCK_M`` (at most
-``T * k / BLOCK_M + E``) blocks, so no count is read back. Three launches after ~30 small torch
-ops (``_align``): gate_up (+ silu * up epilogue) writes ``act [T * k, I]``, down writes float32
+``T * k / BLOCK_M + E``) blocks, so no count is read back. Three launches after the two of the
+grouping (``_align``): gate_up (+ silu * up epilogue) writes ``act [T * k, I]``, down writes float32
 ``y [T * k, H]`` (4 * T * k * H bytes of workspace: the price of the single rounding), and
 ``_slot_sum_kernel`` forms ``out[t]`` from ``y`` in slot order as the decode path does.
 
@@ -418,16 +418,80 @@ def _slot_sum_kernel(y_ptr, ids_ptr, weights_ptr, out_ptr, E: tl.constexpr, H: t
     tl.store(out_ptr + t.to(tl.int64) * H + offs, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
+@triton.jit
+def _expert_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    """Program e: how many of the ``n`` flattened ids are ``e``."""
+    e = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        acc += (tl.load(ids_ptr + offs, mask=offs < n, other=-1) == e).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _align_kernel(ids_ptr, counts_ptr, rows_ptr, block_expert_ptr, n, blocks, E: tl.constexpr, E_POW2: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Program e: expert e's padded segment of ``rows`` (its rows in (token, slot) order, then ``n``) starting
+    after the padded counts of the experts before it, and its blocks' ``block_expert``; the last program also
+    writes the tail past the used blocks (rows ``n``, experts ``E``)."""
+    e = tl.program_id(0)
+    ex = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + ex, mask=ex < E, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(ex < e, padded, 0), axis=0)
+    count = tl.sum(tl.where(ex == e, counts, 0), axis=0)
+    mine = tl.sum(tl.where(ex == e, padded, 0), axis=0)
+    seen = count * 0
+    for s in range(0, n, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        match = (tl.load(ids_ptr + offs, mask=offs < n, other=-1) == e).to(tl.int32)
+        tl.store(rows_ptr + start + seen + tl.cumsum(match, axis=0) - 1, offs, mask=match > 0)
+        seen += tl.sum(match, axis=0)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(rows_ptr + start + count + pad, n + pad * 0, mask=count + pad < mine)
+    for b0 in range(0, blocks, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        tl.store(block_expert_ptr + b, e + b * 0, mask=(b * BLOCK_M >= start) & (b * BLOCK_M < start + mine))
+    if e == E - 1:  # past the used blocks: no expert
+        used = start + mine
+        for r0 in range(0, blocks * BLOCK_M, BLOCK):
+            r = r0 + tl.arange(0, BLOCK)
+            tl.store(rows_ptr + r, n + r * 0, mask=(r >= used) & (r < blocks * BLOCK_M))
+        for b0 in range(0, blocks, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            tl.store(block_expert_ptr + b, E + b * 0, mask=(b * BLOCK_M >= used) & (b < blocks))
+
+
+def _align_blocks(n: int, num_experts: int, block_m: int) -> int:
+    """The host-int bound on the blocks the grouping fills: ``T * k / BLOCK_M + E`` at most."""
+    return (n + min(num_experts, n) * (block_m - 1)) // block_m
+
+
 def _align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Rows ``t * k + j`` grouped by expert, each expert's group padded to a multiple of ``block_m``.
 
     Returns ``rows`` int32 ``[blocks * block_m]`` (padding: ``n = T * k``), ``block_expert`` int32
-    ``[blocks]`` (E past the used blocks) and ``blocks``, a host-int upper bound. Device ops only,
-    deterministic: a stable sort (an expert's rows stay in (token, slot) order), searchsorted,
-    cumsum and gathers (no scatter). Invalid ids sort past every expert and land in no block.
+    ``[blocks]`` (E past the used blocks) and ``blocks``, a host-int upper bound. Two launches (a count per
+    expert, then each expert's segment), deterministic (an expert's rows stay in (token, slot) order, no
+    atomics); invalid ids match no expert and land in no block. ``_align_ref`` is the same in torch ops.
     """
+    n, blocks = ids.numel(), _align_blocks(ids.numel(), num_experts, block_m)
+    flat = ids.reshape(-1)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    rows = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    block = min(1024, triton.next_power_of_2(max(n, blocks * block_m, 16)))
+    _expert_count_kernel[(num_experts,)](flat, counts, n, BLOCK=block)
+    _align_kernel[(num_experts,)](flat, counts, rows, block_expert, n, blocks, E=num_experts,
+                                  E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, BLOCK=block)
+    return rows, block_expert, blocks
+
+
+def _align_ref(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``_align`` in torch ops (a stable sort, searchsorted, cumsum and gathers; no scatter): the reference."""
     n, dev = ids.numel(), ids.device
-    blocks = (n + min(num_experts, n) * (block_m - 1)) // block_m
+    blocks = _align_blocks(n, num_experts, block_m)
     flat = ids.reshape(-1).long()
     sorted_key, order = torch.sort(torch.where((flat >= 0) & (flat < num_experts), flat, num_experts), stable=True)
     start = torch.searchsorted(sorted_key, torch.arange(num_experts + 1, device=dev))  # [E + 1]

@@ -87,15 +87,17 @@ class Experts(nn.Module, QuantTarget):
 
     def _rank_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
         """The rank's intermediate rows (gate, up) or columns (down) of a whole expert tensor (packed FP4
-        codes and group scales alike); a per-shard tensor (a global scale) whole."""
-        if getattr(param, "per_shard", False):
+        codes and group scales alike); a per-shard tensor (a global scale) and a per-row vector of down
+        (its rows are the hidden size, whole on every rank) whole."""
+        experts = 1 if shard is None else 0  # leading dimensions: [E, ...] for all experts at once
+        if getattr(param, "per_shard", False) or (param.down and loaded.dim() < 2 + experts):
             return loaded
-        down = param.down
-        if shard is None:  # all experts: [E, 2I, H] gate|up, or [E, H, I]
+        if param.down:  # [(E,) H, I]
+            return tp.rank_part(loaded, 1 + experts, self.tp_group)
+        if shard is None:  # [E, 2I, ...] gate|up
             whole = loaded.shape[1] // 2
-            return tp.rank_part(loaded, 2, self.tp_group) if down else \
-                tp.rank_part(loaded, 1, self.tp_group, [whole, whole])
-        return tp.rank_part(loaded, 1 if down else 0, self.tp_group)  # one expert's [I, H] gate or up, or [H, I] down
+            return tp.rank_part(loaded, 1, self.tp_group, [whole, whole])
+        return tp.rank_part(loaded, 0, self.tp_group)  # one expert's gate or up rows
 
     def dummy_init(self, gen: torch.Generator) -> None:
         if self.quant is not None:

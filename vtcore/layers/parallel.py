@@ -72,9 +72,9 @@ def rank_part(loaded: torch.Tensor, dim: int, group: TensorParallel, segments: l
     """``group``'s rank's part of a whole tensor along ``dim`` (the group a layer was built for): of each of
     ``segments`` (consecutive lengths along ``dim``, each split in equal parts over the ranks; default the
     whole length); the tensor itself at size 1."""
-    whole = segments or [loaded.shape[dim]]
     if group.size == 1:
         return loaded
+    whole = segments or [loaded.shape[dim]]
     if loaded.shape[dim] != sum(whole):
         raise ValueError(f"shape {tuple(loaded.shape)}, expected {sum(whole)} along dimension {dim}")
     parts = [t.narrow(dim, group.rank * (n // group.size), n // group.size)
