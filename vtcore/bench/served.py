@@ -78,7 +78,8 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vtcore.cli.main", "serve", *engine_argv(bench_engine_config(args)),
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+           *(["--engine-core-process"] if args.engine_core_process else [])]
     seed = getattr(args, "seed", None) or 0
     fd, log_path = tempfile.mkstemp(prefix="vtcore-serve-", suffix=".log")
     runs = []

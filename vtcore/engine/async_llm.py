@@ -2,9 +2,11 @@
 
 The engine runs on its own thread: it takes new requests and aborts from an inbox between steps
 and runs ``LLMEngine.step`` (a batch queue of depth 2 when async scheduling is on) while there is
-work. Outputs are handed to each request's asyncio queue on the caller's event loop. A bad request
-fails alone (its ``generate`` raises); if the loop itself dies, every pending ``generate`` raises
-``EngineDeadError``, and so does every later call.
+work. With ``engine_core_process=True`` it runs in a process of its own instead
+(:mod:`vtcore.engine.core_process`) and the thread only receives its messages; requests and aborts
+go to it straight from ``generate``. Outputs are handed to each request's asyncio queue on the
+caller's event loop. A bad request fails alone (its ``generate`` raises); if the loop (or the core
+process) dies, every pending ``generate`` raises ``EngineDeadError``, and so does every later call.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import threading
 from typing import Any, AsyncIterator
 
 from vtcore.engine.arg_utils import engine_config
+from vtcore.engine.core_process import CoreClient
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.errors import EngineDeadError
@@ -29,15 +32,20 @@ class AsyncLLM(EngineFrontEnd):
     """``generate`` streams a request's outputs; the front-end methods (``tokenize``, ``limits``,
     ``stats``, ...) come from ``EngineFrontEnd``."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(engine_config("AsyncLLM", model, kwargs))
+    def __init__(self, model: str | None = None, engine_core_process: bool = False, **kwargs: Any) -> None:
+        """``engine_core_process``: run the engine in a process of its own (module docstring)."""
+        config = engine_config("AsyncLLM", model, kwargs)
+        self.core: CoreClient | None = CoreClient(config) if engine_core_process else None
+        self.engine = self.core or LLMEngine(config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds: dict[str, concurrent.futures.Future] = {}  # sent to the core process, not acknowledged yet
         self._stopping = False
         self.dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="vtcore-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop if self.core is None else self._receive,
+                                        name="vtcore-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -75,8 +83,7 @@ class AsyncLLM(EngineFrontEnd):
                     self._streams.pop(request_id, None)
                 raise
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", request_id, prompt, sampling_params or SamplingParams(), added))
-        self._wake.set()
+        self._submit(("add", request_id, prompt, sampling_params or SamplingParams(), added))
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -92,18 +99,41 @@ class AsyncLLM(EngineFrontEnd):
             # Left early: abort unless the request was never added (cancelled in the inbox, or
             # rejected). The abort queues behind the add, so it also covers an add still running.
             if not finished and not added.cancelled() and not (added.done() and added.exception() is not None):
-                self._inbox.put(("abort", request_id))
-                self._wake.set()
+                self._submit(("abort", request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason="abort"``."""
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._submit(("abort", request_id))
+
+    def _submit(self, msg: tuple) -> None:
+        """An add (its last item the future ``generate`` awaits) or an abort: into the engine thread's inbox,
+        or straight to the core process (an add's future is then running: only the core's answer ends it)."""
+        if self.core is None:
+            self._inbox.put(msg)
+            self._wake.set()
+            return
+        if msg[0] == "add":
+            msg[-1].set_running_or_notify_cancel()
+            with self._lock:
+                self._adds[msg[1]] = msg[-1]
+            msg = msg[:-1]
+        try:
+            self.core.send(msg)
+        except OSError as exc:  # the core is gone: the receiving thread reports it
+            if msg[0] == "add":
+                with self._lock:
+                    self._adds.pop(msg[1], None)
+                raise EngineDeadError(f"the engine core process is gone ({exc})") from None
 
     def shutdown(self) -> None:
         """Stop the loop: in-flight requests are aborted; pending ``generate`` calls end."""
         self._stopping = True
         self._wake.set()
+        if self.core is not None and self.dead is None:
+            try:
+                self.core.send(("stop",))
+            except OSError:
+                pass  # already gone
         self._thread.join(timeout=30)
         self.engine.shutdown()
 
@@ -153,19 +183,47 @@ class AsyncLLM(EngineFrontEnd):
             while self.engine.has_unfinished_requests():
                 self._deliver([(out.request_id, out) for out in self.engine.step()])
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
-            self.dead = exc
-            log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
-            with self._lock:
-                ids = list(self._streams)
-            err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
-            self._deliver([(rid, err) for rid in ids])
-            while True:  # requests that arrived after the death
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if msg[0] == "add" and msg[4].set_running_or_notify_cancel():
-                    msg[4].set_exception(err)
+            self._die(exc)
+
+    def _receive(self) -> None:
+        """The thread's loop with an engine core process: hand its outputs and answers on."""
+        try:
+            while True:
+                msg = self.core.recv()
+                if msg[0] == "outputs":
+                    self._deliver([(out.request_id, out) for out in msg[1]])
+                elif msg[0] in ("added", "rejected"):
+                    with self._lock:
+                        added = self._adds.pop(msg[1])
+                    added.set_result(None) if msg[0] == "added" else added.set_exception(msg[2])
+                elif msg[0] == "stopped":
+                    return
+                else:
+                    raise msg[1]
+        except (EOFError, OSError):
+            self.core.process.join(timeout=5)  # reaped: its exit code
+            self._die(EngineDeadError(f"the engine core process exited (exit code {self.core.process.exitcode})"))
+        except BaseException as exc:  # noqa: BLE001 - the core's failure, sent before it exited
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop (or the core) died of ``exc``: every pending ``generate`` and later call raises."""
+        self.dead = exc
+        log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
+        with self._lock:
+            ids = list(self._streams)
+            adds, self._adds = list(self._adds.values()), {}
+        err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
+        self._deliver([(rid, err) for rid in ids])
+        for added in adds:
+            added.set_exception(err)
+        while True:  # requests that arrived after the death
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "add" and msg[4].set_running_or_notify_cancel():
+                msg[4].set_exception(err)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

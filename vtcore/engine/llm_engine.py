@@ -15,6 +15,7 @@ from vtcore.config import DTYPES, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.engine.prompt_text import Prompt, PromptText
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.snapshot_pool import SnapshotPool
@@ -51,10 +52,6 @@ def _cache_salt(dtype: torch.dtype, hf: HFConfig) -> bytes:
 
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}  # torch.half is torch.float16
-
-#: A prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"`` text beside).
-Prompt = str | dict[str, Any]
-
 
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
@@ -128,7 +125,7 @@ class _Fanout:
         return [None] * len(self.children)
 
 
-class LLMEngine:
+class LLMEngine(PromptText):
     """Owns the scheduler, the runner and the requests; ``step`` advances every running request.
 
     Sync and async differ only in ``depth``, the number of steps in flight: at depth 2, ``step``
@@ -296,37 +293,6 @@ class LLMEngine:
         return sorted(set(ids))
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt (a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``);
-        ids are checked against the vocabulary."""
-        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"text prompt given, but the checkpoint {self.config.model!r} has no tokenizer; "
-                                 "pass {'prompt_token_ids': [...]} instead")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in ids):
-                raise ValueError(f"prompt_token_ids={ids!r}: expected a list of ints")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestRejected(f"prompt_token_ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
-            return prompt.get("prompt"), list(ids)
-        raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt' (a string) or "
-                         "'prompt_token_ids'")
-
-    def chat_prompt(self, messages: list[dict[str, str]], **template_kwargs: Any) -> dict[str, Any]:
-        """A conversation through the tokenizer's chat template, ready for generation;
-        ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``)."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"chat: the checkpoint {self.config.model!r} has no tokenizer with a chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
-        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         """Validate and queue a request; a bad one raises here and leaves the others untouched.
 
@@ -616,12 +582,3 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
                            self.scheduler.num_preemptions, self.pool.queries, self.pool.hits, spec.num_drafts,
                            spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_position))
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids`` (special tokens kept), the ids checked against the vocabulary."""
-        if self.tokenizer is None:
-            raise ValueError(f"detokenize: the checkpoint {self.config.model!r} has no tokenizer")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(f"token ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -49,6 +49,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's thinking block into the chat message's reasoning_content "
                         "(qwen3: <think>...</think>, for Qwen3 and Qwen3.5)")
+    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a process of its own, the HTTP server in this one (vLLM V1's "
+                        "EngineCore; see vtcore.engine.core_process)")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -172,7 +175,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
                   "this address can use the server\n")
     sock = listening_socket(args.host, args.port)  # first: a port in use fails before the model loads
     try:
-        engine = AsyncLLM(**attrs.asdict(config))
+        engine = AsyncLLM(**attrs.asdict(config), engine_core_process=args.engine_core_process)
     except BaseException:
         sock.close()
         raise

@@ -1,0 +1,121 @@
+"""``AsyncLLM(engine_core_process=True)``: the engine in a process of its own (``vtcore.engine.core_process``).
+It streams what the engine thread streams, a bad request fails alone, a caller that leaves early aborts its
+request in the core, the front end tokenizes and reports limits and load without the engine, the server
+and the real ``openai`` client work over it, a core that dies ends every pending request with
+``EngineDeadError``, a core that cannot start raises its error, and shutdown leaves no process."""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+from typing import Any, Iterator
+
+import pytest
+
+from tests.server_harness import KNOBS, MODEL, MAX_BYTES, ServerThread, needs_default_model
+from vtcore import AsyncLLM, SamplingParams
+from vtcore.errors import EngineDeadError
+from vtcore.sampling_params import RequestOutputKind
+
+pytestmark = needs_default_model
+PROMPTS = ["The meaning of life is", "A friend is", "Once upon a time"]
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+async def _collect(llm: AsyncLLM, rid: str, prompt: Any, params: SamplingParams) -> list:
+    return [o async for o in llm.generate(prompt, params, rid)]
+
+
+@pytest.fixture(scope="module")
+def core() -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(**KNOBS, engine_core_process=True)
+    yield llm
+    llm.shutdown()
+
+
+def test_it_streams_what_the_engine_thread_streams(core: AsyncLLM) -> None:
+    async def run(llm: AsyncLLM) -> list:
+        delta = greedy(9, output_kind=RequestOutputKind.DELTA)
+        return await asyncio.gather(*[_collect(llm, f"p{i}", p, greedy(12 + i) if i else delta)
+                                      for i, p in enumerate(PROMPTS)])
+
+    thread = AsyncLLM(**KNOBS)
+    try:
+        want = asyncio.run(run(thread))
+    finally:
+        thread.shutdown()
+    got = asyncio.run(run(core))
+    assert [[(o.outputs[0].token_ids, o.outputs[0].text, o.finished) for o in s] for s in got] == \
+        [[(o.outputs[0].token_ids, o.outputs[0].text, o.finished) for o in s] for s in want]
+    assert core.tokenize(PROMPTS[0]) == thread.tokenize(PROMPTS[0]) and core.limits() == thread.limits()
+    assert core.default_sampling() == thread.default_sampling() and core.engine.family.name == "qwen3_dense"
+    assert core.stats().prefix_cache_queries > 0  # the core's load, sent with its steps
+
+
+def test_a_bad_request_fails_alone_and_a_caller_that_leaves_aborts_in_the_core(core: AsyncLLM) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match=r"outside the vocabulary"):
+            await _collect(core, "bad", {"prompt_token_ids": [10 ** 6]}, greedy(2))
+        early = core.generate(PROMPTS[1], greedy(1000), "early")
+        await early.__anext__()
+        await early.aclose()  # the abort goes to the core
+        ok = await _collect(core, "after", PROMPTS[2], greedy(3))
+        assert len(ok[-1].outputs[0].token_ids) == 3
+        # the load the core sent with the step that finished "after": "early" is gone, its blocks free
+        assert core.stats().num_running == core.stats().num_waiting == 0 and core.stats().kv_cache_usage == 0
+
+    asyncio.run(main())
+    assert core.healthy
+
+
+def test_the_server_and_the_openai_client_work_over_the_core(core: AsyncLLM) -> None:
+    openai = pytest.importorskip("openai")
+    from vtcore.server.app import build_app
+
+    with ServerThread(build_app(core, MODEL, None, MAX_BYTES)) as srv, \
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True)
+        text = "".join(c.choices[0].text for c in stream)
+        one = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+        assert text == one.choices[0].text and one.usage.completion_tokens == 6
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 4
+
+
+def test_a_core_that_dies_ends_every_pending_request_and_shutdown_leaves_no_process() -> None:
+    llm = AsyncLLM(**KNOBS, engine_core_process=True)
+
+    async def main() -> None:
+        gens = [llm.generate(p, greedy(5000), f"x{i}") for i, p in enumerate(PROMPTS)]
+        await gens[0].__anext__()
+        os.kill(llm.engine.process.pid, signal.SIGKILL)
+        for gen in gens:
+            with pytest.raises(EngineDeadError, match=r"engine core process exited \(exit code -9\)"):
+                async for _ in gen:
+                    pass
+        with pytest.raises(EngineDeadError):
+            await _collect(llm, "later", PROMPTS[0], greedy(2))
+
+    asyncio.run(main())
+    assert not llm.healthy
+    llm.shutdown()
+    assert llm.engine.process not in multiprocessing.active_children()
+
+
+def test_a_core_that_cannot_start_raises_its_error(tmp_path: Any) -> None:
+    before = set(multiprocessing.active_children())
+    with pytest.raises(Exception, match="config.json"):
+        AsyncLLM(str(tmp_path), device="cpu", engine_core_process=True)
+    assert set(multiprocessing.active_children()) <= before
+
+
+def test_serve_takes_the_flag() -> None:
+    from vtcore.cli.main import build_parser
+
+    assert build_parser().parse_args(["serve", "--engine-core-process"]).engine_core_process is True
+    assert build_parser().parse_args(["serve"]).engine_core_process is False

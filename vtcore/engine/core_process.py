@@ -1,0 +1,177 @@
+"""The engine core in a process of its own (vLLM V1's EngineCore), for ``AsyncLLM(engine_core_process=True)``.
+
+An HTTP server and the engine loop in one process take turns on one interpreter: every step's host work
+(scheduling, staging, sampling metadata, output processing) waits while the server parses requests and
+writes streams, and the other way round. Here the ``LLMEngine`` runs in a spawned process (``core_main``)
+and the front end keeps only what it needs of it (``CoreClient``: the tokenizer, the limits, the default
+sampling values, the family, the latest load), so tokenizing, chat templates and the HTTP work stay in
+the server's process.
+
+One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params)``, ``("abort",
+id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
+``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [RequestOutput],
+EngineStats)`` after each step, ``("stopped",)`` after a stop (every request aborted and finished), or
+``("dead", error)`` when the engine raised (then it exits). Between steps the core takes every message
+waiting; with no work it blocks on the pipe.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+
+from vtcore.config import EngineConfig
+from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.engine.prompt_text import PromptText
+from vtcore.errors import EngineDeadError
+from vtcore.family import ModelFamily
+from vtcore.structured import StructuredOutputsParams
+
+#: seconds ``shutdown`` waits for the core to finish its requests and exit before it is killed
+STOP_TIMEOUT_S = 30
+
+
+@attrs.frozen
+class CoreInfo:
+    """What the front end needs of the engine the core built."""
+
+    model_path: str  # the resolved checkpoint folder (its tokenizer is loaded from here, or ``tokenizer``)
+    family: ModelFamily
+    limits: EngineLimits
+    default_sampling: dict[str, Any]
+    eos_token_ids: list[int]
+    stats: EngineStats
+
+
+def _sendable(exc: BaseException) -> BaseException:
+    """``exc`` itself if it pickles (its type is kept: a ``RequestRejected`` stays one), else a ``RuntimeError``
+    with its type and text."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:  # noqa: BLE001 - any exception that does not pickle is described instead
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def core_main(config: EngineConfig, conn: Connection) -> None:
+    """The core process: build the engine, report it, then serve the pipe until a stop or a failure."""
+    from vtcore.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:  # noqa: BLE001 - the front end raises it from the constructor
+        conn.send(("dead", _sendable(exc)))
+        return
+    conn.send(("ready", CoreInfo(engine.model_path, engine.family, engine.limits(), engine.default_sampling(),
+                                 list(engine.eos_token_ids), engine.stats())))
+    stopping = False
+    try:
+        while True:
+            while conn.poll(0) or not (stopping or engine.has_unfinished_requests()):
+                msg = conn.recv()
+                if msg[0] == "add":
+                    try:
+                        engine.add_request(msg[1], msg[2], msg[3])
+                    except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                        conn.send(("rejected", msg[1], _sendable(exc)))
+                    else:
+                        conn.send(("added", msg[1]))
+                elif msg[0] == "abort":
+                    engine.abort_request(msg[1])
+                else:  # stop: abort everything, finish the steps in flight
+                    stopping = True
+                    for rid in list(engine.requests):
+                        engine.abort_request(rid)
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                conn.send(("outputs", outputs, engine.stats()))
+            elif stopping:
+                conn.send(("stopped",))
+                return
+    except BaseException as exc:  # noqa: BLE001 - every waiter on the front end must hear about it
+        try:
+            conn.send(("dead", _sendable(exc)))
+        except OSError:
+            pass  # the front end is gone
+    finally:
+        engine.shutdown()
+
+
+class CoreClient(PromptText):
+    """The front end's view of an engine core process: what ``EngineFrontEnd`` reads of an engine
+    (``config``, ``tokenizer``, ``family``, ``limits``, ...), and ``send`` for the messages above; the
+    core's messages are read by one thread (``recv``)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from vtcore.engine.tokenizer import load_tokenizer
+        from vtcore.loading.hub import resolve_model
+
+        self.config = config
+        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=core_main, args=(config, theirs), name="vtcore-engine-core", daemon=True)
+        self.process.start()
+        theirs.close()
+        self.conn = ours
+        self._send_lock = threading.Lock()
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            raise EngineDeadError(f"the engine core process exited while starting (exit code "
+                                  f"{self.process.exitcode})") from None
+        if msg[0] == "dead":
+            self.process.join()
+            raise msg[1]
+        info: CoreInfo = msg[1]
+        self.info, self.family, self.vocab_size = info, info.family, info.limits.vocab_size
+        self.latest_stats = info.stats
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
+                                        else info.model_path)
+        self._grammar_cache: Any = None
+
+    def send(self, msg: tuple) -> None:
+        """Send a message to the core (from any thread)."""
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def recv(self) -> tuple:
+        """The core's next message (the receiving thread only); ``EOFError`` / ``OSError`` once it is gone."""
+        msg = self.conn.recv()
+        if msg[0] == "outputs":
+            self.latest_stats = msg[2]
+        return msg
+
+    def limits(self) -> EngineLimits:
+        return self.info.limits
+
+    def default_sampling(self) -> dict[str, Any]:
+        return dict(self.info.default_sampling)
+
+    def stats(self) -> EngineStats:
+        """The load after the core's latest step."""
+        return self.latest_stats
+
+    def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        """Refuse a constraint xgrammar cannot compile (``ValueError`` naming the field) before it is sent; the
+        core compiles it again for its own matchers."""
+        from vtcore.errors import RequestRejected
+        from vtcore.structured.grammar import GrammarCache
+
+        if self._grammar_cache is None:
+            if self.tokenizer is None:
+                raise RequestRejected("structured_outputs: the model has no tokenizer, and a grammar is over text")
+            self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.info.eos_token_ids)
+        self._grammar_cache.compile(constraint)
+
+    def shutdown(self) -> None:
+        """Wait for the core to exit (after a stop), killing it past ``STOP_TIMEOUT_S``."""
+        self.process.join(timeout=STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()

@@ -1,0 +1,62 @@
+"""Prompts to token ids and back, as every engine and front end takes them (``PromptText``).
+
+``LLMEngine`` and the front end of an engine core in another process (``vtcore.engine.core_process``)
+both mix it in, so the server tokenizes a prompt exactly as the engine that runs it would.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vtcore.errors import RequestRejected
+
+#: A prompt: text, ``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``).
+Prompt = str | dict[str, Any]
+
+
+class PromptText:
+    """Over ``tokenizer`` (a Hugging Face tokenizer or None), ``vocab_size`` and ``config.model`` (named in
+    errors)."""
+
+    tokenizer: Any
+    vocab_size: int
+    config: Any
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt (a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``);
+        ids are checked against the vocabulary."""
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"text prompt given, but the checkpoint {self.config.model!r} has no tokenizer; "
+                                 "pass {'prompt_token_ids': [...]} instead")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
+                raise ValueError(f"prompt_token_ids={ids!r}: expected a list of ints")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected(f"prompt_token_ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt' (a string) or "
+                         "'prompt_token_ids'")
+
+    def chat_prompt(self, messages: list[dict[str, str]], **template_kwargs: Any) -> dict[str, Any]:
+        """A conversation through the tokenizer's chat template, ready for generation;
+        ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``)."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError(f"chat: the checkpoint {self.config.model!r} has no tokenizer with a chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept), the ids checked against the vocabulary."""
+        if self.tokenizer is None:
+            raise ValueError(f"detokenize: the checkpoint {self.config.model!r} has no tokenizer")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"token ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
