@@ -49,8 +49,12 @@ def test_it_streams_what_the_engine_thread_streams(core: AsyncLLM) -> None:
     finally:
         thread.shutdown()
     got = asyncio.run(run(core))
-    assert [[(o.outputs[0].token_ids, o.outputs[0].text, o.finished) for o in s] for s in got] == \
-        [[(o.outputs[0].token_ids, o.outputs[0].text, o.finished) for o in s] for s in want]
+
+    def seen(streams: list) -> list:
+        return [[(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text, o.finished) for o in s]
+                for s in streams]
+
+    assert seen(got) == seen(want)  # the prompt too, in every output (the core sends it once)
     assert core.tokenize(PROMPTS[0]) == thread.tokenize(PROMPTS[0]) and core.limits() == thread.limits()
     assert core.default_sampling() == thread.default_sampling() and core.engine.family.name == "qwen3_dense"
     assert core.stats().prefix_cache_queries > 0  # the core's load, sent with its steps

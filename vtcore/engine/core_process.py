@@ -10,7 +10,7 @@ the server's process.
 One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params)``, ``("abort",
 id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [RequestOutput],
-EngineStats)`` after each step, ``("stopped",)`` after a stop (every request aborted and finished), or
+EngineStats)`` after each step (a request's prompt only in its first output), ``("stopped",)`` after a stop (every request aborted and finished), or
 ``("dead", error)`` when the engine raised (then it exits). Between steps the core takes every message
 waiting; with no work it blocks on the pipe.
 """
@@ -29,6 +29,7 @@ from vtcore.engine.capacity import EngineLimits, EngineStats
 from vtcore.engine.prompt_text import PromptText
 from vtcore.errors import EngineDeadError
 from vtcore.family import ModelFamily
+from vtcore.outputs import RequestOutput
 from vtcore.structured import StructuredOutputsParams
 
 #: seconds ``shutdown`` waits for the core to finish its requests and exit before it is killed
@@ -57,6 +58,19 @@ def _sendable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def _lean(out: RequestOutput, announced: set[str]) -> RequestOutput:
+    """``out`` as sent: without the prompt (text and ids: a long prompt's ids are most of a step's bytes)
+    after the request's first output; the front end puts it back (``CoreClient.recv``)."""
+    rid = out.request_id
+    if rid in announced:
+        out = attrs.evolve(out, prompt=None, prompt_token_ids=[])
+    else:
+        announced.add(rid)
+    if out.finished:
+        announced.discard(rid)
+    return out
+
+
 def core_main(config: EngineConfig, conn: Connection) -> None:
     """The core process: build the engine, report it, then serve the pipe until a stop or a failure."""
     from vtcore.engine.llm_engine import LLMEngine
@@ -69,6 +83,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     conn.send(("ready", CoreInfo(engine.model_path, engine.family, engine.limits(), engine.default_sampling(),
                                  list(engine.eos_token_ids), engine.stats())))
     stopping = False
+    announced: set[str] = set()  # requests whose prompt the front end has (their first output carried it)
     try:
         while True:
             while conn.poll(0) or not (stopping or engine.has_unfinished_requests()):
@@ -88,7 +103,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                         engine.abort_request(rid)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                conn.send(("outputs", outputs, engine.stats()))
+                conn.send(("outputs", [_lean(out, announced) for out in outputs], engine.stats()))
             elif stopping:
                 conn.send(("stopped",))
                 return
@@ -118,6 +133,7 @@ class CoreClient(PromptText):
         theirs.close()
         self.conn = ours
         self._send_lock = threading.Lock()
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see _lean)
         try:
             msg = self.conn.recv()
         except EOFError:
@@ -144,6 +160,15 @@ class CoreClient(PromptText):
         msg = self.conn.recv()
         if msg[0] == "outputs":
             self.latest_stats = msg[2]
+            for out in msg[1]:  # unpickled here: ours to complete
+                rid = out.request_id
+                kept = self._prompts.get(rid)
+                if kept is None:
+                    self._prompts[rid] = (out.prompt, out.prompt_token_ids)
+                else:
+                    out.prompt, out.prompt_token_ids = kept
+                if out.finished:
+                    self._prompts.pop(rid, None)
         return msg
 
     def limits(self) -> EngineLimits:
