@@ -10,7 +10,8 @@ the server's process.
 One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params)``, ``("abort",
 id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [RequestOutput],
-EngineStats)`` after each step (a request's prompt only in its first output), ``("stopped",)`` after a stop (every request aborted and finished), or
+EngineStats)`` after each step (a request's prompt only in its first output; written by a sender thread,
+so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and finished), or
 ``("dead", error)`` when the engine raised (then it exits). Between steps the core takes every message
 waiting; with no work it blocks on the pipe.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import queue
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -71,6 +73,31 @@ def _lean(out: RequestOutput, announced: set[str]) -> RequestOutput:
     return out
 
 
+class _Sender:
+    """The core's messages to the front end, written by a thread of their own in order: the step loop never
+    waits while the front end is slow to read (a full pipe blocks its writer)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="vtcore-core-sender", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (msg := self.queue.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:
+                return  # the front end is gone
+
+    def send(self, msg: tuple) -> None:
+        self.queue.put(msg)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self.queue.put(None)
+        self.thread.join()
+
+
 def core_main(config: EngineConfig, conn: Connection) -> None:
     """The core process: build the engine, report it, then serve the pipe until a stop or a failure."""
     from vtcore.engine.llm_engine import LLMEngine
@@ -82,6 +109,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
         return
     conn.send(("ready", CoreInfo(engine.model_path, engine.family, engine.limits(), engine.default_sampling(),
                                  list(engine.eos_token_ids), engine.stats())))
+    sender = _Sender(conn)
     stopping = False
     announced: set[str] = set()  # requests whose prompt the front end has (their first output carried it)
     try:
@@ -92,9 +120,9 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                     try:
                         engine.add_request(msg[1], msg[2], msg[3])
                     except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                        conn.send(("rejected", msg[1], _sendable(exc)))
+                        sender.send(("rejected", msg[1], _sendable(exc)))
                     else:
-                        conn.send(("added", msg[1]))
+                        sender.send(("added", msg[1]))
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
                 else:  # stop: abort everything, finish the steps in flight
@@ -103,16 +131,14 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                         engine.abort_request(rid)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                conn.send(("outputs", [_lean(out, announced) for out in outputs], engine.stats()))
+                sender.send(("outputs", [_lean(out, announced) for out in outputs], engine.stats()))
             elif stopping:
-                conn.send(("stopped",))
+                sender.send(("stopped",))
                 return
     except BaseException as exc:  # noqa: BLE001 - every waiter on the front end must hear about it
-        try:
-            conn.send(("dead", _sendable(exc)))
-        except OSError:
-            pass  # the front end is gone
+        sender.send(("dead", _sendable(exc)))
     finally:
+        sender.close()
         engine.shutdown()
 
 
