@@ -121,5 +121,7 @@ def test_a_core_that_cannot_start_raises_its_error(tmp_path: Any) -> None:
 def test_serve_takes_the_flag() -> None:
     from vtcore.cli.main import build_parser
 
-    assert build_parser().parse_args(["serve", "--engine-core-process"]).engine_core_process is True
-    assert build_parser().parse_args(["serve"]).engine_core_process is False
+    assert build_parser().parse_args(["serve"]).engine_core_process is True  # vLLM V1's default too
+    assert build_parser().parse_args(["serve", "--no-engine-core-process"]).engine_core_process is False
+    bench = build_parser().parse_args(["bench", "--serve", "--no-engine-core-process"])
+    assert bench.engine_core_process is False and build_parser().parse_args(["bench"]).engine_core_process is None

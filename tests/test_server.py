@@ -554,9 +554,10 @@ def test_serve_binds_before_loading_and_names_a_port_in_use(capsys: pytest.Captu
     any_port.close()
 
 
-def test_serve_exits_1_when_its_engine_dies(monkeypatch) -> None:
-    """A dead engine loop ends ``vtcore serve`` (exit 1, for a supervisor to restart it, as vLLM's
-    server exits) instead of answering 500 engine_dead for ever."""
+@pytest.mark.parametrize("core", [False, True], ids=["thread", "core-process"])
+def test_serve_exits_1_when_its_engine_dies(monkeypatch, core: bool) -> None:
+    """A dead engine loop (or engine core process) ends ``vtcore serve`` (exit 1, for a supervisor to
+    restart it, as vLLM's server exits) instead of answering 500 engine_dead for ever."""
     import argparse
     import io
 
@@ -574,8 +575,8 @@ def test_serve_exits_1_when_its_engine_dies(monkeypatch) -> None:
     parser = argparse.ArgumentParser(prog="vtcore")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", "--host", HOST, "--port", "0", "--device", "cpu", "--log-level", "warning",
-                              "--served-model-name", MODEL,
-                              "--shutdown-timeout", "0"])
+                              "--served-model-name", MODEL, "--shutdown-timeout", "0",
+                              "--engine-core-process" if core else "--no-engine-core-process"])
     out, result = io.StringIO(), {}
     thread = threading.Thread(target=lambda: result.update(rc=cmd_serve(args, out)), daemon=True)
     thread.start()
@@ -588,9 +589,15 @@ def test_serve_exits_1_when_its_engine_dies(monkeypatch) -> None:
     def boom() -> None:
         raise RuntimeError("kaboom")
 
-    engines[0].engine.step = boom
+    if core:
+        import os
+        import signal
+
+        os.kill(engines[0].engine.process.pid, signal.SIGKILL)
+    else:
+        engines[0].engine.step = boom
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=30)
-    assert r.status_code == 500 and "kaboom" in r.text
+    assert r.status_code == 500 and ("engine core process" if core else "kaboom") in r.text
     thread.join(30)
     assert not thread.is_alive() and result["rc"] == 1
 

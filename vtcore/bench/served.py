@@ -79,7 +79,8 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vtcore.cli.main", "serve", *engine_argv(bench_engine_config(args)),
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-           *(["--engine-core-process"] if args.engine_core_process else [])]
+           *([] if args.engine_core_process is None else
+             ["--engine-core-process" if args.engine_core_process else "--no-engine-core-process"])]
     seed = getattr(args, "seed", None) or 0
     fd, log_path = tempfile.mkstemp(prefix="vtcore-serve-", suffix=".log")
     runs = []

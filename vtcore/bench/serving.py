@@ -166,9 +166,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="also start `vtcore serve` on the same model and engine flags, run the loop against it "
                         "over HTTP, stop it, then run the loop in-process: served beside in-process, and where the "
                         "served TTFT goes (see vtcore.bench.served)")
-    p.add_argument("--engine-core-process", action="store_true",
-                   help="with --serve: the server runs its engine in a process of its own (vtcore serve "
-                        "--engine-core-process)")
+    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --serve: whether the server runs its engine in a process of its own (vtcore serve "
+                        "--[no-]engine-core-process; default: serve's default, on)")
     p.add_argument("--client-processes", type=positive_int("--client-processes"), default=None, metavar="N",
                    help="with --base-url: client processes sharing each concurrency's streams (default: one per "
                         "32 streams, at most the cores)")
@@ -640,8 +640,9 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
-        if args.serve or args.engine_core_process or local:
-            flag = "--serve" if args.serve else "--engine-core-process" if args.engine_core_process else local[0]
+        if args.serve or args.engine_core_process is not None or local:
+            flag = "--serve" if args.serve else "--[no-]engine-core-process" if args.engine_core_process is not None \
+                else local[0]
             raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes)
@@ -659,8 +660,8 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
         if args.client_processes:
             raise ValueError(f"--client-processes={args.client_processes}: only with --base-url or --serve "
                              "(the HTTP client)")
-        if args.engine_core_process:
-            raise ValueError("--engine-core-process: only with --serve (the server's engine)")
+        if args.engine_core_process is not None:
+            raise ValueError("--[no-]engine-core-process: only with --serve (the server's engine)")
         doc = run_compared(args, progress) if getattr(args, "compare_prefix_caching", False) else \
             run_bench(args, progress)
         out.write(format_speculative(doc) if doc["mode"] == "speculative" else format_table(doc))

@@ -49,9 +49,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's thinking block into the chat message's reasoning_content "
                         "(qwen3: <think>...</think>, for Qwen3 and Qwen3.5)")
-    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, the HTTP server in this one (vLLM V1's "
-                        "EngineCore; see vtcore.engine.core_process)")
+                        "EngineCore; see vtcore.engine.core_process; default); --no-engine-core-process: on a "
+                        "thread of this process")
     p.set_defaults(func=cmd_serve)
     return p
 
