@@ -35,10 +35,8 @@ MIN_COMPARED = 20  # drafts the pass must have compared
 
 
 class MTPChecks:
-    """Mixed into ``FamilyGate`` (its ``name``, ``device``, ``workdir``, ``tensor_parallel_size``, ``engine``,
-    ``_checkpoint`` and ``_against_oracle``): ``_mtp_pass`` for its speculative check."""
-
-    tensor_parallel_size: int
+    """Mixed into ``FamilyGate`` (its ``name``, ``device``, ``workdir``, ``engine``, ``_checkpoint`` and
+    ``_against_oracle``): ``_mtp_pass`` for its speculative check."""
 
     def _mtp_pass(self, prompts: list[list[int]], block: int, chunk: int) -> str | None:
         """None when the family has no MTP head; else the pass's report (raises ``Failed``). ``block``: the
@@ -46,8 +44,6 @@ class MTPChecks:
         path = self._mtp_checkpoint()
         if path is None:
             return None
-        if self.tensor_parallel_size > 1:  # the engine refuses it there, by name
-            return f"MTP head: not run (MTP runs on one rank, not at tensor_parallel_size={self.tensor_parallel_size})"
         hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
         reference, _ = build_model(path, hf, torch.device(self.device), torch.float32, 128, "safetensors", mtp=True)
         engine = self.engine("sync", path=path, speculative_config={"method": "mtp", "num_speculative_tokens": K},

@@ -162,9 +162,6 @@ class LLMEngine(PromptText):
                               "ignore its sampling values)") from None
         mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
         ranks = config.tensor_parallel_size
-        if ranks > 1 and mtp:
-            raise ConfigError("tensor_parallel_size > 1 with speculative_config method 'mtp': the MTP head does not "
-                              "run on tensor-parallel workers yet; use another method or one rank")
         proposer = self._proposer()
         peers = Peers(ranks, self.device) if ranks > 1 else None
         try:

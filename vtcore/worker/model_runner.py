@@ -371,9 +371,11 @@ class ModelRunner:
     def _submit_general(self, batch: Batch, step: int) -> StepHandle:
         inputs = self.prepare_inputs(batch, step)
         if self.peers is not None:
+            head = inputs.mtp is not None and not inputs.sampling.late  # (late rows: no tokens to draft from yet)
             self.peers.send(StepMessage(inputs.staged, inputs.num_seqs, inputs.max_blocks, inputs.max_query_len,
                                         inputs.max_context_len, inputs.state, inputs.stale, bool(inputs.metas),
-                                        [(row0, count) for _, row0, _, count in inputs.plp]))
+                                        [(row0, count) for _, row0, _, count in inputs.plp],
+                                        inputs.mtp.width if head else None))
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
@@ -685,6 +687,9 @@ class ModelRunner:
         with torch.inference_mode():
             if message.samples:
                 self.model.compute_logits(f.hidden[f.sample_rows])
+            if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
+                self.mtp.propose(f.hidden, f.metadata, f.positions, None, f.sample_rows, f.mtp_sections,
+                                 message.mtp_width)
             for row0, count in message.plp_rows:
                 self.model.compute_logits(f.hidden[row0:row0 + count])
 

@@ -22,6 +22,7 @@ import attrs
 import torch
 from torch import nn
 
+from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
 from vtcore.worker.step import Batch
 
@@ -72,6 +73,7 @@ class MTPDrafter:
 
     def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int) -> None:
         self.model, self.head, self.k = model, model.mtp, k
+        self.tp_group = tp.tp()  # the ranks the head runs on (its layers shard as the model's do)
         self.block_size, self.max_model_len = block_size, max_model_len
         #: set to [] to time every ``propose`` (a benchmark's): CUDA event pairs on CUDA, else perf_counter pairs
         self.timings: list[tuple[Any, Any]] | None = None
@@ -88,11 +90,15 @@ class MTPDrafter:
         return event
 
     def propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor,
-                tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
+                tokens: torch.Tensor | None, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
                 ) -> torch.Tensor:
         """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata,
-        ``tokens`` its sampled tokens at ``sample_rows``; ``sections`` the device views of
-        :meth:`MTPRows.sections`. Returns int64 [sampling requests, k]."""
+        ``tokens`` its sampled tokens at ``sample_rows`` (a tensor-parallel worker: None, rank 0's are
+        broadcast); ``sections`` the device views of :meth:`MTPRows.sections`. Returns int64 [sampling
+        requests, k], the same on every rank."""
+        if self.tp_group.size > 1:
+            tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=hidden.device)
+                                  if tokens is None else tokens.to(torch.int64).contiguous(), self.tp_group)
         if self.timings is None:
             return self._propose(hidden, md, positions, tokens, sample_rows, sections, width)
         start = self._mark(hidden.device)

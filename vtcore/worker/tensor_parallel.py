@@ -51,6 +51,7 @@ class StepMessage:
     stale: bool
     samples: bool
     plp_rows: list[tuple[int, int]]
+    mtp_width: int | None = None  # rank 0 runs the MTP head after the step (``MTPDrafter.propose``) with this width
 
 
 @attrs.frozen
@@ -256,7 +257,7 @@ def _serve(rank: int, size: int, store: str, device_type: str) -> None:
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     with use_plugins(plugins_from(setup.plugins)), tensor_parallel(rank, size, group):
         model, family = build_model(setup.model_path, HFConfig.from_path(setup.model_path), device, setup.dtype,
-                                    setup.max_model_len, setup.load_format, setup.seed)
+                                    setup.max_model_len, setup.load_format, setup.seed, mtp=setup.runner_config.mtp)
         runner = ModelRunner(model, family, attrs.evolve(setup.runner_config, device=device, depth=1))
     runner.capture_graphs()  # with rank 0, which captures after sending the setup
     while (message := _broadcast_object(control, _RECEIVE)) is not None:
