@@ -1,7 +1,7 @@
 """``AsyncLLM(engine_core_process=True)``: the engine in a process of its own (``vtcore.engine.core_process``).
 It streams what the engine thread streams, a bad request fails alone, a caller that leaves early aborts its
 request in the core, the front end tokenizes and reports limits and load without the engine, the server
-and the real ``openai`` client work over it, a core that dies ends every pending request with
+and the real ``openai`` client work over it, a core runs tensor-parallel workers, a core that dies ends every pending request with
 ``EngineDeadError``, a core that cannot start raises its error, and shutdown leaves no process."""
 from __future__ import annotations
 
@@ -109,6 +109,17 @@ def test_a_core_that_dies_ends_every_pending_request_and_shutdown_leaves_no_proc
     assert not llm.healthy
     llm.shutdown()
     assert llm.engine.process not in multiprocessing.active_children()
+
+
+def test_a_core_starts_its_tensor_parallel_workers(core: AsyncLLM) -> None:
+    """(The core is no daemon: a daemon process may not start processes of its own.)"""
+    ranks = AsyncLLM(**KNOBS, engine_core_process=True, tensor_parallel_size=2)
+    try:
+        got = asyncio.run(_collect(ranks, "tp", PROMPTS[0], greedy(6)))[-1].outputs[0].token_ids
+    finally:
+        ranks.shutdown()
+    assert got == asyncio.run(_collect(core, "one", PROMPTS[0], greedy(6)))[-1].outputs[0].token_ids
+    assert ranks.engine.process not in multiprocessing.active_children()
 
 
 def test_a_core_that_cannot_start_raises_its_error(tmp_path: Any) -> None:

@@ -21,6 +21,7 @@ import multiprocessing
 import pickle
 import queue
 import threading
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -153,11 +154,14 @@ class CoreClient(PromptText):
 
         self.config = config
         ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        # not a daemon: a daemon may not start processes, and the core starts its tensor-parallel workers
         self.process = multiprocessing.get_context("spawn").Process(
-            target=core_main, args=(config, theirs), name="vtcore-engine-core", daemon=True)
+            target=core_main, args=(config, theirs), name="vtcore-engine-core")
         self.process.start()
         theirs.close()
         self.conn = ours
+        # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
+        self._finalizer = weakref.finalize(self, _stop, self.process, ours)
         self._send_lock = threading.Lock()
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see _lean)
         try:
@@ -221,8 +225,23 @@ class CoreClient(PromptText):
 
     def shutdown(self) -> None:
         """Wait for the core to exit (after a stop), killing it past ``STOP_TIMEOUT_S``."""
-        self.process.join(timeout=STOP_TIMEOUT_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._finalizer.detach()
+        _join(self.process)
         self.conn.close()
+
+
+def _join(process: Any) -> None:
+    process.join(timeout=STOP_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _stop(process: Any, conn: Connection) -> None:
+    """Stop a core its front end never shut down."""
+    if process.is_alive():
+        try:
+            conn.send(("stop",))
+        except OSError:
+            pass
+        _join(process)
