@@ -2,8 +2,8 @@
 It streams what the engine thread streams, a bad request fails alone, a caller that leaves early aborts its
 request in the core, the front end tokenizes and reports limits and load without the engine, the server
 and the real ``openai`` client work over it, a core runs tensor-parallel workers, a core that dies ends
-every pending request with
-``EngineDeadError``, a core that cannot start raises its error, and shutdown leaves no process."""
+every pending request with ``EngineDeadError``, a core that cannot start raises its error, and shutdown
+leaves no process."""
 from __future__ import annotations
 
 import asyncio
