@@ -102,7 +102,9 @@ class _Sender:
 def core_main(config: EngineConfig, conn: Connection) -> None:
     """The core process: build the engine, report it, then serve the pipe until a stop or a failure."""
     from vtcore.engine.llm_engine import LLMEngine
+    from vtcore.worker.tensor_parallel import thread_lock_for_progress
 
+    thread_lock_for_progress()
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - the front end raises it from the constructor

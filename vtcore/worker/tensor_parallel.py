@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import pickle
 import tempfile
+import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
@@ -234,9 +235,19 @@ def _broadcast_object(control: Any, obj: Any) -> Any:
 _RECEIVE = object()  # a worker's side of _broadcast_object
 
 
+def thread_lock_for_progress() -> None:
+    """For a child process: tqdm's default lock is a multiprocessing semaphore, which a killed child (a worker
+    after ``Peers.failed``, a dead engine core) leaves to the resource tracker, which warns at exit; the
+    loaders' progress bars in a child need only a thread lock."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def worker_main(conn: Connection, device_type: str) -> None:
     """A worker process: serve one engine after another (its rank, size and store arrive on ``conn``; None
     ends the process)."""
+    thread_lock_for_progress()
     while (job := conn.recv()) is not None:
         _serve(*job, device_type)
 
