@@ -693,3 +693,17 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server: ServerThread, clien
     hits = metric(after, "vtcore:prefix_cache_hits_total") - metric(before, "vtcore:prefix_cache_hits_total")
     queries = metric(after, "vtcore:prefix_cache_queries_total") - metric(before, "vtcore:prefix_cache_queries_total")
     assert hits == (n_prompt - 1) // bs * bs and queries == 2 * n_prompt
+
+
+def test_serve_runs_on_uvloop_and_httptools_when_installed() -> None:
+    """vLLM's server runs on uvloop with httptools' parser; so does ``vtcore serve`` (both dependencies)."""
+    uvloop = pytest.importorskip("uvloop")
+    pytest.importorskip("httptools")
+    import uvicorn
+
+    from vtcore.server.serve import _event_loop_runner
+
+    assert _event_loop_runner() is uvloop.run
+    config = uvicorn.Config(lambda scope, receive, send: None, lifespan="off")
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"

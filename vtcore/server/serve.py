@@ -155,6 +155,16 @@ def served_model_name(args: argparse.Namespace, config: EngineConfig) -> str:
     return args.served_model_name or (DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else config.model)
 
 
+def _event_loop_runner() -> Any:
+    """``uvloop.run`` where uvloop is installed (a dependency off Windows; vLLM's server runs on it too), else
+    ``asyncio.run``. uvicorn parses HTTP with httptools when it is installed (a dependency)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
 def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     import attrs
     import uvicorn
@@ -190,7 +200,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"vtcore serve: model {name!r} on http://{host}:{sock.getsockname()[1]}/v1\n")
         out.flush()
         try:
-            asyncio.run(server.serve(sockets=[sock]))
+            _event_loop_runner()(server.serve(sockets=[sock]))
         except SystemExit as exc:  # uvicorn exits 1 when it cannot start
             return int(exc.code or 0) if isinstance(exc.code, int) else 1
         if not server.started or server.engine_died:
