@@ -1,7 +1,8 @@
 """One set of engine arguments: ``vtcore generate``, ``bench`` and ``serve`` take EngineConfig's fields as
 vLLM's flags and build the same config from them; ``LLM`` and ``AsyncLLM`` build theirs the same way.
 
-No engine starts: ``LLMEngine`` is replaced by one that raises ``Built`` with the config it was given.
+No engine starts: ``LLMEngine`` (and the engine core process's client) is replaced by one that raises
+``Built`` with the config it was given.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(llm, "LLMEngine", built)
     monkeypatch.setattr(async_llm, "LLMEngine", built)
+    monkeypatch.setattr(async_llm, "CoreClient", built)  # vtcore serve's engine core process
 
 
 def built_config(*argv: str) -> EngineConfig:
