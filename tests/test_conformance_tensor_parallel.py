@@ -97,3 +97,30 @@ def test_workers_serve_one_engine_after_another_and_stop_with_the_context(tiny_c
         third.shutdown()
         assert len(multiprocessing.active_children()) == 1  # parked
     assert not multiprocessing.active_children()
+
+
+def test_a_worker_that_cannot_build_its_share_is_named_before_any_step_and_ranks_share_rank_0s_cache_sizes(
+        plugins, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine waits for every worker's build before the ranks capture graphs together (on CUDA a dead
+    worker would leave rank 0 waiting in a collective); the workers size their caches as rank 0 did."""
+    from vtcore import LLM
+    from vtcore.plugins.manager import use_plugins
+    from vtcore.testing.oracle import hf_model, save_checkpoint
+    from vtcore.worker.tensor_parallel import Peers, TensorParallelError
+    from tests.fixture_async.families import fails_on_rank1_example, rank_zero_o_proj_example
+
+    knobs = dict(device="cpu", block_size=4, max_num_seqs=4, tensor_parallel_size=2)
+    bad = save_checkpoint(hf_model(fails_on_rank1_example().hf_config, seed=0,
+                                   oracle=fails_on_rank1_example().oracle), str(tmp_path / "bad"))
+    good = save_checkpoint(hf_model(rank_zero_o_proj_example().hf_config, seed=0,
+                                    oracle=rank_zero_o_proj_example().oracle), str(tmp_path / "good"))
+    sent = []
+    setup = Peers.setup
+    monkeypatch.setattr(Peers, "setup", lambda self, s: (sent.append(s), setup(self, s))[1])
+    with use_plugins(plugins):
+        with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) died"):
+            LLM(bad, **knobs)
+        llm = LLM(good, **knobs)  # no num_kv_blocks given: rank 0 sizes the pool, the workers take its size
+        llm.shutdown()
+    assert sent[-1].runner_config.num_kv_blocks == llm.engine.runner.num_kv_blocks > 0
+    assert not multiprocessing.active_children()

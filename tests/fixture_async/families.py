@@ -114,6 +114,17 @@ class RankZeroOProj(Qwen3ForCausalLM):
             layer.self_attn.o_proj.__class__ = _RankZeroRowLinear
 
 
+class FailsOnRank1(Qwen3ForCausalLM):
+    """Cannot be built as rank 1 of several (a worker that dies while building its share)."""
+
+    def __init__(self, config, max_position: int) -> None:
+        from vtcore.layers.parallel import tp
+
+        if tp().rank == 1:
+            raise RuntimeError("rank 1 cannot build this model")
+        super().__init__(config, max_position)
+
+
 class _OwnTokensAttention(Attention):
     """Prefill attends over the step's own K/V only, not the context already in the cache: right while
     every prompt is prefilled whole in one step."""
@@ -279,6 +290,10 @@ def rank_zero_o_proj_example() -> ConformanceExample:
     return _example("RankZeroOProjForCausalLM")
 
 
+def fails_on_rank1_example() -> ConformanceExample:
+    return _example("FailsOnRank1ForCausalLM")
+
+
 def _hybrid_example(arch: str) -> ConformanceExample:
     base = qwen3_5_example()
     return ConformanceExample(hf_config={**base.hf_config, "architectures": [arch]}, oracle=base.oracle)
@@ -332,7 +347,8 @@ def vtcore_model_families() -> list[ModelFamily]:
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
                             ("state_not_reset", "StateNotReset"), ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
                             ("padding_into_state", "PaddingIntoState"), ("dead_tensor", "DeadTensor"),
-                            ("unsharded_norm", "UnshardedNorm"), ("rank_zero_o_proj", "RankZeroOProj"))),
+                            ("unsharded_norm", "UnshardedNorm"), ("rank_zero_o_proj", "RankZeroOProj"),
+                            ("fails_on_rank1", "FailsOnRank1"))),
         ModelFamily(name="dropped_bias", architectures=("DroppedBiasForCausalLM",),
                     model_cls="tests.fixture_async.qwen2:DroppedBias", consumes_device_tokens=True,
                     conformance_example="tests.fixture_async.qwen2:dropped_bias_example"),

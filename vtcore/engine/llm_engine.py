@@ -177,10 +177,15 @@ class LLMEngine(PromptText):
                     config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
                     self.max_num_batched_tokens, mtp, ranks))
             if peers is not None:
+                # rank 0's cache sizes, not each rank's own reading of its free memory: the block ids and state
+                # slots rank 0 hands out must exist on every rank
+                sized = attrs.evolve(self.runner.config, num_kv_blocks=self.runner.num_kv_blocks,
+                                     num_state_snapshots=self.runner.num_state_snapshots)
                 peers.setup(WorkerSetup(self.model_path, self.dtype, self.max_model_len, config.load_format,
-                                        config.seed, self.runner.config, get_plugins().entry_points))
+                                        config.seed, sized, get_plugins().entry_points))
+                peers.ready()  # every rank's model and runner built (a worker that failed is named)
                 self.runner.peers = peers
-                self.runner.capture_graphs()  # every rank's model built: the ranks capture together
+                self.runner.capture_graphs()  # the ranks capture together
         except BaseException:
             if peers is not None:
                 peers.shutdown()

@@ -653,8 +653,8 @@ class ModelRunner:
                          for s in batch if s.resume >= 0]
             saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
         padded = PaddedStep(self._padded.index(graphs), inputs, staged, restores, saves)
-        if self.peers is not None:
-            self.peers.send(padded)
+        if self.peers is not None:  # (the sections travel staged)
+            self.peers.send(attrs.evolve(padded, inputs=attrs.evolve(inputs, sections=[])))
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:

@@ -18,6 +18,15 @@ class Staged:
     host: torch.Tensor
     bounds: list[tuple[int, int]]
 
+    def __getstate__(self) -> dict:
+        """Pickled (a tensor-parallel step message) with a copy of the slice: a view pickles its whole storage,
+        the staging buffer that grew to the largest step so far."""
+        return {"index": self.index, "host": self.host.clone(), "bounds": self.bounds}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
 
 class Staging:
     def __init__(self, depth: int, device: torch.device) -> None:

@@ -160,6 +160,16 @@ class Peers:
     def setup(self, setup: WorkerSetup) -> None:
         self._send(setup)
 
+    def ready(self) -> None:
+        """Wait until every worker has built its share (``TensorParallelError`` naming one that died)."""
+        try:
+            _barrier(self.control)
+        except RuntimeError as exc:
+            for p in self.processes:  # a worker that failed closes its connection as it exits: let it finish
+                p.join(timeout=5)
+            self.check()
+            raise TensorParallelError(f"tensor parallelism: a worker did not get ready ({exc})") from exc
+
     def send(self, message: StepMessage | PaddedStep) -> None:
         self._send(message)
 
@@ -221,6 +231,11 @@ def _groups(rank: int, size: int, store_path: str, device_type: str) -> tuple[An
     return dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size), control
 
 
+def _barrier(control: Any) -> None:
+    """Every rank of ``control`` reached this point."""
+    control.allreduce([torch.zeros(1)]).wait()
+
+
 def _broadcast_object(control: Any, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank of ``control`` (pickled; the other ranks pass anything)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if obj is not _RECEIVE else None
@@ -270,6 +285,7 @@ def _serve(rank: int, size: int, store: str, device_type: str) -> None:
         model, family = build_model(setup.model_path, HFConfig.from_path(setup.model_path), device, setup.dtype,
                                     setup.max_model_len, setup.load_format, setup.seed, mtp=setup.runner_config.mtp)
         runner = ModelRunner(model, family, attrs.evolve(setup.runner_config, device=device, depth=1))
-    runner.capture_graphs()  # with rank 0, which captures after sending the setup
+    _barrier(control)  # built: rank 0 waits for every worker (Peers.ready)
+    runner.capture_graphs()  # with rank 0, which captures after every rank is ready
     while (message := _broadcast_object(control, _RECEIVE)) is not None:
         runner.follow(message)
