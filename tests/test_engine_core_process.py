@@ -77,6 +77,40 @@ def test_a_bad_request_fails_alone_and_a_caller_that_leaves_aborts_in_the_core(c
     assert core.healthy
 
 
+def test_an_id_reused_after_a_cancel_before_its_answer_harms_no_one(core: AsyncLLM) -> None:
+    """A caller that gives up while its add awaits the core's answer, and a new request under the same id:
+    each answer reaches its own add (in order), and the engine serves on."""
+    async def main() -> None:
+        first = asyncio.create_task(_collect(core, "again", PROMPTS[0], greedy(50)))
+        await asyncio.sleep(0)  # its add is sent; the core has not answered
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        try:
+            again = await _collect(core, "again", PROMPTS[1], greedy(3))
+            assert len(again[-1].outputs[0].token_ids) == 3
+        except ValueError as exc:  # the aborted first one may still hold the id in the core: refused alone
+            assert "again" in str(exc)
+        ok = await _collect(core, "other", PROMPTS[2], greedy(3))
+        assert len(ok[-1].outputs[0].token_ids) == 3
+
+    asyncio.run(main())
+    assert core.healthy and core.dead is None
+
+
+def test_a_rejection_that_does_not_unpickle_is_sent_described() -> None:
+    from vtcore.engine.core_process import _sendable
+
+    class TwoArgs(ValueError):
+        def __init__(self, a: str, b: str) -> None:
+            super().__init__(f"{a}/{b}")
+
+    sent = _sendable(TwoArgs("x", "y"))
+    assert type(sent) is RuntimeError and str(sent) == "TwoArgs: x/y"
+    kept = _sendable(ValueError("plain"))
+    assert type(kept) is ValueError
+
+
 def test_the_server_and_the_openai_client_work_over_the_core(core: AsyncLLM) -> None:
     openai = pytest.importorskip("openai")
     from vtcore.server.app import build_app

@@ -11,6 +11,7 @@ process) dies, every pending ``generate`` raises ``EngineDeadError``, and so doe
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -41,7 +42,9 @@ class AsyncLLM(EngineFrontEnd):
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._adds: dict[str, concurrent.futures.Future] = {}  # sent to the core process, not acknowledged yet
+        # adds sent to the core process and not answered yet, per request id in the order sent (a caller that
+        # left before its answer may reuse its id; the core answers adds in order)
+        self._adds: dict[str, collections.deque[concurrent.futures.Future]] = {}
         self._stopping = False
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop if self.core is None else self._receive,
@@ -83,9 +86,9 @@ class AsyncLLM(EngineFrontEnd):
                     self._streams.pop(request_id, None)
                 raise
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", request_id, prompt, sampling_params or SamplingParams(), added))
         finished = False
         try:
+            self._submit(("add", request_id, prompt, sampling_params or SamplingParams(), added))
             await asyncio.wrap_future(added)
             while not finished:
                 item = await stream.get()
@@ -115,15 +118,23 @@ class AsyncLLM(EngineFrontEnd):
         if msg[0] == "add":
             msg[-1].set_running_or_notify_cancel()
             with self._lock:
-                self._adds[msg[1]] = msg[-1]
+                self._adds.setdefault(msg[1], collections.deque()).append(msg[-1])
             msg = msg[:-1]
         try:
             self.core.send(msg)
         except OSError as exc:  # the core is gone: the receiving thread reports it
             if msg[0] == "add":
                 with self._lock:
-                    self._adds.pop(msg[1], None)
+                    self._answered(msg[1])
                 raise EngineDeadError(f"the engine core process is gone ({exc})") from None
+
+    def _answered(self, request_id: str) -> concurrent.futures.Future:
+        """The oldest unanswered add of ``request_id`` (under ``_lock``)."""
+        waiting = self._adds[request_id]
+        added = waiting.popleft()
+        if not waiting:
+            del self._adds[request_id]
+        return added
 
     def shutdown(self) -> None:
         """Stop the loop: in-flight requests are aborted; pending ``generate`` calls end."""
@@ -194,7 +205,7 @@ class AsyncLLM(EngineFrontEnd):
                     self._deliver([(out.request_id, out) for out in msg[1]])
                 elif msg[0] in ("added", "rejected"):
                     with self._lock:
-                        added = self._adds.pop(msg[1])
+                        added = self._answered(msg[1])
                     added.set_result(None) if msg[0] == "added" else added.set_exception(msg[2])
                 elif msg[0] == "stopped":
                     return
@@ -212,7 +223,7 @@ class AsyncLLM(EngineFrontEnd):
         log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
         with self._lock:
             ids = list(self._streams)
-            adds, self._adds = list(self._adds.values()), {}
+            adds, self._adds = [a for waiting in self._adds.values() for a in waiting], {}
         err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
         self._deliver([(rid, err) for rid in ids])
         for added in adds:

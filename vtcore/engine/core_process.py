@@ -52,12 +52,13 @@ class CoreInfo:
 
 
 def _sendable(exc: BaseException) -> BaseException:
-    """``exc`` itself if it pickles (its type is kept: a ``RequestRejected`` stays one), else a ``RuntimeError``
-    with its type and text."""
+    """``exc`` itself if it survives pickling both ways (its type is kept: a ``RequestRejected`` stays one;
+    an exception whose ``__init__`` takes other arguments than it passed on does not unpickle), else a
+    ``RuntimeError`` with its type and text."""
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))
         return exc
-    except Exception:  # noqa: BLE001 - any exception that does not pickle is described instead
+    except Exception:  # noqa: BLE001 - any exception that does not round-trip is described instead
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
