@@ -98,6 +98,22 @@ def test_an_id_reused_after_a_cancel_before_its_answer_harms_no_one(core: AsyncL
     assert core.healthy and core.dead is None
 
 
+def test_an_add_after_a_stop_is_refused() -> None:
+    llm = AsyncLLM(**KNOBS, engine_core_process=True)
+
+    async def main() -> None:
+        running = asyncio.create_task(_collect(llm, "running", PROMPTS[0], greedy(5000)))
+        await asyncio.sleep(0.5)
+        llm.core.send(("stop",))  # as shutdown does, with an add right behind it
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await _collect(llm, "late", PROMPTS[1], greedy(5))
+        assert (await running)[-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
+    llm.shutdown()
+    assert llm.engine.process not in multiprocessing.active_children()
+
+
 def test_a_rejection_that_does_not_unpickle_is_sent_described() -> None:
     from vtcore.engine.core_process import _sendable
 

@@ -12,7 +12,7 @@ id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [RequestOutput],
 EngineStats)`` after each step (a request's prompt only in its first output; written by a sender thread,
 so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and finished), or
-``("dead", error)`` when the engine raised (then it exits). Between steps the core takes every message
+``("dead", error)`` when the engine raised (then it exits). An add after a stop is rejected. Between steps the core takes every message
 waiting; with no work it blocks on the pipe.
 """
 from __future__ import annotations
@@ -120,7 +120,9 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
         while True:
             while conn.poll(0) or not (stopping or engine.has_unfinished_requests()):
                 msg = conn.recv()
-                if msg[0] == "add":
+                if msg[0] == "add" and stopping:
+                    sender.send(("rejected", msg[1], EngineDeadError("the engine is shutting down")))
+                elif msg[0] == "add":
                     try:
                         engine.add_request(msg[1], msg[2], msg[3])
                     except Exception as exc:  # noqa: BLE001 - a bad request fails alone

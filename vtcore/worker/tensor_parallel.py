@@ -147,10 +147,18 @@ class Peers:
         self._store = tempfile.NamedTemporaryFile(prefix="vtcore-tp-", delete=False).name
         os.unlink(self._store)  # the file store creates it
         self.broken: str | None = None  # why the ranks are out of step (a step failed on rank 0)
-        self.workers = [_take_worker(device.type) for _ in range(1, size)]
-        for rank, w in enumerate(self.workers, start=1):
-            w.conn.send((rank, size, self._store))
-        self.group, self.control = _groups(0, size, self._store, device.type)
+        self.workers: list[_Worker] = []
+        try:
+            for rank in range(1, size):
+                self.workers.append(_take_worker(device.type))
+                self.workers[-1].conn.send((rank, size, self._store))
+            self.group, self.control = _groups(0, size, self._store, device.type)
+        except BaseException:  # the workers taken so far are stopped, the store removed
+            for w in self.workers:
+                w.stop()
+            if os.path.exists(self._store):
+                os.unlink(self._store)
+            raise
 
     @property
     def processes(self) -> list[Any]:
