@@ -11,9 +11,9 @@ One duplex pipe carries pickled messages. Front end to core: ``("add", id, promp
 id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [RequestOutput],
 EngineStats)`` after each step (a request's prompt only in its first output; written by a sender thread,
-so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and finished), or
-``("dead", error)`` when the engine raised (then it exits). An add after a stop is rejected. Between steps the core takes every message
-waiting; with no work it blocks on the pipe.
+so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and
+finished; an add after a stop is rejected), or ``("dead", error)`` when the engine raised (then it exits).
+Between steps the core takes every message waiting; with no work it blocks on the pipe.
 """
 from __future__ import annotations
 
