@@ -95,7 +95,7 @@ class QuantGate:
         return f"4 random {tuple(ours.shape)} tensors bit-exact in bf16"
 
     def check_tokens(self) -> str:
-        self._oracle()
+        group = int(self._oracle()[1].weights.group_size)
         from vtcore.conformance.harness import greedy, run_engine
         from vtcore.engine.llm import LLM
         from vtcore.tools.quantize import quantize_checkpoint
@@ -110,7 +110,7 @@ class QuantGate:
             hf = hf_model(example.hf_config, SEED, example.oracle)
             src = save_checkpoint(hf, os.path.join(self.workdir, f"{family.name}-dense"))
             dst = os.path.join(self.workdir, f"{family.name}-{PRESETS[self.fmt]}-tp{self.tensor_parallel_size}")
-            dense = self._unsplittable(src, int(self._oracle()[1].weights.group_size))
+            dense = self._unsplittable(src, group)
             quantize_checkpoint(src, dst, PRESETS[self.fmt], ignore=dense, show_progress=False)
             oracle = dense_oracle(copy.deepcopy(hf), dst)
             engine = LLM(dst, device=self.device, dtype="float32", block_size=BLOCK, num_kv_blocks=128,
