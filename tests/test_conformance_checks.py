@@ -169,3 +169,25 @@ def test_the_mtp_pass_catches_a_head_fed_the_wrong_next_tokens(plugins: Plugins,
     (gate,) = run_gate(["qwen3_5"], plugins=plugins, quant=[], checks=["speculative"])
     result = gate.results["speculative"]
     assert result.status == "fail" and "the head run from scratch" in result.detail, result.detail
+
+
+@pytest.mark.parametrize("broken", ["unshifted", "state_not_resumed"])
+def test_the_mtp_pass_catches_a_floating_share_run_wrongly(plugins: Plugins, monkeypatch: pytest.MonkeyPatch,
+                                                           broken: str) -> None:
+    """A share scheduled right after its request's verify row floats: its positions, KV slots and context
+    length shift by the accepted count on the device, and the stateful layers resume from the state after
+    the last accepted token. Running it at the host's unshifted positions, or on the state after the whole
+    draft, must fail the MTP pass (its replayed drafts accept every count)."""
+    from vtcore.worker.model_runner import ModelRunner
+
+    if broken == "unshifted":
+        shifted = ModelRunner._float
+        monkeypatch.setattr(ModelRunner, "_float", lambda self, floats, pos, slots, ctx, table: (
+            pos, slots, ctx, shifted(self, floats, pos, slots, ctx, table)[3]))
+    else:
+        monkeypatch.setattr(ModelRunner, "_resume_floating", lambda self, floats, shift: None)
+    (gate,) = run_gate(["qwen3_5"], plugins=plugins, quant=[], checks=["speculative"])
+    result = gate.results["speculative"]
+    # (a state left after the whole draft may show first in the drafts of a random head's rare accepted run)
+    assert result.status == "fail" and ("shifted on the device" in result.detail
+                                        or "the head run from scratch" in result.detail), result.detail

@@ -52,7 +52,7 @@ def test_rows_drafts_acceptance_and_the_chain_kv() -> None:
     # the next token: sampled for every sampling row, else the prompt's (across the chunk's end too)
     assert rows.next_ids == [NO_TOKEN] * 4 + [301, 302, 303]
     assert (rows.base_rows, rows.first_samples, rows.table_rows, rows.capacity) == ([0, 1], [0, 1], [0, 1], [12, 24])
-    assert rows.drafts == [NO_TOKEN, NO_TOKEN, 7, 8] and rows.width == 2
+    assert rows.widths == [0, 2] and rows.width == 2
 
     model = StandIn()
     positions = torch.tensor([9, 20, 21, 22, 0, 1, 2])
@@ -61,8 +61,10 @@ def test_rows_drafts_acceptance_and_the_chain_kv() -> None:
                            query_start_loc=torch.tensor([0, 1, 4, 7]), max_query_len=3, max_context_len=23)
     tokens = torch.tensor([50, 7, 30, 31])  # b's first draft token accepted (7), its second not (30 != 8)
     sections = [torch.tensor(s, dtype=torch.int64) for s in rows.sections()]
-    drafts = MTPDrafter(model, 4, BS, 64).propose(torch.zeros(7, H), md, positions, tokens, torch.tensor([0, 1, 2, 3]),
-                                                  sections, rows.width)
+    fed = torch.tensor([109, 220, 7, 8, 300, 301, 302])  # b's draft fed after its token
+    drafts, accepted = MTPDrafter(model, 4, BS, 64).propose(torch.zeros(7, H), md, positions, fed, tokens,
+                                                            torch.tensor([0, 1, 2, 3]), sections, rows.width)
+    assert accepted.tolist() == [0, 1]
     first, *chain = model.mtp.calls
     assert first["ids"] == [50, 7, 30, 31, 301, 302, 303] and first["positions"] == positions.tolist()
     # a: from its row (position 9, id 50); b: from the row after its accepted token (position 21, id 30)
@@ -87,7 +89,7 @@ def test_a_fully_accepted_draft_starts_from_its_last_row() -> None:
     md = AttentionMetadata(slot_mapping=torch.arange(3), block_tables=torch.tensor([[10, 11, 12, 13, 14, 15]]),
                            context_lens=torch.tensor([23]), query_start_loc=torch.tensor([0, 3]), max_query_len=3,
                            max_context_len=23)
-    drafts = MTPDrafter(model, 1, BS, 64).propose(
-        torch.zeros(3, H), md, torch.tensor([20, 21, 22]), torch.tensor([7, 8, 40]), torch.tensor([0, 1, 2]),
-        [torch.tensor(s, dtype=torch.int64) for s in rows.sections()], rows.width)
-    assert drafts.tolist() == [[(40 + 22) % H]]  # both accepted: the bonus token's row
+    drafts, accepted = MTPDrafter(model, 1, BS, 64).propose(
+        torch.zeros(3, H), md, torch.tensor([20, 21, 22]), torch.tensor([220, 7, 8]), torch.tensor([7, 8, 40]),
+        torch.tensor([0, 1, 2]), [torch.tensor(s, dtype=torch.int64) for s in rows.sections()], rows.width)
+    assert accepted.tolist() == [2] and drafts.tolist() == [[(40 + 22) % H]]  # both accepted: the bonus token's row

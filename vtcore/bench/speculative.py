@@ -198,7 +198,10 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     sequences = [p + t for c in concurrency for p, t in zip(prompts[c], plain[c].tokens)]
 
     def speculative(k: int, replay: bool) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None, float | None]]:
-        engine = build(attrs.evolve(config, speculative_config={**attrs.asdict(spec), "num_speculative_tokens": k}))
+        knobs = {"speculative_config": {**attrs.asdict(spec), "num_speculative_tokens": k}}
+        if replay:  # teacher forcing rewrites each step's tokens on the host
+            knobs["async_scheduling"] = False
+        engine = build(attrs.evolve(config, **knobs))
         forcing = None
         if replay:
             engine.scheduler.proposer = ReplayProposer(sequences, vocab)

@@ -445,8 +445,8 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
                          f"{stats.num_drafts} verify rows, not every run length (a vtcore bug)")
         mtp = self._mtp_pass(prompts, BLOCK, 2 * BLOCK)
         report.append(mtp or "no MTP head (vtcore_mtp_head builds none for this family)")
-        return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances (sync; the " \
-               "async engine verifies on the host)"
+        return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances (the n-gram and " \
+               "draft-model proposers read tokens on the host: sync only)"
 
     def check_async_abc(self) -> str:
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}

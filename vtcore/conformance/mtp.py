@@ -8,6 +8,13 @@ right or wrong, must leave no trace), and every draft the engine keeps for a req
 head gives when run from scratch over the request's tokens (``vtcore.testing.mtp``), bar near-ties. The
 second part is what a random head can check: that the head reads the right hidden states and next
 tokens, at the right positions, and finds its own KV from earlier steps where it wrote it.
+
+Then the device path of the drafts, where the async engine schedules a request's next share before it
+knows how many of its draft tokens were accepted (the share floats: positions, KV slots and the stateful
+layers' state shifted on the device): the same requests async must give sync's batches and tokens, and
+once more, sync and async, with each draft replaced on the device by the recorded greedy continuation
+with one token changed in a cycle (``vtcore.testing.replay_drafts``), so that verify rows accept every
+count from none to all: teacher-forced against the oracle, async equal to sync.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from vtcore.config import HFConfig
 from vtcore.errors import NoMTPHead
 from vtcore.loading.model_loader import build_model
 from vtcore.testing.mtp import head_drafts_from_scratch
+from vtcore.testing.replay_drafts import replay_device_drafts
 
 if TYPE_CHECKING:
     from vtcore.outputs import CompletionOutput
@@ -32,6 +40,10 @@ if TYPE_CHECKING:
 K = 3  # draft tokens a step
 NEAR_TIE = 1e-3  # a from-scratch draft whose logit leads the next by less is not compared (nor the chain after it)
 MIN_COMPARED = 20  # drafts the pass must have compared
+FLOATING_HINT = (": the share after a verify row is scheduled before its accepted count is known, and runs at "
+                 "positions, KV slots and context lengths shifted on the device, with its stateful layers' state "
+                 "restored to the one after its last accepted token: a layer must take all of them from the "
+                 "step's device tensors and its slot, never from host copies")
 
 
 class MTPChecks:
@@ -46,8 +58,13 @@ class MTPChecks:
             return None
         hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
         reference, _ = build_model(path, hf, torch.device(self.device), torch.float32, 128, "safetensors", mtp=True)
-        engine = self.engine("sync", path=path, speculative_config={"method": "mtp", "num_speculative_tokens": K},
-                             max_num_batched_tokens=chunk, enable_prefix_caching=False)
+        knobs = {"path": path, "speculative_config": {"method": "mtp", "num_speculative_tokens": K},
+                 "max_num_batched_tokens": chunk, "enable_prefix_caching": False}
+        # half the requests arrive while the others decode through verify rows
+        arrivals = {at: [(str(i), p, greedy(16)) for i, p in enumerate(prompts) if i % 2 == at // 2]
+                    for at in (0, 2)}
+        cases = [(str(i), p, greedy(16)) for i, p in enumerate(prompts)]
+        engine = self.engine("sync", **knobs)
         compared, step = [0], engine.step
 
         def checked_step() -> list[Any]:
@@ -60,14 +77,33 @@ class MTPChecks:
 
         engine.step = checked_step  # type: ignore[method-assign]
         finals: dict[str, CompletionOutput] = {}
-        run_engine(engine, {0: [(str(i), p, greedy(16)) for i, p in enumerate(prompts)]}, finals=finals)
-        self._against_oracle([(str(i), p, greedy(16), finals[str(i)]) for i, p in enumerate(prompts)],
+        head = run_engine(engine, arrivals, finals=finals)
+        self._against_oracle([(*c, finals[c[0]]) for c in cases],
                              lambda rids: f" (MTP drafts; requests {rids} decoded through verify rows)")
         if compared[0] < MIN_COMPARED:
             raise Failed(f"MTP: only {compared[0]} drafts were compared with the head run from scratch (the gate "
                          f"needs {MIN_COMPARED}): the engine kept too few drafts (a vtcore bug)")
-        stats = engine.spec_stats
-        return f"MTP head: {stats.num_drafts} verify rows, {compared[0]} drafts equal to the head run from scratch"
+        drafted = engine.spec_stats.num_drafts
+        if run_engine(self.engine("async", **knobs), arrivals) != head:
+            raise Failed(f"MTP async: other batches or tokens than sync{FLOATING_HINT}")
+        sequences = [p + head[0][rid] for rid, p, _ in cases]
+        replayed = {}
+        for mode in ("sync", "async"):
+            engine = self.engine(mode, **knobs)
+            replay_device_drafts(engine, sequences)
+            finals = {}
+            replayed[mode] = run_engine(engine, arrivals, finals=finals)
+            self._against_oracle([(*c, finals[c[0]]) for c in cases],
+                                 lambda rids: f" (replayed MTP drafts, {mode}; requests {rids}){FLOATING_HINT}")
+            per_position, rows = engine.spec_stats.accepted_per_position, engine.spec_stats.num_drafts
+            if not 0 < per_position[-1] < per_position[0] < rows:
+                raise Failed(f"MTP: replayed drafts accepted {per_position} tokens per position in {rows} verify "
+                             "rows, not every count (a vtcore bug)")
+        if replayed["async"] != replayed["sync"]:
+            raise Failed(f"MTP async with replayed drafts: other batches or tokens than sync{FLOATING_HINT}")
+        return (f"MTP head: {drafted} verify rows, {compared[0]} drafts equal to the head run from scratch, "
+                f"async equal to sync; replayed drafts: {rows} verify rows accepting {per_position} a position, "
+                "async equal to sync")
 
     def _same_drafts(self, reference: Any, rid: str, tokens: list[int], drafts: list[int], block: int,
                      compared: list[int]) -> None:

@@ -35,7 +35,7 @@ from vtcore.spec.stats import SpecDecodeStats
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import GrammarCache
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
-from vtcore.worker.step import StepOutput
+from vtcore.worker.step import DEVICE_DRAFT, StepOutput
 from vtcore.worker.tensor_parallel import Peers, WorkerSetup
 
 log = logging.getLogger("vtcore")
@@ -86,11 +86,17 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
         raise VtcoreError(f"async_scheduling=True: model family {family_name!r} does not declare that it "
                           "consumes device token ids (ModelFamily.consumes_device_tokens), so its forward "
                           "could embed host placeholders; use async_scheduling=False or fix the family")
-    if config.speculative_config is not None:  # a verify row's next input is known only after verification
+    spec = config.speculative_config
+    if spec is not None and spec.method == "mtp" and not consumes_device_tokens:
+        raise VtcoreError(f"speculative_config method 'mtp': model family {family_name!r} does not declare that it "
+                          "consumes device token ids (ModelFamily.consumes_device_tokens), and MTP drafts and "
+                          "accepted tokens are fed from the device")
+    if spec is not None and spec.method != "mtp":  # a host proposer needs each step's tokens on the host
         if config.async_scheduling:
-            raise VtcoreError("async_scheduling=True with speculative_config: speculative decoding runs with "
-                              "the host waiting for each step's tokens; use async_scheduling=False or leave it unset")
-        log.info("vtcore: async scheduling off: speculative decoding verifies on the host")
+            raise VtcoreError(f"async_scheduling=True with speculative_config method {spec.method!r}: that "
+                              "proposer reads each request's tokens on the host, so the host waits for every "
+                              "step; use async_scheduling=False, leave it unset, or the method 'mtp'")
+        log.info("vtcore: async scheduling off: the %s proposer reads tokens on the host", spec.method)
         return 1
     enabled = consumes_device_tokens if config.async_scheduling is None else config.async_scheduling
     if config.async_scheduling is None and not consumes_device_tokens:
@@ -405,10 +411,11 @@ class LLMEngine(PromptText):
                 self._give_up(done)
                 raise
             row = 0
-            drafts = iter(result.drafts or ())
+            drafts, accepted = iter(result.drafts or ()), iter(result.accepted or ())
             for s in done:
+                counted = next(accepted) if s.samples and result.accepted is not None else None
                 if s.draft:
-                    self._apply_verified(s, result, row)
+                    self._apply_verified(s, result, row, counted)
                 elif s.samples:
                     self._apply(s.request, result, row)
                 if s.samples and result.drafts is not None:
@@ -479,20 +486,21 @@ class LLMEngine(PromptText):
                 if not s.request.is_finished:
                     self.scheduler.finish(s.request, "abort")
 
-    def _apply_verified(self, s: Scheduled, result: StepOutput, row: int) -> None:
+    def _apply_verified(self, s: Scheduled, result: StepOutput, row: int, accepted: int | None) -> None:
         """Apply a verify row: the token sampled after the fed one, then after each draft token while the
         token sampled before it equals it (each sampled token is drawn from the target's distribution
         given the tokens before it, so accepting a proposal exactly when the draw equals it keeps that
-        distribution). The KV of rejected draft positions is left to be overwritten."""
+        distribution); ``accepted``: that count as the device found it, taken for drafts made there. The
+        scheduler settles the count (``Verify``); the KV of rejected draft positions is left to be
+        overwritten. Tokens past a stop are dropped."""
         req, draft = s.request, s.draft
-        self._apply(req, result, row)
-        accepted = 0
-        while accepted < len(draft) and not req.is_finished and result.token_ids[row + accepted] == draft[accepted]:
-            accepted += 1
-            self._apply(req, result, row + accepted, inflight=False)
-        req.num_computed_tokens = s.start + s.num_tokens - len(draft) + accepted
-        if accepted < len(draft):  # stateful layers resume from the state after the last accepted token
-            req.resume_draft_state = accepted
+        if draft[0] != DEVICE_DRAFT:  # the host's own proposals: counted here
+            accepted = 0
+            while accepted < len(draft) and result.token_ids[row + accepted] == draft[accepted]:
+                accepted += 1
+        s.verify.accepted = accepted
+        for i in range(accepted + 1):
+            self._apply(req, result, row + i, inflight=i == 0)
         req.num_draft_tokens += len(draft)
         req.num_accepted_tokens += accepted
         self.spec_stats.record(len(draft), accepted)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import attrs
+
 from vtcore.outputs import PositionLogprobs
 from vtcore.sampling_params import SamplingParams
 
@@ -13,6 +15,19 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     DRAINING = enum.auto()  # its last token is in flight; it has left the scheduler
     FINISHED = enum.auto()
+
+
+@attrs.define
+class Verify:
+    """A verify row of a request (speculative decoding) until the scheduler settles it: the step it was
+    scheduled in, its draft tokens, how many were accepted (None until its step is applied) and whether a
+    later share of the request floated over it (its positions and state shifted on the device by the
+    accepted count, ``Scheduled.floats``)."""
+
+    step: int
+    drafts: int
+    accepted: int | None = None
+    floated: bool = False
 
 
 class Request:
@@ -48,6 +63,8 @@ class Request:
         self.generator: Any = None  # a per-request torch.Generator when params.seed is set
         self.grammar: Any = None  # its RequestGrammar when params.structured_outputs is set
         self.proposed: list[int] = []  # the draft the MTP head made in the step that sampled its last token
+        self.drafted = False  # a share of it that samples was scheduled since it was admitted (its head drafted)
+        self.verifies: list[Verify] = []  # its verify rows the scheduler has not settled yet
         self.detok: Any = None  # the incremental detokenizer, when the engine has a tokenizer
         self.num_preemptions = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, this request's
@@ -71,15 +88,27 @@ class Request:
         return len(self.token_ids)
 
     @property
+    def lag(self) -> int:
+        """Accepted draft tokens of verify rows applied but not settled: the scheduler counts without them,
+        so the sync engine (which applied them) decides as the async one (which has not) does."""
+        return sum(v.accepted or 0 for v in self.verifies)
+
+    @property
     def num_tokens_scheduled(self) -> int:
-        """Tokens the sequence will hold once every in-flight token lands."""
-        return len(self.token_ids) + self.num_inflight
+        """Tokens the sequence will hold once every in-flight token lands (an unsettled verify row's
+        accepted draft tokens not counted: ``lag``)."""
+        return len(self.token_ids) + self.num_inflight - self.lag
+
+    @property
+    def num_outputs_scheduled(self) -> int:
+        """Output tokens counted as ``num_tokens_scheduled`` counts tokens: at least this many will exist."""
+        return self.num_tokens_scheduled - len(self.prompt_token_ids)
 
     @property
     def host_knows_end(self) -> bool:
         """True once the in-flight tokens reach max_tokens or the context end (the scheduler also waits for
         every known token to be computed: max_tokens=0 with prompt_logprobs needs every prefill chunk)."""
-        return self.num_output_tokens + self.num_inflight >= self.max_output
+        return self.num_outputs_scheduled >= self.max_output
 
     @property
     def is_finished(self) -> bool:

@@ -21,6 +21,17 @@ reach (``Scheduled.saves``); the snapshot is registered with the block that ends
 admission the matched blocks are cut back to the longest prefix whose snapshot exists, and the first
 share restores it (``Scheduled.restore``).
 
+Speculative decoding: a verify row's accepted draft tokens are settled into ``num_computed_tokens`` by the
+schedule after the one that follows its step's application in the async engine (``settle_after`` batches
+later), never by the application itself, so both engines count the same at every schedule (``Request.lag``).
+With drafts made on the device (an MTP head) a request's share right after its verify row *floats*
+(``Scheduled.floats``): the host schedules it at the position it would have with no draft token accepted,
+its blocks reaching the most it could need, and the runner shifts its positions by the accepted count on
+the device; its drafts come from the device too. So the async engine schedules a request every step
+without seeing its accepted tokens, and the sync engine builds the very same batches. Host proposers
+(n-gram, draft model) need a request's tokens, so they run with the sync engine only, settling each verify
+row at the next schedule.
+
 Async: a step is scheduled before the previous one's tokens reach the host. ``num_computed_tokens``
 advances at scheduling time and each sampling step adds one in-flight token, so a decode row can
 be scheduled for a token the host has not seen (the runner fills it on the device). A request whose
@@ -34,11 +45,11 @@ from __future__ import annotations
 from collections import deque
 
 from vtcore.engine.block_pool import BlockPool
-from vtcore.engine.request import Request, RequestStatus
+from vtcore.engine.request import Request, RequestStatus, Verify
 from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.spec.proposer import Proposer
 from vtcore.errors import RequestRejected
-from vtcore.worker.step import Batch, Scheduled
+from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled
 
 __all__ = ["Batch", "Scheduled", "Scheduler"]
 
@@ -59,11 +70,17 @@ class Scheduler:
         self.device_drafts = device_drafts
         self.lookahead = num_speculative_tokens - 1 if device_drafts else 0
         self.num_speculative_tokens = num_speculative_tokens
+        #: schedules so far, empty ones too: at schedule ``steps`` every batch scheduled at ``steps - 2`` or before
+        #: has been applied in both engines (in the sync engine the last one too)
+        self.steps = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: finished with a verify row unsettled (device drafts): seat, blocks and mirror slot kept until it
+        #: settles, as the async engine, which has not seen its count yet, keeps them
+        self.ending: list[Request] = []
         self.free_mirror_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
@@ -80,10 +97,13 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ending)
 
     def _leave_running(self, req: Request) -> None:
         self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.num_registered_blocks = 0
         self._drop_snapshots(req)
@@ -153,6 +173,8 @@ class Scheduler:
         self._leave_running(req)
         req.num_computed_tokens = 0
         req.resume_draft_state = -1  # the recompute starts from zero state
+        req.verifies.clear()  # (their tokens land in token_ids all the same)
+        req.drafted = False
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -163,36 +185,84 @@ class Scheduler:
         more where ``max_model_len`` leaves room (an MTP head's draft chain writes there)."""
         return max(tokens, min(tokens + self.lookahead, self.max_model_len))
 
-    def _proposals(self) -> dict[str, list[int]]:
-        """One proposer call for every running decode row whose tokens the host knows: up to k tokens
-        each, at most what its output limit leaves after the token the row samples anyway."""
+    def _may_end(self, req: Request) -> bool:
+        """Whether ``req``'s unsettled verify row can reach its output limit (all its drafts accepted)."""
+        return bool(req.verifies) and req.num_outputs_scheduled + req.verifies[0].drafts >= req.max_output
+
+    @property
+    def settle_after(self) -> int:
+        """Batches a verify row waits before it is settled: with device drafts the next share floats over it."""
+        return 2 if self.device_drafts else 1
+
+    def _settle(self, req: Request) -> None:
+        """Count the accepted draft tokens of ``req``'s verify rows scheduled ``settle_after`` batches ago or
+        earlier (both engines have applied them); a stateful layer resumes from the state after the last
+        accepted token, unless a floating share already did that on the device."""
+        while req.verifies and req.verifies[0].step <= self.steps - self.settle_after:
+            v = req.verifies.pop(0)
+            req.num_computed_tokens += v.accepted
+            if not v.floated and v.accepted < v.drafts:
+                req.resume_draft_state = v.accepted
+
+    def _proposals(self) -> dict[str, tuple[int, ...]]:
+        """Drafts for every running decode row that can take them: up to k tokens each, at most what its
+        output limit leaves after the token the row samples anyway (and after the unsettled verify row it
+        floats over, if it accepts all). Host proposers: one call for the rows whose tokens the host knows.
+        Device drafts: placeholders (``DEVICE_DRAFT``) for the rows of requests whose head has drafted and
+        whose sampling reads no history (penalties, min_tokens not reached: a floating row's history is on
+        the device)."""
         if self.proposer is None and not self.device_drafts:
             return {}
-        rows = [(r, min(self.num_speculative_tokens, r.max_output - r.num_output_tokens - 1)) for r in self.running
-                if r.status == RequestStatus.RUNNING and not r.num_inflight and r.grammar is None
-                and r.num_tokens_scheduled - r.num_computed_tokens == 1]
-        rows = [(r, k) for r, k in rows if k > 0]
+        rows = []
+        for r in self.running:
+            if r.status != RequestStatus.RUNNING or r.grammar is not None \
+                    or r.num_tokens_scheduled - r.num_computed_tokens != 1:
+                continue
+            ready = _reads_no_history(r) and r.drafted if self.device_drafts else not r.num_inflight
+            if not ready:
+                continue
+            over = r.verifies[0].drafts if r.verifies else 0
+            k = min(self.num_speculative_tokens, r.max_output - r.num_outputs_scheduled - 1 - over)
+            if k > 0:
+                rows.append((r, k))
         if self.device_drafts:
-            return {r.request_id: r.proposed[:k] for r, k in rows}
+            return {r.request_id: (DEVICE_DRAFT,) * k for r, k in rows}
         drafts = self.proposer.propose_batch([(r.token_ids, k) for r, k in rows]) if rows else []
-        return {r.request_id: d[:k] for (r, k), d in zip(rows, drafts)}
+        return {r.request_id: tuple(d[:k]) for (r, k), d in zip(rows, drafts)}
 
     def _take(self, req: Request, budget: int, draft: tuple[int, ...] = ()) -> Scheduled:
+        """``req``'s share of this batch: up to ``budget`` of its tokens, then ``draft``; a share right after
+        an unsettled verify row of its request floats over it (its draft tokens count once settled)."""
+        over = req.verifies[0] if req.verifies else None  # (the one left after _settle, of the last batch)
         n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
         start = req.num_computed_tokens
         req.num_computed_tokens += n
         samples = req.num_computed_tokens == req.num_tokens_scheduled
         if samples:
             req.num_inflight += 1
-        req.num_computed_tokens += len(draft)  # until verified: the host rolls back what was rejected
+            req.drafted = True
+        verify = None
+        if draft:
+            verify = Verify(self.steps, len(draft))
+            req.verifies.append(verify)
+        floats = 0
+        if over is not None:
+            over.floated, floats = True, over.drafts
         resume, req.resume_draft_state = req.resume_draft_state, -1
         if self.snapshots is None:
-            return Scheduled(req, start, n + len(draft), samples, draft=draft, resume=resume)
-        restore, req.restore_snapshot = req.restore_snapshot, -1  # snapshots of verified tokens only:
-        saves = self._snapshot_saves(req, start, n)
-        return Scheduled(req, start, n + len(draft), samples, restore, saves, draft, resume)
+            return Scheduled(req, start, n + len(draft), samples, draft=draft, resume=resume, floats=floats,
+                             verify=verify)
+        restore, req.restore_snapshot = req.restore_snapshot, -1  # snapshots of verified tokens only, at
+        saves = () if floats else self._snapshot_saves(req, start, n)  # positions the host knows
+        return Scheduled(req, start, n + len(draft), samples, restore, saves, draft, resume, floats, verify)
 
     def schedule(self) -> Batch:
+        for req in self.running:
+            self._settle(req)
+        for req in [r for r in self.ending if r.verifies[-1].step <= self.steps - self.settle_after]:
+            self.ending.remove(req)
+            req.verifies.clear()
+            self._release(req)
         for req in [r for r in self.running if r.host_knows_end and r.num_computed_tokens >= r.num_tokens]:
             self._leave_running(req)
             req.status = RequestStatus.DRAINING
@@ -207,12 +277,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.grammar is not None and req.grammar.masked < req.num_output_tokens + req.num_inflight:
                 continue  # its in-flight token is not drawn yet (a late row): the forward would read no token
+            if self._may_end(req):
+                continue  # it waits for its count, which the sync engine has seen (and may have ended it on)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            draft = tuple(proposals.get(req.request_id, ())[:budget - 1]) if n == 1 else ()
-            while not self.pool.grow(req.block_ids, self._ahead(req.num_computed_tokens + n + len(draft))):
-                victim = self.running[-1]
+            draft = proposals.get(req.request_id, ())[:budget - 1] if n == 1 else ()
+            floats = req.verifies[0].drafts if req.verifies else 0
+            while not self.pool.grow(req.block_ids, self._ahead(req.num_computed_tokens + floats + n + len(draft))):
+                victim = next(r for r in reversed(self.running) if r is req or not self._may_end(r))
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -220,7 +293,8 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 batch.append(self._take(req, budget, draft))
                 budget -= n + len(draft)
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = self.max_num_seqs - len(self.ending)
+        while not preempted and self.waiting and budget > 0 and len(self.running) < seats:
             req = self.waiting[0]
             if req.num_inflight:
                 break  # preempted with a token in flight: it returns once that token has landed
@@ -243,16 +317,28 @@ class Scheduler:
             batch.append(self._take(req, budget))
             budget -= n
         if self.pool.caching:
-            for req in self.running:
+            for req in self.running + self.ending:
                 self._register(req)
+        self.steps += 1
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
-        """End a request: free its blocks and seat at once (device work is ordered on one stream)."""
-        if req.status == RequestStatus.RUNNING:
+        """End a request: free its blocks and seat at once (device work is ordered on one stream), or once
+        its last verify row settles (``ending``)."""
+        if req.status == RequestStatus.RUNNING and req.verifies and self.device_drafts:
+            self.running.remove(req)
+            self.ending.append(req)
+        elif req.status == RequestStatus.RUNNING:
             self._leave_running(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
             self.pool.free(req.block_ids)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _reads_no_history(req: Request) -> bool:
+    """Whether ``req``'s sampling reads none of its earlier tokens (no penalties, min_tokens reached)."""
+    p = req.params
+    return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty \
+        and req.num_outputs_scheduled >= p.min_tokens

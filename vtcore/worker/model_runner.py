@@ -51,7 +51,7 @@ from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, 
 from vtcore.worker.mtp import MTPDrafter, MTPRows, mtp_rows
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
-from vtcore.worker.step import Batch, Scheduled, StepOutput
+from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, StepOutput
 from vtcore.worker.tensor_parallel import PaddedStep, Peers, StepMessage
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
@@ -116,6 +116,32 @@ class Forward:
     metadata: AttentionMetadata
     positions: torch.Tensor
     mtp_sections: list[torch.Tensor]  # the device views of ``StepInputs.mtp``'s sections, if any
+
+
+@attrs.define
+class Floating:
+    """A step's floating shares (``Scheduled.floats``) as host sections: per share its row in the block
+    table, its mirror slot and the draft length of the verify row it floats over; per row of theirs the
+    row and its share's index in those."""
+
+    seqs: list[int] = attrs.Factory(list)
+    mirror: list[int] = attrs.Factory(list)
+    widths: list[int] = attrs.Factory(list)
+    rows: list[int] = attrs.Factory(list)
+    of: list[int] = attrs.Factory(list)
+
+    def add(self, seq: int, mirror_slot: int, width: int, row0: int, n: int) -> None:
+        self.rows += range(row0, row0 + n)
+        self.of += [len(self.seqs)] * n
+        self.seqs.append(seq)
+        self.mirror.append(mirror_slot)
+        self.widths.append(width)
+
+    def sections(self) -> list[list[int]]:
+        return [self.seqs, self.mirror, self.widths, self.rows, self.of]
+
+
+FLOATING_SECTIONS = len(attrs.fields(Floating))
 
 
 @attrs.define
@@ -212,6 +238,11 @@ class ModelRunner:
         self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
             if config.mtp else None
         self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
+        # the device side of drafting there (``Scheduled.floats``): per running request the draft tokens its
+        # last verify row accepted and the head's latest draft; the mirror holds its last accepted token
+        self.accepted = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self.device_drafts = torch.zeros((config.max_num_seqs + 1, max(config.num_speculative_tokens, 1)),
+                                         dtype=torch.int64, device=self.device)
         #: rank 0 of several: the worker ranks its steps are sent to (set by the engine); the ranks' group
         self.peers: Peers | None = None
         self.tp_group = tp.tp()
@@ -371,11 +402,10 @@ class ModelRunner:
     def _submit_general(self, batch: Batch, step: int) -> StepHandle:
         inputs = self.prepare_inputs(batch, step)
         if self.peers is not None:
-            head = inputs.mtp is not None and not inputs.sampling.late  # (late rows: no tokens to draft from yet)
             self.peers.send(StepMessage(inputs.staged, inputs.num_seqs, inputs.max_blocks, inputs.max_query_len,
                                         inputs.max_context_len, inputs.state, inputs.stale, bool(inputs.metas),
                                         [(row0, count) for _, row0, _, count in inputs.plp],
-                                        inputs.mtp.width if head else None))
+                                        inputs.mtp.width if inputs.mtp is not None else None))
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
@@ -387,11 +417,8 @@ class ModelRunner:
                 if inputs.metas:
                     logits = self.model.compute_logits(hidden[f.sample_rows]).float()
                     tokens = self.sample(out, logits, inputs.sampling, f.input_ids[f.sample_rows], f.sample_slots)
-                if inputs.mtp is not None and tokens is not None:  # the head's KV for every row, its drafts
-                    drafts = self.mtp.propose(hidden, f.metadata, f.positions, tokens, f.sample_rows, f.mtp_sections,
-                                              inputs.mtp.width)
-                    if inputs.metas:
-                        out["drafts"] = self._to_host(drafts)
+                if inputs.mtp is not None:  # the head's KV for every row, its drafts
+                    self._draft(out, f, tokens, inputs.mtp.width)
                 for req, row0, start, count in inputs.plp:
                     logits = self.model.compute_logits(hidden[row0:row0 + count])
                     targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
@@ -400,6 +427,22 @@ class ModelRunner:
             return out
 
         return self._enqueue(step, inputs.staged.index, device_work, [inputs.metas[i] for i in inputs.sampling.late])
+
+    def _draft(self, out: dict[str, Any], f: "Forward", tokens: torch.Tensor, width: int) -> None:
+        """Run the MTP head after a general step; keep, per sampling request, its draft, its verify row's
+        accepted count and its last accepted token on the device (the next step's floating rows read them,
+        ``Scheduled.floats``) and start their copies to the host. (With late rows ``tokens`` holds their
+        first, greedy draws: constrained requests take no drafts, and their draw fixes the mirror.)"""
+        drafts, accepted = self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens, f.sample_rows,
+                                            f.mtp_sections, width)
+        if not accepted.numel():
+            return
+        first = f.mtp_sections[2]
+        slots = f.sample_slots[first]
+        self.last_sampled_tokens[slots] = tokens[first + accepted]
+        self.accepted[slots] = accepted
+        self.device_drafts[slots] = drafts
+        out["drafts"], out["accepted"] = self._to_host(drafts), self._to_host(accepted)
 
     def prepare_inputs(self, batch: Batch, step: int) -> StepInputs:
         """Phase 1 (host): the flat rows of every scheduled request, staged for one upload."""
@@ -412,7 +455,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         metas: list[SampleMeta] = []
         plp: list[tuple[Any, int, int, int]] = []
-        max_ctx = max(s.start + s.num_tokens for s in batch)
+        draft_rows: list[int] = []
+        draft_index: list[int] = []
+        floating = Floating()
+        max_ctx = max(s.start + s.num_tokens + s.floats for s in batch)
         max_blocks = -(-(max_ctx + self.lookahead) // bs)
         block_table: list[int] = []
         context_lens: list[int] = []
@@ -422,13 +468,19 @@ class ModelRunner:
             req, start, n = s.request, s.start, s.num_tokens
             row0 = len(ids)
             fed = n - len(s.draft)  # the share's own tokens; the draft follows them
-            known = req.token_ids[start:start + fed]
+            known = [] if s.floats else req.token_ids[start:start + fed]  # floating: its last accepted token
             if len(known) < fed:  # the in-flight token: filled on the device by the combine
                 combine_rows.append(row0 + len(known))
                 combine_slots.append(req.mirror_slot)
                 known = known + [PLACEHOLDER]
             ids += known
             ids += s.draft
+            for i, token in enumerate(s.draft):
+                if token == DEVICE_DRAFT:
+                    draft_rows.append(row0 + fed + i)
+                    draft_index.append(req.mirror_slot * self.device_drafts.shape[1] + i)
+            if s.floats:
+                floating.add(len(context_lens), req.mirror_slot, s.floats, row0, n)
             pos = range(start, start + n)
             positions += pos
             slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
@@ -451,10 +503,11 @@ class ModelRunner:
         sample_slots = [m.request.mirror_slot for m in metas]
         mtp = mtp_rows(batch, bs) if self.mtp is not None else None
         staged = self.staging.stage(step, [ids, positions, slots, block_table, context_lens, query_start,
-                                           combine_rows, combine_slots, sample_rows, sample_slots]
-                                    + (mtp.sections() if mtp else []))
+                                           combine_rows, combine_slots, sample_rows, sample_slots, draft_rows,
+                                           draft_index] + floating.sections() + (mtp.sections() if mtp else []))
         return StepInputs(staged, metas, self.sampler.prepare(metas), plp, max_blocks,
-                          max(s.num_tokens for s in batch), max_ctx, len(batch), state, bool(combine_rows), mtp)
+                          max(s.num_tokens for s in batch), max_ctx, len(batch), state,
+                          bool(combine_rows or draft_rows), mtp)
 
     def draft_state_slot(self, mirror_slot: int, accepted: int) -> int:
         """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens
@@ -495,17 +548,23 @@ class ModelRunner:
     def run_model(self, inputs: "StepInputs | StepMessage") -> "Forward":
         """Phase 2 (device): upload, combine the in-flight tokens into the input ids, forward under
         the override scope; reads nothing of the requests (the host may have rescheduled them)."""
-        (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows,
-         d_sslots, *mtp) = self.staging.upload(inputs.staged)
+        (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows, d_sslots, d_drows, d_dindex,
+         *rest) = self.staging.upload(inputs.staged)
+        floats, mtp = rest[:FLOATING_SECTIONS], rest[FLOATING_SECTIONS:]
         input_ids = d_ids
         if inputs.stale:
             input_ids = d_ids.clone()
             input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
+            input_ids[d_drows] = self.device_drafts.view(-1)[d_dindex].clamp(min=0)  # (0: a slot never drafted)
         if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(input_ids, self.tp_group)
+        table = d_table.view(inputs.num_seqs, inputs.max_blocks)
+        shift: torch.Tensor | None = None
+        if floats[0].numel():
+            d_pos, d_slots, d_ctx, shift = self._float(floats, d_pos, d_slots, d_ctx, table)
         state = inputs.state
         md = AttentionMetadata(
-            slot_mapping=d_slots, block_tables=d_table.view(inputs.num_seqs, inputs.max_blocks), context_lens=d_ctx,
+            slot_mapping=d_slots, block_tables=table, context_lens=d_ctx,
             query_start_loc=d_qstart, max_query_len=inputs.max_query_len, max_context_len=inputs.max_context_len,
             seq_rows=state.seq_rows, state_slots=state.state_slots, state_out_slots=state.state_out_slots,
             has_state=state.has_state)
@@ -513,6 +572,8 @@ class ModelRunner:
         try:
             with torch.inference_mode(), self.scope(input_ids if inputs.stale else None, inputs.stale) as override:
                 self._copy_states(state.restores)
+                if shift is not None and self.stateful_layers:
+                    self._resume_floating(floats, shift)
                 hidden = self.model(d_ids, d_pos)
                 self._copy_states(state.end_saves)
             consumed = bool(override is not None and override.consumed)
@@ -520,18 +581,41 @@ class ModelRunner:
             set_attention_metadata(None)
         return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, mtp)
 
+    def _float(self, floats: list[torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
+               table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shift the floating shares' positions, KV slots and context lengths by their requests' accepted
+        counts (rank 0's, on every rank); returns them and the shifts (``Floating``)."""
+        seqs, mirror, _, rows, of = floats
+        shift = tp.broadcast(self.accepted[mirror], self.tp_group)
+        pos, slots, ctx = pos.clone(), slots.clone(), ctx.clone()
+        pos[rows] += shift[of]
+        at = pos[rows]
+        slots[rows] = table[seqs[of], at // self.block_size] * self.block_size + at % self.block_size
+        ctx[seqs] += shift
+        return pos, slots, ctx, shift
+
+    def _resume_floating(self, floats: list[torch.Tensor], shift: torch.Tensor) -> None:
+        """A floating share's stateful layers start from the state after its last accepted token: the
+        draft-state slot of that count, or their own slot when every draft token was accepted."""
+        mirror, widths = floats[1], floats[2]
+        kept = self.draft_state_base + mirror * self.draft_states + shift
+        src = torch.where(shift < widths, kept, mirror)
+        for layer in self.stateful_layers:
+            for t in layer.states.values():
+                t[mirror] = t[src]
+
     def sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
                mirror_slots: torch.Tensor) -> torch.Tensor | None:
         """Phase 3 (device): sample, write the tokens into the device mirror, start their copies to the host
         (a step with late rows keeps their logits and copies once they are drawn: ``_draw_late``). Returns
-        the sampled tokens (device), None while late rows wait for theirs."""
+        the sampled tokens (device; late rows' first, greedy draws)."""
         sampled = self.sampler.sample(logits, sampling, fed)
         self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
         if sampling.late:
             rows = to_device(sampling.late, torch.int64, self.device)
             out["late"] = (sampled, rows, logits[rows], fed[rows], mirror_slots[rows])
-            return None
-        out.update({k: self._to_host(v) for k, v in sampled.items()})
+        else:
+            out.update({k: self._to_host(v) for k, v in sampled.items()})
         return sampled["tokens"]
 
     def _draw_late(self, out: dict[str, Any], sampling: Any) -> dict[str, Any]:
@@ -562,7 +646,8 @@ class ModelRunner:
         return StepOutput(out["tokens"].tolist(), out["logprobs"].tolist() if lp else None,
                           out["ranks"].tolist() if lp else None, out["top_ids"].tolist() if lp else None,
                           out["top_logprobs"].tolist() if lp else None, plp,
-                          out["drafts"].tolist() if "drafts" in out else None)
+                          out["drafts"].tolist() if "drafts" in out else None,
+                          out["accepted"].tolist() if "accepted" in out else None)
 
     def _enqueue(self, step: int, index: int, device_work: Callable[[], dict[str, Any]],
                  late: Sequence[SampleMeta] = ()) -> StepHandle:
@@ -688,7 +773,7 @@ class ModelRunner:
             if message.samples:
                 self.model.compute_logits(f.hidden[f.sample_rows])
             if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
-                self.mtp.propose(f.hidden, f.metadata, f.positions, None, f.sample_rows, f.mtp_sections,
+                self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows, f.mtp_sections,
                                  message.mtp_width)
             for row0, count in message.plp_rows:
                 self.model.compute_logits(f.hidden[row0:row0 + count])

@@ -33,18 +33,18 @@ NO_TOKEN = -1  # a row whose next token is the one sampled there
 class MTPRows:
     """A step's host sections for the head: per row the next token (``NO_TOKEN``: the row's sampled
     token); per sampling request its fed token's row, the index of its first sampled token, its row in
-    the block table, the tokens its blocks hold, and its draft padded to ``width`` with ``NO_TOKEN``."""
+    the block table, the tokens its blocks hold, and its draft's length (at most ``width``)."""
 
     next_ids: list[int] = attrs.Factory(list)
     base_rows: list[int] = attrs.Factory(list)
     first_samples: list[int] = attrs.Factory(list)
     table_rows: list[int] = attrs.Factory(list)
     capacity: list[int] = attrs.Factory(list)
-    drafts: list[int] = attrs.Factory(list)
+    widths: list[int] = attrs.Factory(list)
     width: int = 0
 
     def sections(self) -> list[list[int]]:
-        return [self.next_ids, self.base_rows, self.first_samples, self.table_rows, self.capacity, self.drafts]
+        return [self.next_ids, self.base_rows, self.first_samples, self.table_rows, self.capacity, self.widths]
 
 
 def mtp_rows(batch: Batch, block_size: int) -> MTPRows:
@@ -62,7 +62,7 @@ def mtp_rows(batch: Batch, block_size: int) -> MTPRows:
             rows.first_samples.append(sampled)
             rows.table_rows.append(seq)
             rows.capacity.append(len(req.block_ids) * block_size)
-            rows.drafts += [*s.draft] + [NO_TOKEN] * (rows.width - len(s.draft))
+            rows.widths.append(len(s.draft))
         row0 += s.num_tokens
         sampled += s.num_sampled
     return rows
@@ -89,36 +89,33 @@ class MTPDrafter:
         event.record()
         return event
 
-    def propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor,
+    def propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
                 tokens: torch.Tensor | None, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
-                ) -> torch.Tensor:
-        """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata,
-        ``tokens`` its sampled tokens at ``sample_rows`` (a tensor-parallel worker: None, rank 0's are
-        broadcast); ``sections`` the device views of :meth:`MTPRows.sections`. Returns int64 [sampling
-        requests, k], the same on every rank."""
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata, ``fed``
+        its fed ids (draft tokens included), ``tokens`` its sampled tokens at ``sample_rows`` (a
+        tensor-parallel worker: None, rank 0's are broadcast); ``sections`` the device views of
+        :meth:`MTPRows.sections`. Returns, the same on every rank, int64 [sampling requests, k] drafts and
+        [sampling requests] the draft tokens each verify row accepted (``accepted_counts``)."""
         if self.tp_group.size > 1:
             tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=hidden.device)
                                   if tokens is None else tokens.to(torch.int64).contiguous(), self.tp_group)
         if self.timings is None:
-            return self._propose(hidden, md, positions, tokens, sample_rows, sections, width)
+            return self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width)
         start = self._mark(hidden.device)
-        drafts = self._propose(hidden, md, positions, tokens, sample_rows, sections, width)
+        drafts = self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width)
         self.timings.append((start, self._mark(hidden.device)))
         return drafts
 
-    def _propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor,
+    def _propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
                  tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
-                 ) -> torch.Tensor:
-        next_ids, base, first, table_rows, capacity, drafts = sections
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_ids, base, first, table_rows, capacity, widths = sections
         ids = next_ids.index_put((sample_rows,), tokens)
         h = self._run(ids, positions, hidden, md, 0)
         if not base.numel():  # no row samples: the pass wrote the head's KV, nothing to draft
-            return base.new_empty((0, self.k))
-        accepted = torch.zeros_like(base)
-        if width:
-            draft = drafts.view(-1, width)
-            index = (first[:, None] + torch.arange(width, device=first.device)).clamp(max=tokens.numel() - 1)
-            accepted = ((tokens[index] == draft) & (draft >= 0)).long().cumprod(1).sum(1)
+            return base.new_empty((0, self.k)), base
+        accepted = accepted_counts(fed, tokens, base, first, widths, width)
         rows = base + accepted
         h, pos = h[rows], positions[rows]
         out = [self._greedy(h)]
@@ -137,7 +134,7 @@ class MTPDrafter:
                 max_query_len=1, max_context_len=md.max_context_len + self.k)
             h = self._run(out[-1], at, h, step_md, step)
             out.append(self._greedy(h))
-        return torch.stack(out, dim=1)
+        return torch.stack(out, dim=1), accepted
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata,
              step: int) -> torch.Tensor:
@@ -149,3 +146,16 @@ class MTPDrafter:
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float().argmax(dim=-1)
+
+
+def accepted_counts(fed: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor, first: torch.Tensor,
+                    widths: torch.Tensor, width: int) -> torch.Tensor:
+    """Per sampling request, how many of its ``widths`` draft tokens (fed in the rows after its fed token's
+    row ``base``) equal the token sampled before each (its sampled tokens start at ``first`` of
+    ``tokens``): the verify row's accepted draft tokens, counted on the device. ``width``: the longest draft."""
+    if not width:
+        return torch.zeros_like(base)
+    i = torch.arange(width, device=base.device)
+    drafts = fed[(base[:, None] + 1 + i).clamp(max=fed.numel() - 1)]
+    sampled = tokens[(first[:, None] + i).clamp(max=tokens.numel() - 1)]
+    return ((sampled == drafts) & (i < widths[:, None])).long().cumprod(1).sum(1)

@@ -10,6 +10,9 @@ from typing import Any, Protocol
 
 import attrs
 
+#: a draft token the runner takes from the device (drafts made there, by an MTP head, in the step before)
+DEVICE_DRAFT = -1
+
 
 class StepRequest(Protocol):
     """A request as the runner and the sampler see it."""
@@ -38,6 +41,13 @@ class Scheduled:
     last ``len(draft)`` tokens, and each of its last ``len(draft) + 1`` rows samples (a verify row).
     ``resume``: after a verify row that accepted fewer than its draft's tokens, how many it accepted:
     the stateful layers resume from the state kept after that many (-1: from their slot as it is).
+    ``draft`` tokens equal to ``DEVICE_DRAFT`` come from the device's drafts of the request.
+
+    ``floats``: the share follows a verify row of ``floats`` draft tokens whose accepted count the host
+    may not know yet (``vtcore.engine.scheduler``): its positions are ``start`` and on plus that count,
+    added on the device, where its fed token (the last accepted one) comes from the mirror and its
+    stateful layers resume from the state after it. ``verify``: the scheduler's record of this share's
+    verify row, which the engine tells the accepted count.
     """
 
     request: StepRequest
@@ -48,6 +58,8 @@ class Scheduled:
     saves: tuple[tuple[int, int], ...] = ()
     draft: tuple[int, ...] = ()
     resume: int = -1
+    floats: int = 0
+    verify: Any = None
 
     @property
     def num_sampled(self) -> int:
@@ -70,3 +82,4 @@ class StepOutput:
     top_logprobs: list[list[float]] | None
     prompt_logprobs: dict[str, list]  # request_id -> per-position {id: (logprob, rank)}
     drafts: list[list[int]] | None = None  # per sampling request: its MTP head's draft (``vtcore.worker.mtp``)
+    accepted: list[int] | None = None  # per sampling request: its draft tokens the device accepted (with drafts)

@@ -185,3 +185,56 @@ def test_the_speculative_bench_times_the_mtp_head_and_replays_with_it_running(tm
     assert replay["acceptance_rate"] == 1.0 and replay["mtp_head_ms"] > 0
     assert run["method"]["mtp_head_ms"] > 0 and run["method"]["outputs_equal"]
     assert "MTP head" in out.getvalue()
+
+
+@pytest.mark.parametrize("knobs", [{}, {"num_kv_blocks": 14, "max_num_batched_tokens": 10},
+                                   {"enable_prefix_caching": True, "state_snapshot_interval": 4}],
+                         ids=["plain", "preempting", "snapshots"])
+def test_async_mtp_schedules_sync_batches_without_seeing_accepted_counts(knobs: dict, tmp_path: Any) -> None:
+    """With MTP the async engine schedules a request's next share before its verify row's accepted count
+    reaches the host (the share floats, shifted on the device). With drafts replayed on the device so that
+    verify rows accept every count, async builds the very batches sync builds and gives its tokens (greedy
+    and seeded), greedy ones equal to decoding without speculation; also while preempting and with state
+    snapshots for the prefix cache."""
+    import random
+
+    from vtcore.conformance.harness import greedy, run_engine
+    from vtcore.sampling_params import SamplingParams
+    from vtcore.testing.replay_drafts import replay_device_drafts
+
+    path, _ = _checkpoint(str(tmp_path), dense_example(), seed=3)
+    rng = random.Random(0)
+    arrivals: dict[int, list] = {}
+    for i in range(6):
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True, logprobs=1) if i % 3 == 0 \
+            else greedy(rng.randrange(5, 20))
+        arrivals.setdefault(rng.randrange(0, 6), []).append((f"r{i}", [rng.randrange(1, 500) for _ in range(
+            rng.randrange(3, 20))], params))
+    plain, _ = run_engine(_engine_llm(path, async_scheduling=False).engine, arrivals)
+    greedy_ids = {rid: ids for batch in arrivals.values() for rid, ids, p in batch if p.temperature == 0}
+    runs = {}
+    for mode in ("sync", "async"):
+        engine = _engine_llm(path, speculative_config=SPEC, async_scheduling=mode == "async",
+                             **{"max_num_batched_tokens": 8, **knobs}).engine
+        replay_device_drafts(engine, [ids + plain[rid] for rid, ids in greedy_ids.items()])
+        floating: list[int] = []
+        runs[mode] = run_engine(engine, arrivals, observe=lambda b: floating.extend(s.floats for s in b if s.floats))
+        assert engine.depth == (2 if mode == "async" else 1) and floating
+        per_position = engine.spec_stats.accepted_per_position
+        assert 0 < per_position[-1] < per_position[0] < engine.spec_stats.num_drafts
+        assert engine.pool.num_free == engine.pool.num_blocks and not engine.scheduler.ending
+        if "num_kv_blocks" in knobs:
+            assert engine.scheduler.num_preemptions
+    assert runs["async"] == runs["sync"]
+    assert {rid: runs["sync"][0][rid] for rid in greedy_ids} == {rid: plain[rid] for rid in greedy_ids}
+
+
+def test_mtp_needs_a_family_that_consumes_device_tokens_and_runs_async_by_default() -> None:
+    from vtcore.config import EngineConfig
+    from vtcore.engine.llm_engine import async_depth
+    from vtcore.errors import VtcoreError
+
+    config = EngineConfig(model="m", speculative_config=SPEC)
+    assert async_depth(config, "qwen3_5", True) == 2
+    with pytest.raises(VtcoreError, match="method 'mtp': model family 'plain' does not declare"):
+        async_depth(config, "plain", False)

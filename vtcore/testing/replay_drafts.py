@@ -1,0 +1,54 @@
+"""Replayed drafts on the device path: a test double for an MTP head that proposes well.
+
+A head with random weights (the gate's, a test's) has nearly nothing accepted, so the shifts of a
+floating share (``Scheduled.floats``: positions, KV slots, the state resumed after the last accepted
+token) would be tried with an accepted count of 0 only. ``replay_device_drafts`` keeps the head running
+(its KV and its cost) and then replaces each greedy request's draft on the device with what followed
+its tokens in a recorded greedy run, one token changed in a cycle (``ReplayProposer(reject_every=True)``),
+so verify rows accept every count from 0 to k, through exactly the path a real head's drafts take.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+import torch
+
+from vtcore.spec.replay import ReplayProposer
+
+
+def replay_device_drafts(engine: Any, sequences: Sequence[Sequence[int]]) -> None:
+    """Install on ``engine`` (an MTP engine on CPU, sync or async): ``sequences`` are the prompt and greedy
+    continuation of each request to replay (requests with no sequence keep the head's drafts)."""
+    runner = engine.runner
+    proposer = ReplayProposer(sequences, engine.vocab_size, reject_every=True)
+    k = runner.device_drafts.shape[1]
+    submitted: deque[dict[int, list[int]]] = deque()  # per step, in submit order: mirror slot -> prompt
+    head_draft = runner._draft
+
+    def observe(batch: Any, done: bool) -> None:
+        if not done:
+            submitted.append({s.request.mirror_slot: s.request.prompt_token_ids for s in batch if s.samples})
+
+    def replayed(out: dict[str, Any], f: Any, tokens: torch.Tensor, width: int) -> None:
+        head_draft(out, f, tokens, width)
+        prompts = submitted.popleft()  # device work runs in submit order
+        if "accepted" not in out:
+            return
+        base, first = f.mtp_sections[1], f.mtp_sections[2]
+        slots = f.sample_slots[first].tolist()
+        last_rows = (base + out["accepted"]).tolist()
+        for i, (slot, row) in enumerate(zip(slots, last_rows)):
+            prompt = prompts[slot]
+            seq = next((s for s in proposer.sequences if s[:len(prompt)] == prompt), None)
+            if seq is None:
+                continue
+            tokens_after = int(f.positions[row]) + 2  # the row's position, then the token sampled there
+            draft = proposer.propose(seq[:tokens_after], k)
+            if draft:
+                draft += out["drafts"][i, len(draft):].tolist()
+                runner.device_drafts[slot] = torch.tensor(draft)
+                out["drafts"][i] = runner.device_drafts[slot]
+
+    runner.on_submit.append(observe)
+    runner._draft = replayed
