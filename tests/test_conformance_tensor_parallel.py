@@ -63,7 +63,8 @@ def test_the_cli_runs_the_gate_on_two_ranks_quant_section_included(tmp_path: Any
         main(["conformance", "--tensor-parallel-size", "0"], out=io.StringIO())
 
 
-def test_workers_serve_one_engine_after_another_and_stop_with_the_context(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("interrupt", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl-c"])
+def test_workers_serve_one_engine_after_another_and_stop_with_the_context(tiny_checkpoint, interrupt) -> None:
     from vtcore import LLM, SamplingParams
     from vtcore.worker.tensor_parallel import TensorParallelError, reused_workers
 
@@ -77,18 +78,20 @@ def test_workers_serve_one_engine_after_another_and_stop_with_the_context(tiny_c
         second = LLM(tiny_checkpoint[0], **knobs, async_scheduling=False)
         assert [p.pid for p in second.engine.runner.peers.processes] == [pid]  # the same process, a new engine
         assert second.generate([{"prompt_token_ids": [5, 9, 2]}], greedy)[0].outputs[0].token_ids == want
-        # a step that fails on rank 0 mid-forward leaves the worker in a collective: it is killed at once
+        # a step that fails (or is interrupted by Ctrl-C) on rank 0 mid-forward leaves the worker in a
+        # collective: it is killed at once
         model, forward = second.engine.runner.model, second.engine.runner.model.forward
 
         def broken(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError("rank 0 broke")
+            raise interrupt("rank 0 broke")
 
         model.forward = broken
         started = time.monotonic()
-        with pytest.raises(RuntimeError, match="rank 0 broke"):
+        with pytest.raises(interrupt, match="rank 0 broke"):
             second.generate([{"prompt_token_ids": [5, 9]}], greedy)
         model.forward = forward
-        with pytest.raises(TensorParallelError, match=r"a step failed on rank 0 \(RuntimeError: rank 0 broke\)"):
+        with pytest.raises(TensorParallelError,
+                           match=rf"a step failed on rank 0 \({interrupt.__name__}: rank 0 broke\)"):
             second.generate([{"prompt_token_ids": [5, 9]}], greedy)
         assert time.monotonic() - started < 30  # not a collective's timeout
         second.shutdown()

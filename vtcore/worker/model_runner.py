@@ -676,11 +676,12 @@ class ModelRunner:
 
     def _with_peers(self, device_work: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
         """``device_work`` that, with tensor-parallel workers, names a dead one when it fails, or else ends
-        the ranks (``Peers.failed``: the workers may wait in a collective this rank never reaches)."""
+        the ranks (``Peers.failed``: the workers may wait in a collective this rank never reaches), Ctrl-C
+        included."""
         def work() -> dict[str, Any]:
             try:
                 return device_work()
-            except Exception as exc:
+            except BaseException as exc:
                 if self.peers is not None:
                     self.peers.check()
                     self.peers.failed(exc)
