@@ -12,6 +12,7 @@ import os
 import signal
 from typing import Any, Iterator
 
+import attrs
 import pytest
 
 from tests.server_harness import KNOBS, MODEL, MAX_BYTES, ServerThread, needs_default_model
@@ -39,10 +40,17 @@ def core() -> Iterator[AsyncLLM]:
 
 
 def test_it_streams_what_the_engine_thread_streams(core: AsyncLLM) -> None:
+    """Text included: the core detokenizes only requests with stop strings, the front end the others (each
+    completion of n, every output kind, special tokens kept or skipped)."""
+    sampled = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=7, ignore_eos=True)
+    cases = [greedy(9, output_kind=RequestOutputKind.DELTA), greedy(13), greedy(14, skip_special_tokens=False),
+             sampled, attrs.evolve(sampled, output_kind=RequestOutputKind.DELTA),
+             greedy(6, output_kind=RequestOutputKind.FINAL_ONLY), greedy(20, stop=["e"]),
+             greedy(20, stop=["e"], include_stop_str_in_output=True, output_kind=RequestOutputKind.DELTA)]
+
     async def run(llm: AsyncLLM) -> list:
-        delta = greedy(9, output_kind=RequestOutputKind.DELTA)
-        return await asyncio.gather(*[_collect(llm, f"p{i}", p, greedy(12 + i) if i else delta)
-                                      for i, p in enumerate(PROMPTS)])
+        return await asyncio.gather(*[_collect(llm, f"p{i}", PROMPTS[i % len(PROMPTS)], params)
+                                      for i, params in enumerate(cases)])
 
     thread = AsyncLLM(**KNOBS)
     try:
@@ -52,10 +60,14 @@ def test_it_streams_what_the_engine_thread_streams(core: AsyncLLM) -> None:
     got = asyncio.run(run(core))
 
     def seen(streams: list) -> list:
-        return [[(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text, o.finished) for o in s]
+        return [[(o.prompt, o.prompt_token_ids, o.finished, [(c.index, c.token_ids, c.text, c.finish_reason,
+                                                               c.stop_reason) for c in o.outputs]) for o in s]
                 for s in streams]
 
     assert seen(got) == seen(want)  # the prompt too, in every output (the core sends it once)
+    assert all(c.text for s, params in zip(got, cases) if not params.stop and params.output_kind !=
+               RequestOutputKind.DELTA for c in s[-1].outputs)  # text there is (the front end made it)
+    assert got[-2][-1].outputs[0].finish_reason == "stop"  # a stop string, found in the core
     assert core.tokenize(PROMPTS[0]) == thread.tokenize(PROMPTS[0]) and core.limits() == thread.limits()
     assert core.default_sampling() == thread.default_sampling() and core.engine.family.name == "qwen3_dense"
     assert core.stats().prefix_cache_queries > 0  # the core's load, sent with its steps

@@ -10,8 +10,9 @@ the server's process.
 One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params)``, ``("abort",
 id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [RequestOutput],
-EngineStats)`` after each step (a request's prompt only in its first output; written by a sender thread,
-so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and
+EngineStats)`` after each step (a request's prompt only in its first output, its text only if it has stop
+strings: the front end detokenizes the others, ``vtcore.engine.front_end_text``; written by a sender
+thread, so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and
 finished; an add after a stop is rejected), or ``("dead", error)`` when the engine raised (then it exits).
 Between steps the core takes every message waiting; with no work it blocks on the pipe.
 """
@@ -29,6 +30,7 @@ import attrs
 
 from vtcore.config import EngineConfig
 from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.engine.front_end_text import FrontEndText
 from vtcore.engine.prompt_text import PromptText
 from vtcore.errors import EngineDeadError
 from vtcore.family import ModelFamily
@@ -111,6 +113,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     except BaseException as exc:  # noqa: BLE001 - the front end raises it from the constructor
         conn.send(("dead", _sendable(exc)))
         return
+    engine.front_end_text = True
     conn.send(("ready", CoreInfo(engine.model_path, engine.family, engine.limits(), engine.default_sampling(),
                                  list(engine.eos_token_ids), engine.stats())))
     sender = _Sender(conn)
@@ -184,10 +187,13 @@ class CoreClient(PromptText):
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
                                         else info.model_path)
         self._grammar_cache: Any = None
+        self.text = FrontEndText(self.tokenizer)
 
     def send(self, msg: tuple) -> None:
         """Send a message to the core (from any thread)."""
         with self._send_lock:
+            if msg[0] == "add":
+                self.text.sent(msg[1], msg[3])
             self.conn.send(msg)
 
     def recv(self) -> tuple:
@@ -204,6 +210,9 @@ class CoreClient(PromptText):
                     out.prompt, out.prompt_token_ids = kept
                 if out.finished:
                     self._prompts.pop(rid, None)
+                self.text.fill(out)
+        elif msg[0] in ("added", "rejected"):
+            self.text.answered(msg[1], msg[0] == "added")
         return msg
 
     def limits(self) -> EngineLimits:

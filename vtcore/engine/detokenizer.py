@@ -74,6 +74,13 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
         self.prefix_offset = self.read_offset = len(self.ids)
 
+    def output_text(self, finished: bool, stop_reason: Any) -> str:
+        """The text an output shows: at the end (unless a stop string or token ended it) with whatever is
+        pending flushed; while running, ``visible_text``."""
+        if finished and stop_reason is None:
+            self.flush()
+        return self.visible_text(finished)
+
     def visible_text(self, finished: bool) -> str:
         """The text safe to show: while running, the tail that may begin a stop string is held back."""
         if finished or not self.holdback:

@@ -14,6 +14,7 @@ import torch
 from vtcore.config import DTYPES, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.detokenizer import IncrementalDetokenizer
+from vtcore.engine.front_end_text import text_in_front_end
 from vtcore.engine.capacity import EngineLimits, EngineStats
 from vtcore.engine.prompt_text import Prompt, PromptText
 from vtcore.engine.request import Request
@@ -209,6 +210,8 @@ class LLMEngine(PromptText):
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._grammar_cache: GrammarCache | None = None
+        #: an engine core process's: requests without stop strings get no text here (``front_end_text``)
+        self.front_end_text = False
 
     def _proposer(self) -> Proposer | None:
         """The proposer ``speculative_config`` names (None: no speculative decoding, or the model's MTP head,
@@ -342,7 +345,7 @@ class LLMEngine(PromptText):
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.structured_outputs is not None:
             req.grammar = self._grammars().matcher(params.structured_outputs)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not (self.front_end_text and text_in_front_end(params)):
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
         if params.prompt_logprobs is not None:
@@ -550,9 +553,7 @@ class LLMEngine(PromptText):
         finished = req.is_finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        if finished and req.detok is not None and req.stop_reason is None:
-            req.detok.flush()
-        text = req.detok.visible_text(finished) if req.detok is not None else ""
+        text = req.detok.output_text(finished, req.stop_reason) if req.detok is not None else ""
         tokens, logprobs = req.output_token_ids, req.logprobs
         if kind == RequestOutputKind.DELTA:
             sent_text, sent_tokens = req.sent

@@ -1,0 +1,74 @@
+"""Output text made in the front end, off the engine core's critical path.
+
+An engine core process (``vtcore.engine.core_process``) detokenizes only the requests that have stop
+strings (it must find them to stop the request); every other request's outputs leave the core with their
+token ids and no text, and the front end's receiving thread fills the text in with the same incremental
+detokenizer, for each completion of a request and whatever its output kind, so the outputs equal those of
+an engine that detokenizes everything itself.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from vtcore.engine.detokenizer import IncrementalDetokenizer
+from vtcore.outputs import RequestOutput
+from vtcore.sampling_params import RequestOutputKind, SamplingParams
+
+
+def text_in_front_end(params: SamplingParams) -> bool:
+    """Whether an engine core leaves this request's text to the front end (it has no stop strings)."""
+    return not params.stop
+
+
+class _Completion:
+    """One completion's detokenizer, how many of its tokens it has taken and how much text was sent."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens, [], False)
+        self.fed = self.sent = 0
+
+
+class FrontEndText:
+    """Fills in the text of core outputs whose requests the core does not detokenize. ``sent`` / ``answered``
+    follow the add messages (the core answers adds in order, per id); ``fill`` runs on the receiving thread."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._sent: dict[str, collections.deque[SamplingParams]] = collections.defaultdict(collections.deque)
+        self._params: dict[str, SamplingParams] = {}
+        self._completions: dict[tuple[str, int], _Completion] = {}
+
+    def sent(self, request_id: str, params: SamplingParams) -> None:
+        self._sent[request_id].append(params)
+
+    def answered(self, request_id: str, added: bool) -> None:
+        """The core added (or rejected) the oldest add of ``request_id``."""
+        waiting = self._sent[request_id]
+        params = waiting.popleft()
+        if not waiting:
+            del self._sent[request_id]
+        if added and self.tokenizer is not None and text_in_front_end(params):
+            self._params[request_id] = params
+
+    def fill(self, out: RequestOutput) -> None:
+        """Put the text into ``out`` (its prompt ids restored) if the front end makes it."""
+        rid = out.request_id
+        params = self._params.get(rid)
+        if params is None:
+            return
+        delta = params.output_kind == RequestOutputKind.DELTA
+        for c in out.outputs:
+            state = self._completions.get((rid, c.index))
+            if state is None:
+                state = self._completions[rid, c.index] = _Completion(self.tokenizer, out.prompt_token_ids, params)
+            for token in c.token_ids if delta else c.token_ids[state.fed:]:
+                state.detok.add(token)
+            state.fed += len(c.token_ids) if delta else len(c.token_ids) - state.fed
+            text = state.detok.output_text(c.finish_reason is not None, c.stop_reason)
+            c.text = text[state.sent:] if delta else text
+            state.sent = len(text)
+        if out.finished:
+            del self._params[rid]
+            for key in [k for k in self._completions if k[0] == rid]:
+                del self._completions[key]
