@@ -199,3 +199,27 @@ def test_serve_takes_the_flag() -> None:
     assert build_parser().parse_args(["serve", "--no-engine-core-process"]).engine_core_process is False
     bench = build_parser().parse_args(["bench", "--serve", "--no-engine-core-process"])
     assert bench.engine_core_process is False and build_parser().parse_args(["bench"]).engine_core_process is None
+
+
+def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
+    """The front end's sends (on the server's event loop) and the core's go through a sender thread: a
+    message larger than the pipe holds returns at once while no one reads, and the reader gets every
+    message in order once it reads."""
+    import threading
+    import time
+
+    from vtcore.engine.core_process import CoreClient, _Sender
+    from vtcore.engine.front_end_text import FrontEndText
+
+    reader, writer = multiprocessing.Pipe()
+    client = object.__new__(CoreClient)  # its sending half, without a core process
+    client._send_lock, client.text, client._sender = threading.Lock(), FrontEndText(None), _Sender(writer)
+    sender = client._sender
+    big = ("add", "r", {"prompt_token_ids": list(range(300_000))}, SamplingParams())  # more than a pipe holds
+    started = time.monotonic()
+    for msg in (big, ("abort", "r"), ("stop",)):
+        client.send(msg)
+    assert time.monotonic() - started < 1.0
+    assert [reader.recv() for _ in range(3)] == [big, ("abort", "r"), ("stop",)]
+    sender.close(timeout=5)
+    assert not sender.thread.is_alive()

@@ -116,17 +116,14 @@ class AsyncLLM(EngineFrontEnd):
             self._wake.set()
             return
         if msg[0] == "add":
-            msg[-1].set_running_or_notify_cancel()
+            added = msg[-1]
+            added.set_running_or_notify_cancel()
             with self._lock:
-                self._adds.setdefault(msg[1], collections.deque()).append(msg[-1])
+                if self.dead is not None:  # died since the caller checked: no one would answer this add
+                    raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
+                self._adds.setdefault(msg[1], collections.deque()).append(added)
             msg = msg[:-1]
-        try:
-            self.core.send(msg)
-        except OSError as exc:  # the core is gone: the receiving thread reports it
-            if msg[0] == "add":
-                with self._lock:
-                    self._answered(msg[1])
-                raise EngineDeadError(f"the engine core process is gone ({exc})") from None
+        self.core.send(msg)
 
     def _answered(self, request_id: str) -> concurrent.futures.Future:
         """The oldest unanswered add of ``request_id`` (under ``_lock``)."""
@@ -141,10 +138,7 @@ class AsyncLLM(EngineFrontEnd):
         self._stopping = True
         self._wake.set()
         if self.core is not None and self.dead is None:
-            try:
-                self.core.send(("stop",))
-            except OSError:
-                pass  # already gone
+            self.core.send(("stop",))
         self._thread.join(timeout=30)
         self.engine.shutdown()
 

@@ -78,8 +78,10 @@ def _lean(out: RequestOutput, announced: set[str]) -> RequestOutput:
 
 
 class _Sender:
-    """The core's messages to the front end, written by a thread of their own in order: the step loop never
-    waits while the front end is slow to read (a full pipe blocks its writer)."""
+    """Messages over one end of the pipe, written in order by a thread of their own: the core's step loop
+    never waits while the front end is slow to read, nor the front end's event loop while the core steps
+    (a full pipe blocks its writer). A write that fails (the other end is gone) ends the thread; that end's
+    reader hears of it."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn, self.queue = conn, queue.SimpleQueue()
@@ -96,10 +98,10 @@ class _Sender:
     def send(self, msg: tuple) -> None:
         self.queue.put(msg)
 
-    def close(self) -> None:
-        """Send what is queued, then stop."""
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued, then stop (waiting at most ``timeout`` seconds for a reader that reads)."""
         self.queue.put(None)
-        self.thread.join()
+        self.thread.join(timeout)
 
 
 def core_main(config: EngineConfig, conn: Connection) -> None:
@@ -168,8 +170,9 @@ class CoreClient(PromptText):
         self.process.start()
         theirs.close()
         self.conn = ours
+        self._sender = _Sender(ours)
         # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
-        self._finalizer = weakref.finalize(self, _stop, self.process, ours)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
         self._send_lock = threading.Lock()
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see _lean)
         try:
@@ -190,11 +193,11 @@ class CoreClient(PromptText):
         self.text = FrontEndText(self.tokenizer)
 
     def send(self, msg: tuple) -> None:
-        """Send a message to the core (from any thread)."""
+        """Queue a message to the core (from any thread; written by the sender thread, never blocking)."""
         with self._send_lock:
             if msg[0] == "add":
                 self.text.sent(msg[1], msg[3])
-            self.conn.send(msg)
+            self._sender.send(msg)
 
     def recv(self) -> tuple:
         """The core's next message (the receiving thread only); ``EOFError`` / ``OSError`` once it is gone."""
@@ -240,6 +243,7 @@ class CoreClient(PromptText):
     def shutdown(self) -> None:
         """Wait for the core to exit (after a stop), killing it past ``STOP_TIMEOUT_S``."""
         self._finalizer.detach()
+        self._sender.close(STOP_TIMEOUT_S)
         _join(self.process)
         self.conn.close()
 
@@ -251,11 +255,9 @@ def _join(process: Any) -> None:
         process.join()
 
 
-def _stop(process: Any, conn: Connection) -> None:
+def _stop(process: Any, sender: _Sender) -> None:
     """Stop a core its front end never shut down."""
     if process.is_alive():
-        try:
-            conn.send(("stop",))
-        except OSError:
-            pass
+        sender.send(("stop",))
+        sender.close(STOP_TIMEOUT_S)
         _join(process)
