@@ -156,16 +156,16 @@ def test_the_mtp_pass_catches_a_head_fed_the_wrong_next_tokens(plugins: Plugins,
     """Drafts that leave no trace keep the output exact; only the MTP pass's from-scratch comparison sees a
     runner that feeds the head a wrong token where the host knew the next one (here: every prompt token)."""
     from vtcore.worker import model_runner
-    from vtcore.worker.mtp import NO_TOKEN
+    from vtcore.worker.drafting import NO_TOKEN
 
-    rows = model_runner.mtp_rows
+    rows = model_runner.draft_rows
 
     def wrong(batch, block_size):
         got = rows(batch, block_size)
         got.next_ids = [t if t == NO_TOKEN else 0 for t in got.next_ids]
         return got
 
-    monkeypatch.setattr(model_runner, "mtp_rows", wrong)
+    monkeypatch.setattr(model_runner, "draft_rows", wrong)
     (gate,) = run_gate(["qwen3_5"], plugins=plugins, quant=[], checks=["speculative"])
     result = gate.results["speculative"]
     assert result.status == "fail" and "the head run from scratch" in result.detail, result.detail

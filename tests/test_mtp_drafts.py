@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from vtcore.layers.attention import AttentionMetadata, get_attention_metadata
-from vtcore.worker.mtp import NO_TOKEN, MTPDrafter, mtp_rows
+from vtcore.worker.drafting import NO_TOKEN, draft_rows
+from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.step import Scheduled
 
 BS, H = 4, 64  # block size; the stand-in's hidden size is its vocabulary
@@ -40,7 +41,7 @@ class StandIn(nn.Module):
 
 
 def _request(tokens: list[int], blocks: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(token_ids=tokens, block_ids=blocks)
+    return SimpleNamespace(token_ids=tokens, block_ids=blocks, mirror_slot=0)
 
 
 def test_rows_drafts_acceptance_and_the_chain_kv() -> None:
@@ -48,7 +49,7 @@ def test_rows_drafts_acceptance_and_the_chain_kv() -> None:
     b = _request(list(range(200, 221)), [10, 11, 12, 13, 14, 15])  # a verify row: position 20, draft (7, 8)
     c = _request(list(range(300, 310)), [20])  # a prefill chunk of 3 of its 10 prompt tokens: samples nothing
     batch = [Scheduled(a, 9, 1, True), Scheduled(b, 20, 3, True, draft=(7, 8)), Scheduled(c, 0, 3, False)]
-    rows = mtp_rows(batch, BS)
+    rows = draft_rows(batch, BS)
     # the next token: sampled for every sampling row, else the prompt's (across the chunk's end too)
     assert rows.next_ids == [NO_TOKEN] * 4 + [301, 302, 303]
     assert (rows.base_rows, rows.first_samples, rows.table_rows, rows.capacity) == ([0, 1], [0, 1], [0, 1], [12, 24])
@@ -84,7 +85,7 @@ def test_rows_drafts_acceptance_and_the_chain_kv() -> None:
 def test_a_fully_accepted_draft_starts_from_its_last_row() -> None:
     b = _request(list(range(200, 221)), [10, 11, 12, 13, 14, 15])
     batch = [Scheduled(b, 20, 3, True, draft=(7, 8))]
-    rows = mtp_rows(batch, BS)
+    rows = draft_rows(batch, BS)
     model = StandIn()
     md = AttentionMetadata(slot_mapping=torch.arange(3), block_tables=torch.tensor([[10, 11, 12, 13, 14, 15]]),
                            context_lens=torch.tensor([23]), query_start_loc=torch.tensor([0, 3]), max_query_len=3,

@@ -207,9 +207,68 @@ def test_sampled_tokens_keep_the_targets_distribution(tiny_checkpoint, sampling)
     assert _chi_square_p(*counts) > 1e-3, counts
 
 
-def test_async_scheduling_with_speculation_is_refused_by_name(tiny_checkpoint) -> None:
-    with pytest.raises(VtcoreError, match="async_scheduling=True with speculative_config"):
-        build_engine(tiny_checkpoint[0], "async", **KNOBS, speculative_config=NGRAM)
+def test_async_scheduling_with_a_draft_model_is_refused_by_name(tiny_checkpoint) -> None:
+    with pytest.raises(VtcoreError, match="async_scheduling=True with speculative_config method 'draft_model'"):
+        build_engine(tiny_checkpoint[0], "async", **KNOBS, speculative_config={
+            "method": "draft_model", "model": tiny_checkpoint[0], "num_speculative_tokens": 2})
+
+
+def test_the_device_ngram_search_proposes_what_the_host_proposer_does() -> None:
+    """The device n-gram's search over padded rows of several sequences at once: its first tokens are the
+    host proposer's proposal; past it (or with none) the sequence's last token repeated."""
+    from vtcore.worker.ngram import DeviceNgram
+
+    rng = random.Random(1)
+    for _ in range(40):
+        lo = rng.randrange(1, 4)
+        hi, k = rng.randrange(lo, 6), rng.randrange(1, 6)
+        seqs = [[rng.randrange(rng.choice((2, 4, 30))) for _ in range(rng.randrange(1, 40))] for _ in range(5)]
+        rows = torch.tensor([s + [rng.randrange(30) for _ in range(45 - len(s))] for s in seqs])  # garbage past
+        got = DeviceNgram(lo, hi, k, 4, 44, torch.device("cpu")).search(rows, torch.tensor([len(s) for s in seqs]))
+        for seq, draft in zip(seqs, got.tolist()):
+            want = NgramProposer(lo, hi).propose(seq, k)
+            assert draft == want + [seq[-1]] * (k - len(want)), (seq, lo, hi, k)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"max_num_batched_tokens": 6}, {"num_kv_blocks": 16}],
+                         ids=["plain", "chunked", "preempting"])
+def test_async_ngram_drafts_on_the_device_and_builds_the_sync_batches(tiny_checkpoint, knobs) -> None:
+    """With async scheduling the n-gram searches each request's tokens on the device (its history written
+    from the fed ids, a cached prefix and the accepted tokens) and the next step floats over the accepted
+    count: the mirror-off engine (depth 1, the same rules) builds the same batches and tokens, greedy tokens
+    equal plain decoding's, and drafts are accepted."""
+    path = tiny_checkpoint[0]
+    preempting, knobs = "num_kv_blocks" in knobs, {**KNOBS, **knobs}
+    arrivals = _arrivals()
+    arrivals.setdefault(3, []).append(("cached", _repetitive(12, seed=0) + [7, 7], greedy(10)))  # a cached prefix
+    plain, _ = run_engine(build_engine(path, "sync", **knobs), arrivals)
+    runs = {}
+    for mode in ("mirror-off", "async"):
+        engine = build_engine(path, mode, **knobs, speculative_config=NGRAM)
+        assert engine.depth == (2 if mode == "async" else 1) and engine.runner.ngram is not None
+        if mode == "mirror-off":  # after each step the device's history holds every token the host has
+            step, checked = engine.step, collections.Counter()
+
+            def step_and_check(step=step, engine=engine, checked=checked) -> list:
+                outs = step()
+                history = engine.runner.ngram.history
+                for r in engine.scheduler.running:  # (mid-prefill: the chunks fed so far)
+                    n = r.num_tokens if r.num_output_tokens else r.num_computed_tokens
+                    assert history[r.mirror_slot, :n].tolist() == r.token_ids[:n], r.request_id
+                    checked[r.request_id] += 1
+                return outs
+
+            engine.step = step_and_check
+        floating: list[int] = []
+        runs[mode] = run_engine(engine, arrivals, observe=lambda b: floating.extend(s.floats for s in b if s.floats))
+        stats = engine.spec_stats
+        assert floating and stats.num_accepted_tokens > 0
+        assert engine.pool.num_free == engine.pool.num_blocks
+        if preempting:
+            assert engine.scheduler.num_preemptions > 0
+    assert runs["async"] == runs["mirror-off"]
+    assert runs["async"][0] == plain
+    assert checked["cached"] and checked["late"]
 
 
 @pytest.mark.parametrize("knobs", [{}, {"num_kv_blocks": 16}, {"state_snapshot_interval": 4}],

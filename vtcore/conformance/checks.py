@@ -15,6 +15,7 @@ from vtcore.conformance import CHECKS
 from vtcore.conformance.cuda_checks import CudaChecks
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
 from vtcore.conformance.results import CheckResult, Failed, Skipped
+from vtcore.conformance.device_drafts import DeviceDraftChecks, staggered
 from vtcore.conformance.mtp import MTPChecks
 from vtcore.conformance.structured import StructuredChecks
 from vtcore.engine.llm_engine import LLMEngine
@@ -68,7 +69,7 @@ def _cached_hint(rids: list[str], cached: dict[str, int], stateful: bool = False
     return hint
 
 
-class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
+class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
     """Runs every check on one family, lazily building the oracle checkpoint and engines it needs."""
 
     def __init__(self, plugins: Plugins, family: ModelFamily, device: str, workdir: str,
@@ -405,7 +406,8 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
         plain greedy continuations with one proposed token changed in a cycle, so verify rows accept
         every length from none to all; and the family's own example as its draft model (its own engine
         and KV cache), which must have nearly every proposal accepted. Each continuation is
-        teacher-forced against the oracle."""
+        teacher-forced against the oracle. Then the n-gram with async scheduling, drafting on the device
+        (``vtcore.conformance.device_drafts``), and the family's MTP head if it has one."""
         from vtcore.spec.replay import ReplayProposer
 
         rng = random.Random(SEED + 2)
@@ -443,10 +445,13 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks):
         if not (0 < stats.accepted_per_position[k - 1] < stats.num_drafts):
             raise Failed(f"the replayed proposals accepted {stats.accepted_per_position} tokens per position in "
                          f"{stats.num_drafts} verify rows, not every run length (a vtcore bug)")
+        if self.family.consumes_device_tokens:
+            report.append(self._device_drafts_pass("n-gram", "mirror-off", {"speculative_config": SPECULATIVE},
+                                                   staggered(prompts, 16)))
         mtp = self._mtp_pass(prompts, BLOCK, 2 * BLOCK)
         report.append(mtp or "no MTP head (vtcore_mtp_head builds none for this family)")
-        return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances (the n-gram and " \
-               "draft-model proposers read tokens on the host: sync only)"
+        return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances (the draft model " \
+               "reads tokens on the host: sync only)"
 
     def check_async_abc(self) -> str:
         arrivals = {0: [("a", self.prompts()[1], greedy(16)), ("b", self.prompts()[3], greedy(16))]}

@@ -9,12 +9,8 @@ head gives when run from scratch over the request's tokens (``vtcore.testing.mtp
 second part is what a random head can check: that the head reads the right hidden states and next
 tokens, at the right positions, and finds its own KV from earlier steps where it wrote it.
 
-Then the device path of the drafts, where the async engine schedules a request's next share before it
-knows how many of its draft tokens were accepted (the share floats: positions, KV slots and the stateful
-layers' state shifted on the device): the same requests async must give sync's batches and tokens, and
-once more, sync and async, with each draft replaced on the device by the recorded greedy continuation
-with one token changed in a cycle (``vtcore.testing.replay_drafts``), so that verify rows accept every
-count from none to all: teacher-forced against the oracle, async equal to sync.
+Then the device path of the drafts (``vtcore.conformance.device_drafts``): async equal to sync, and drafts
+replayed so that verify rows accept every count.
 """
 from __future__ import annotations
 
@@ -26,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from vtcore.conformance.harness import greedy, run_engine
+from vtcore.conformance.device_drafts import staggered
+from vtcore.conformance.harness import run_engine
 from vtcore.conformance.results import Failed
 from vtcore.config import HFConfig
 from vtcore.errors import NoMTPHead
 from vtcore.loading.model_loader import build_model
 from vtcore.testing.mtp import head_drafts_from_scratch
-from vtcore.testing.replay_drafts import replay_device_drafts
 
 if TYPE_CHECKING:
     from vtcore.outputs import CompletionOutput
@@ -40,15 +36,11 @@ if TYPE_CHECKING:
 K = 3  # draft tokens a step
 NEAR_TIE = 1e-3  # a from-scratch draft whose logit leads the next by less is not compared (nor the chain after it)
 MIN_COMPARED = 20  # drafts the pass must have compared
-FLOATING_HINT = (": the share after a verify row is scheduled before its accepted count is known, and runs at "
-                 "positions, KV slots and context lengths shifted on the device, with its stateful layers' state "
-                 "restored to the one after its last accepted token: a layer must take all of them from the "
-                 "step's device tensors and its slot, never from host copies")
 
 
 class MTPChecks:
-    """Mixed into ``FamilyGate`` (its ``name``, ``device``, ``workdir``, ``engine``, ``_checkpoint`` and
-    ``_against_oracle``): ``_mtp_pass`` for its speculative check."""
+    """Mixed into ``FamilyGate`` (its ``name``, ``device``, ``workdir``, ``engine``, ``_checkpoint``,
+    ``_against_oracle`` and ``_device_drafts_pass``): ``_mtp_pass`` for its speculative check."""
 
     def _mtp_pass(self, prompts: list[list[int]], block: int, chunk: int) -> str | None:
         """None when the family has no MTP head; else the pass's report (raises ``Failed``). ``block``: the
@@ -60,10 +52,8 @@ class MTPChecks:
         reference, _ = build_model(path, hf, torch.device(self.device), torch.float32, 128, "safetensors", mtp=True)
         knobs = {"path": path, "speculative_config": {"method": "mtp", "num_speculative_tokens": K},
                  "max_num_batched_tokens": chunk, "enable_prefix_caching": False}
-        # half the requests arrive while the others decode through verify rows
-        arrivals = {at: [(str(i), p, greedy(16)) for i, p in enumerate(prompts) if i % 2 == at // 2]
-                    for at in (0, 2)}
-        cases = [(str(i), p, greedy(16)) for i, p in enumerate(prompts)]
+        arrivals = staggered(prompts, 16)
+        cases = [c for batch in arrivals.values() for c in batch]
         engine = self.engine("sync", **knobs)
         compared, step = [0], engine.step
 
@@ -83,27 +73,8 @@ class MTPChecks:
         if compared[0] < MIN_COMPARED:
             raise Failed(f"MTP: only {compared[0]} drafts were compared with the head run from scratch (the gate "
                          f"needs {MIN_COMPARED}): the engine kept too few drafts (a vtcore bug)")
-        drafted = engine.spec_stats.num_drafts
-        if run_engine(self.engine("async", **knobs), arrivals) != head:
-            raise Failed(f"MTP async: other batches or tokens than sync{FLOATING_HINT}")
-        sequences = [p + head[0][rid] for rid, p, _ in cases]
-        replayed = {}
-        for mode in ("sync", "async"):
-            engine = self.engine(mode, **knobs)
-            replay_device_drafts(engine, sequences)
-            finals = {}
-            replayed[mode] = run_engine(engine, arrivals, finals=finals)
-            self._against_oracle([(*c, finals[c[0]]) for c in cases],
-                                 lambda rids: f" (replayed MTP drafts, {mode}; requests {rids}){FLOATING_HINT}")
-            per_position, rows = engine.spec_stats.accepted_per_position, engine.spec_stats.num_drafts
-            if not 0 < per_position[-1] < per_position[0] < rows:
-                raise Failed(f"MTP: replayed drafts accepted {per_position} tokens per position in {rows} verify "
-                             "rows, not every count (a vtcore bug)")
-        if replayed["async"] != replayed["sync"]:
-            raise Failed(f"MTP async with replayed drafts: other batches or tokens than sync{FLOATING_HINT}")
-        return (f"MTP head: {drafted} verify rows, {compared[0]} drafts equal to the head run from scratch, "
-                f"async equal to sync; replayed drafts: {rows} verify rows accepting {per_position} a position, "
-                "async equal to sync")
+        return f"MTP head: {engine.spec_stats.num_drafts} verify rows, {compared[0]} drafts equal to the head run " \
+               f"from scratch; {self._device_drafts_pass('MTP', 'sync', knobs, arrivals, head)}"
 
     def _same_drafts(self, reference: Any, rid: str, tokens: list[int], drafts: list[int], block: int,
                      compared: list[int]) -> None:

@@ -81,6 +81,14 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig, device: torch.d
     return _DTYPES[dtype]
 
 
+def drafts_on_device(config: EngineConfig) -> bool:
+    """Whether speculative decoding drafts on the device: an MTP head always; the n-gram proposer when async
+    scheduling is asked for (``vtcore.worker.ngram``; without it the host's n-gram proposes, and a miss
+    proposes nothing)."""
+    spec = config.speculative_config
+    return spec is not None and (spec.method == "mtp" or (spec.method == "ngram" and bool(config.async_scheduling)))
+
+
 def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: bool) -> int:
     """How many steps may be in flight: 2 with async scheduling and the device mirror on, else 1."""
     if config.async_scheduling and not consumes_device_tokens:
@@ -88,15 +96,15 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
                           "consumes device token ids (ModelFamily.consumes_device_tokens), so its forward "
                           "could embed host placeholders; use async_scheduling=False or fix the family")
     spec = config.speculative_config
-    if spec is not None and spec.method == "mtp" and not consumes_device_tokens:
-        raise VtcoreError(f"speculative_config method 'mtp': model family {family_name!r} does not declare that it "
-                          "consumes device token ids (ModelFamily.consumes_device_tokens), and MTP drafts and "
-                          "accepted tokens are fed from the device")
-    if spec is not None and spec.method != "mtp":  # a host proposer needs each step's tokens on the host
+    if spec is not None and drafts_on_device(config) and not consumes_device_tokens:
+        raise VtcoreError(f"speculative_config method {spec.method!r}: model family {family_name!r} does not declare "
+                          "that it consumes device token ids (ModelFamily.consumes_device_tokens), and drafts and "
+                          "accepted tokens made on the device are fed from there")
+    if spec is not None and not drafts_on_device(config):  # a host proposer needs each step's tokens on the host
         if config.async_scheduling:
             raise VtcoreError(f"async_scheduling=True with speculative_config method {spec.method!r}: that "
                               "proposer reads each request's tokens on the host, so the host waits for every "
-                              "step; use async_scheduling=False, leave it unset, or the method 'mtp'")
+                              "step; use async_scheduling=False, leave it unset, or the method 'ngram' or 'mtp'")
         log.info("vtcore: async scheduling off: the %s proposer reads tokens on the host", spec.method)
         return 1
     enabled = consumes_device_tokens if config.async_scheduling is None else config.async_scheduling
@@ -167,7 +175,9 @@ class LLMEngine(PromptText):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self._generation_config_path()}: {exc} (or pass generation_config='vllm' to "
                               "ignore its sampling values)") from None
-        mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
+        spec = config.speculative_config
+        mtp = spec is not None and spec.method == "mtp"
+        ngram = (spec.prompt_lookup_min, spec.prompt_lookup_max) if drafts_on_device(config) and not mtp else None
         ranks = config.tensor_parallel_size
         proposer = self._proposer()
         peers = Peers(ranks, self.device) if ranks > 1 else None
@@ -182,7 +192,7 @@ class LLMEngine(PromptText):
                     config.seed, self.depth, config.enforce_eager, config.enable_prefix_caching,
                     config.num_state_snapshots, self._snapshot_interval(),
                     config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-                    self.max_num_batched_tokens, mtp, ranks))
+                    self.max_num_batched_tokens, mtp, ranks, ngram))
             if peers is not None:
                 # rank 0's cache sizes, not each rank's own reading of its free memory: the block ids and state
                 # slots rank 0 hands out must exist on every rank
@@ -203,9 +213,9 @@ class LLMEngine(PromptText):
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
         caching, snapshots = self._prefix_caching()
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
-        spec = config.speculative_config
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                                   snapshots, proposer, spec.num_speculative_tokens if spec else 0, device_drafts=mtp)
+                                   snapshots, proposer, spec.num_speculative_tokens if spec else 0,
+                                   device_drafts=drafts_on_device(config))
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -218,7 +228,7 @@ class LLMEngine(PromptText):
         which drafts on the device in the runner). A draft model is built before the target's KV cache is
         sized: its own cache (at most its max_num_seqs full contexts) comes out of the same memory budget."""
         spec = self.config.speculative_config
-        if spec is None or spec.method == "mtp":
+        if spec is None or drafts_on_device(self.config):
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)

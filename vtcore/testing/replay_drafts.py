@@ -1,11 +1,12 @@
-"""Replayed drafts on the device path: a test double for an MTP head that proposes well.
+"""Replayed drafts on the device path: a test double for a device drafter that proposes well.
 
-A head with random weights (the gate's, a test's) has nearly nothing accepted, so the shifts of a
-floating share (``Scheduled.floats``: positions, KV slots, the state resumed after the last accepted
-token) would be tried with an accepted count of 0 only. ``replay_device_drafts`` keeps the head running
-(its KV and its cost) and then replaces each greedy request's draft on the device with what followed
-its tokens in a recorded greedy run, one token changed in a cycle (``ReplayProposer(reject_every=True)``),
-so verify rows accept every count from 0 to k, through exactly the path a real head's drafts take.
+An MTP head with random weights (the gate's, a test's) has nearly nothing accepted, and the device n-gram
+little on random prompts, so the shifts of a floating share (``Scheduled.floats``: positions, KV slots, the
+state resumed after the last accepted token) would be tried with few accepted counts. ``replay_device_drafts``
+keeps the drafter running (an MTP head's KV and its cost, the n-gram's history) and then replaces each
+greedy request's draft on the device with what followed its tokens in a recorded greedy run, one token
+changed in a cycle (``ReplayProposer(reject_every=True)``), so verify rows accept every count from 0 to k,
+through exactly the path the drafter's own drafts take.
 """
 from __future__ import annotations
 
@@ -18,24 +19,24 @@ from vtcore.spec.replay import ReplayProposer
 
 
 def replay_device_drafts(engine: Any, sequences: Sequence[Sequence[int]]) -> None:
-    """Install on ``engine`` (an MTP engine on CPU, sync or async): ``sequences`` are the prompt and greedy
-    continuation of each request to replay (requests with no sequence keep the head's drafts)."""
+    """Install on ``engine`` (drafting on the device, on CPU, sync or async): ``sequences`` are the prompt and
+    greedy continuation of each request to replay (requests with no sequence keep the drafter's drafts)."""
     runner = engine.runner
     proposer = ReplayProposer(sequences, engine.vocab_size, reject_every=True)
     k = runner.device_drafts.shape[1]
     submitted: deque[dict[int, list[int]]] = deque()  # per step, in submit order: mirror slot -> prompt
-    head_draft = runner._draft
+    drafter = runner._draft
 
     def observe(batch: Any, done: bool) -> None:
         if not done:
             submitted.append({s.request.mirror_slot: s.request.prompt_token_ids for s in batch if s.samples})
 
-    def replayed(out: dict[str, Any], f: Any, tokens: torch.Tensor, width: int) -> None:
-        head_draft(out, f, tokens, width)
+    def replayed(out: dict[str, Any], f: Any, tokens: torch.Tensor, width: int, max_context_len: int) -> None:
+        drafter(out, f, tokens, width, max_context_len)
         prompts = submitted.popleft()  # device work runs in submit order
         if "accepted" not in out:
             return
-        base, first = f.mtp_sections[1], f.mtp_sections[2]
+        base, first = f.draft_sections[1], f.draft_sections[2]
         slots = f.sample_slots[first].tolist()
         last_rows = (base + out["accepted"]).tolist()
         for i, (slot, row) in enumerate(zip(slots, last_rows)):

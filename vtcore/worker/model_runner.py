@@ -48,7 +48,9 @@ from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
-from vtcore.worker.mtp import MTPDrafter, MTPRows, mtp_rows
+from vtcore.worker.drafting import DraftRows, draft_rows
+from vtcore.worker.mtp import MTPDrafter
+from vtcore.worker.ngram import DeviceNgram
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
 from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, StepOutput
@@ -85,6 +87,7 @@ class RunnerConfig:
     max_num_batched_tokens: int | None = None  # None: max_model_len
     mtp: bool = False  # the model's MTP head drafts num_speculative_tokens a step (``vtcore.worker.mtp``)
     tensor_parallel_size: int = 1  # ranks of the model (``vtcore.worker.tensor_parallel``); this runner is one
+    ngram: tuple[int, int] | None = None  # (min_n, max_n): the n-gram drafts on the device (``vtcore.worker.ngram``)
 
 
 @attrs.define
@@ -101,7 +104,7 @@ class StepInputs:
     num_seqs: int
     state: "StateRows"
     stale: bool
-    mtp: MTPRows | None = None
+    drafts: DraftRows | None = None
 
 
 @attrs.frozen
@@ -115,7 +118,7 @@ class Forward:
     sample_slots: torch.Tensor  # the sampling rows' mirror slots
     metadata: AttentionMetadata
     positions: torch.Tensor
-    mtp_sections: list[torch.Tensor]  # the device views of ``StepInputs.mtp``'s sections, if any
+    draft_sections: list[torch.Tensor]  # the device views of ``StepInputs.drafts``'s sections, if any
 
 
 @attrs.define
@@ -237,6 +240,8 @@ class ModelRunner:
         # past a step's last one, where the head's draft chain writes its KV
         self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
             if config.mtp else None
+        self.ngram = None if config.ngram is None else DeviceNgram(
+            *config.ngram, config.num_speculative_tokens, config.max_num_seqs, config.max_model_len, self.device)
         self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
         # the device side of drafting there (``Scheduled.floats``): per running request the draft tokens its
         # last verify row accepted and the head's latest draft; the mirror holds its last accepted token
@@ -248,9 +253,9 @@ class ModelRunner:
         self.tp_group = tp.tp()
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
-        # decode, W4A4 experts) keeps the model eager; so does MTP drafting (the padded steps keep no
-        # hidden states for the head)
-        if not config.enforce_eager and not config.mtp and all(
+        # decode, W4A4 experts) keeps the model eager; so does drafting on the device (the padded steps
+        # keep no hidden states for an MTP head, and run no drafter)
+        if not config.enforce_eager and not config.mtp and config.ngram is None and all(
                 getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot)
@@ -405,7 +410,7 @@ class ModelRunner:
             self.peers.send(StepMessage(inputs.staged, inputs.num_seqs, inputs.max_blocks, inputs.max_query_len,
                                         inputs.max_context_len, inputs.state, inputs.stale, bool(inputs.metas),
                                         [(row0, count) for _, row0, _, count in inputs.plp],
-                                        inputs.mtp.width if inputs.mtp is not None else None))
+                                        inputs.drafts.width if self.mtp is not None else None))
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
@@ -417,8 +422,8 @@ class ModelRunner:
                 if inputs.metas:
                     logits = self.model.compute_logits(hidden[f.sample_rows]).float()
                     tokens = self.sample(out, logits, inputs.sampling, f.input_ids[f.sample_rows], f.sample_slots)
-                if inputs.mtp is not None:  # the head's KV for every row, its drafts
-                    self._draft(out, f, tokens, inputs.mtp.width)
+                if inputs.drafts is not None:  # (an MTP head: its KV for every row) the drafts
+                    self._draft(out, f, tokens, inputs.drafts.width, inputs.max_context_len)
                 for req, row0, start, count in inputs.plp:
                     logits = self.model.compute_logits(hidden[row0:row0 + count])
                     targets = to_device(req.token_ids[start + 1:start + 1 + count], torch.int64, self.device)
@@ -428,16 +433,22 @@ class ModelRunner:
 
         return self._enqueue(step, inputs.staged.index, device_work, [inputs.metas[i] for i in inputs.sampling.late])
 
-    def _draft(self, out: dict[str, Any], f: "Forward", tokens: torch.Tensor, width: int) -> None:
-        """Run the MTP head after a general step; keep, per sampling request, its draft, its verify row's
-        accepted count and its last accepted token on the device (the next step's floating rows read them,
-        ``Scheduled.floats``) and start their copies to the host. (With late rows ``tokens`` holds their
-        first, greedy draws: constrained requests take no drafts, and their draw fixes the mirror.)"""
-        drafts, accepted = self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens, f.sample_rows,
-                                            f.mtp_sections, width)
+    def _draft(self, out: dict[str, Any], f: "Forward", tokens: torch.Tensor, width: int, max_context_len: int
+               ) -> None:
+        """Run the device drafter (an MTP head, the device n-gram) after a general step; keep, per sampling
+        request, its draft, its verify row's accepted count and its last accepted token on the device (the
+        next step's floating rows read them, ``Scheduled.floats``) and start their copies to the host. (With
+        late rows ``tokens`` holds their first, greedy draws: constrained requests take no drafts, and their
+        draw fixes the mirror.)"""
+        if self.mtp is not None:
+            drafts, accepted = self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens,
+                                                f.sample_rows, f.draft_sections, width)
+        else:
+            drafts, accepted = self.ngram.propose(f.input_ids, f.positions, tokens, f.draft_sections, width,
+                                                  max_context_len)
         if not accepted.numel():
             return
-        first = f.mtp_sections[2]
+        first = f.draft_sections[2]
         slots = f.sample_slots[first]
         self.last_sampled_tokens[slots] = tokens[first + accepted]
         self.accepted[slots] = accepted
@@ -455,8 +466,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         metas: list[SampleMeta] = []
         plp: list[tuple[Any, int, int, int]] = []
-        draft_rows: list[int] = []
-        draft_index: list[int] = []
+        device_rows: list[int] = []  # draft rows whose tokens come from the device's drafts, and their index there
+        device_index: list[int] = []
         floating = Floating()
         max_ctx = max(s.start + s.num_tokens + s.floats for s in batch)
         max_blocks = -(-(max_ctx + self.lookahead) // bs)
@@ -477,8 +488,8 @@ class ModelRunner:
             ids += s.draft
             for i, token in enumerate(s.draft):
                 if token == DEVICE_DRAFT:
-                    draft_rows.append(row0 + fed + i)
-                    draft_index.append(req.mirror_slot * self.device_drafts.shape[1] + i)
+                    device_rows.append(row0 + fed + i)
+                    device_index.append(req.mirror_slot * self.device_drafts.shape[1] + i)
             if s.floats:
                 floating.add(len(context_lens), req.mirror_slot, s.floats, row0, n)
             pos = range(start, start + n)
@@ -501,13 +512,17 @@ class ModelRunner:
                     plp.append((req, row0 + first - start, first, last - first))
                     req.prompt_logprobs_scheduled = last + 1
         sample_slots = [m.request.mirror_slot for m in metas]
-        mtp = mtp_rows(batch, bs) if self.mtp is not None else None
-        staged = self.staging.stage(step, [ids, positions, slots, block_table, context_lens, query_start,
-                                           combine_rows, combine_slots, sample_rows, sample_slots, draft_rows,
-                                           draft_index] + floating.sections() + (mtp.sections() if mtp else []))
+        drafting = None
+        if self.mtp is not None or self.ngram is not None:
+            drafting = draft_rows(batch, bs)
+            if self.ngram is not None:
+                self.ngram.known(batch, drafting)
+        sections = [ids, positions, slots, block_table, context_lens, query_start, combine_rows, combine_slots,
+                    sample_rows, sample_slots, device_rows, device_index] + floating.sections()
+        staged = self.staging.stage(step, sections + (drafting.sections() if drafting else []))
         return StepInputs(staged, metas, self.sampler.prepare(metas), plp, max_blocks,
                           max(s.num_tokens for s in batch), max_ctx, len(batch), state,
-                          bool(combine_rows or draft_rows), mtp)
+                          bool(combine_rows or device_rows), drafting)
 
     def draft_state_slot(self, mirror_slot: int, accepted: int) -> int:
         """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens
@@ -550,7 +565,7 @@ class ModelRunner:
         the override scope; reads nothing of the requests (the host may have rescheduled them)."""
         (d_ids, d_pos, d_slots, d_table, d_ctx, d_qstart, d_crows, d_cslots, d_srows, d_sslots, d_drows, d_dindex,
          *rest) = self.staging.upload(inputs.staged)
-        floats, mtp = rest[:FLOATING_SECTIONS], rest[FLOATING_SECTIONS:]
+        floats, drafting = rest[:FLOATING_SECTIONS], rest[FLOATING_SECTIONS:]
         input_ids = d_ids
         if inputs.stale:
             input_ids = d_ids.clone()
@@ -579,7 +594,7 @@ class ModelRunner:
             consumed = bool(override is not None and override.consumed)
         finally:
             set_attention_metadata(None)
-        return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, mtp)
+        return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, drafting)
 
     def _float(self, floats: list[torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -774,8 +789,8 @@ class ModelRunner:
             if message.samples:
                 self.model.compute_logits(f.hidden[f.sample_rows])
             if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
-                self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows, f.mtp_sections,
-                                 message.mtp_width)
+                self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows,
+                                 f.draft_sections, message.mtp_width)
             for row0, count in message.plp_rows:
                 self.model.compute_logits(f.hidden[row0:row0 + count])
 

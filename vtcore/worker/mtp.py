@@ -18,55 +18,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import attrs
 import torch
 from torch import nn
 
 from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
-from vtcore.worker.step import Batch
-
-NO_TOKEN = -1  # a row whose next token is the one sampled there
-
-
-@attrs.define
-class MTPRows:
-    """A step's host sections for the head: per row the next token (``NO_TOKEN``: the row's sampled
-    token); per sampling request its fed token's row, the index of its first sampled token, its row in
-    the block table, the tokens its blocks hold, and its draft's length (at most ``width``)."""
-
-    next_ids: list[int] = attrs.Factory(list)
-    base_rows: list[int] = attrs.Factory(list)
-    first_samples: list[int] = attrs.Factory(list)
-    table_rows: list[int] = attrs.Factory(list)
-    capacity: list[int] = attrs.Factory(list)
-    widths: list[int] = attrs.Factory(list)
-    width: int = 0
-
-    def sections(self) -> list[list[int]]:
-        return [self.next_ids, self.base_rows, self.first_samples, self.table_rows, self.capacity, self.widths]
-
-
-def mtp_rows(batch: Batch, block_size: int) -> MTPRows:
-    """The head's sections of ``batch`` (rows laid out as the runner lays them out: in batch order)."""
-    rows = MTPRows(width=max((len(s.draft) for s in batch), default=0))
-    row0 = sampled = 0
-    for seq, s in enumerate(batch):
-        req, fed = s.request, s.num_tokens - len(s.draft)
-        tokens = req.token_ids
-        for p in range(s.start, s.start + s.num_tokens):
-            known = p + 1 < s.start + fed or (not s.samples and p + 1 < len(tokens))
-            rows.next_ids.append(tokens[p + 1] if known else NO_TOKEN)
-        if s.samples:
-            rows.base_rows.append(row0 + fed - 1)
-            rows.first_samples.append(sampled)
-            rows.table_rows.append(seq)
-            rows.capacity.append(len(req.block_ids) * block_size)
-            rows.widths.append(len(s.draft))
-        row0 += s.num_tokens
-        sampled += s.num_sampled
-    return rows
-
+from vtcore.worker.drafting import accepted_counts
 
 class MTPDrafter:
     """Runs ``model.mtp`` after each general step and returns each sampling request's ``k`` draft tokens."""
@@ -95,7 +52,7 @@ class MTPDrafter:
         """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata, ``fed``
         its fed ids (draft tokens included), ``tokens`` its sampled tokens at ``sample_rows`` (a
         tensor-parallel worker: None, rank 0's are broadcast); ``sections`` the device views of
-        :meth:`MTPRows.sections`. Returns, the same on every rank, int64 [sampling requests, k] drafts and
+        :meth:`DraftRows.sections`. Returns, the same on every rank, int64 [sampling requests, k] drafts and
         [sampling requests] the draft tokens each verify row accepted (``accepted_counts``)."""
         if self.tp_group.size > 1:
             tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=hidden.device)
@@ -110,7 +67,7 @@ class MTPDrafter:
     def _propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
                  tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        next_ids, base, first, table_rows, capacity, widths = sections
+        next_ids, base, first, table_rows, capacity, widths = sections[:6]
         ids = next_ids.index_put((sample_rows,), tokens)
         h = self._run(ids, positions, hidden, md, 0)
         if not base.numel():  # no row samples: the pass wrote the head's KV, nothing to draft
@@ -146,16 +103,3 @@ class MTPDrafter:
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float().argmax(dim=-1)
-
-
-def accepted_counts(fed: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor, first: torch.Tensor,
-                    widths: torch.Tensor, width: int) -> torch.Tensor:
-    """Per sampling request, how many of its ``widths`` draft tokens (fed in the rows after its fed token's
-    row ``base``) equal the token sampled before each (its sampled tokens start at ``first`` of
-    ``tokens``): the verify row's accepted draft tokens, counted on the device. ``width``: the longest draft."""
-    if not width:
-        return torch.zeros_like(base)
-    i = torch.arange(width, device=base.device)
-    drafts = fed[(base[:, None] + 1 + i).clamp(max=fed.numel() - 1)]
-    sampled = tokens[(first[:, None] + i).clamp(max=tokens.numel() - 1)]
-    return ((sampled == drafts) & (i < widths[:, None])).long().cumprod(1).sum(1)

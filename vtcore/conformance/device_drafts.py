@@ -1,0 +1,73 @@
+"""The speculative check's passes over drafts made on the device (an MTP head, the n-gram with async
+scheduling), where the next step is scheduled before a verify row's accepted count reaches the host.
+
+A request's share right after its verify row floats: its positions, KV slots and context length are
+shifted on the device by the accepted count, and its stateful layers resume from the state after the last
+accepted token. Each pass runs the same requests (half arriving while the others decode) on the reference
+engine, which follows the same rules one step at a time, and on the async engine: both within the oracle's
+tolerances, async building the reference's batches and tokens; then once more with each draft replaced on
+the device by the recorded greedy continuation with one token changed in a cycle
+(``vtcore.testing.replay_drafts``), so that verify rows accept every count from none to all.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from vtcore.conformance.harness import greedy, run_engine
+from vtcore.conformance.results import Failed
+from vtcore.testing.replay_drafts import replay_device_drafts
+
+if TYPE_CHECKING:
+    from vtcore.outputs import CompletionOutput
+
+FLOATING_HINT = (": the share after a verify row is scheduled before its accepted count is known, and runs at "
+                 "positions, KV slots and context lengths shifted on the device, with its stateful layers' state "
+                 "restored to the one after its last accepted token: a layer must take all of them from the "
+                 "step's device tensors and its slot, never from host copies")
+
+
+def staggered(prompts: list[list[int]], max_tokens: int) -> dict[int, list[tuple[str, list[int], Any]]]:
+    """Request i with ``prompts[i]``, greedy; the odd ones arrive two steps later, while the others decode."""
+    return {at: [(str(i), p, greedy(max_tokens)) for i, p in enumerate(prompts) if i % 2 == at // 2] for at in (0, 2)}
+
+
+class DeviceDraftChecks:
+    """Mixed into ``FamilyGate`` (its ``engine`` and ``_against_oracle``)."""
+
+    def _device_drafts_pass(self, label: str, reference: str, knobs: dict[str, Any],
+                            arrivals: dict[int, list[tuple[str, list[int], Any]]],
+                            first: tuple[dict[str, list[int]], list] | None = None) -> str:
+        """``label``'s pass (module doc) on engines built with ``knobs``: ``reference`` the engine mode the
+        async one must equal; ``first`` that engine's run already made (tokens, batches), else run here."""
+        cases = [c for batch in arrivals.values() for c in batch]
+
+        def run(mode: str, replay: list[list[int]] | None = None) -> tuple[tuple[dict, list], Any]:
+            engine = self.engine(mode, **knobs)
+            if replay is not None:
+                replay_device_drafts(engine, replay)
+            finals: dict[str, CompletionOutput] = {}
+            got = run_engine(engine, arrivals, finals=finals)
+            what = f"{label}{', replayed' if replay else ''}, {mode}"
+            self._against_oracle([(*c, finals[c[0]]) for c in cases],
+                                 _context(f" ({what}; requests {{}} decoded through verify rows){FLOATING_HINT}"))
+            return got, engine.spec_stats
+
+        ref = first if first is not None else run(reference)[0]
+        got, stats = run("async")
+        if got != ref:
+            raise Failed(f"{label} async: other batches or tokens than {reference}{FLOATING_HINT}")
+        drafted = (stats.num_drafts, stats.num_accepted_tokens)
+        sequences = [p + ref[0][rid] for rid, p, _ in cases]
+        (replayed, _), (again, stats) = run(reference, sequences), run("async", sequences)
+        per_position, rows = stats.accepted_per_position, stats.num_drafts
+        if not 0 < per_position[-1] < per_position[0] < rows:
+            raise Failed(f"{label}: replayed drafts accepted {per_position} tokens per position in {rows} verify "
+                         "rows, not every count (a vtcore bug)")
+        if again != replayed:
+            raise Failed(f"{label} async with replayed drafts: other batches or tokens than {reference}{FLOATING_HINT}")
+        return (f"{label} async: {drafted[0]} verify rows, {drafted[1]} tokens accepted, equal to {reference}; "
+                f"replayed: {rows} verify rows accepting {per_position} a position, async equal to {reference}")
+
+
+def _context(template: str) -> Callable[[list[str]], str]:
+    return lambda rids: template.format(rids)
