@@ -213,7 +213,8 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
 
     reader, writer = multiprocessing.Pipe()
     client = object.__new__(CoreClient)  # its sending half, without a core process
-    client._send_lock, client.text, client._sender = threading.Lock(), FrontEndText(None), _Sender(writer)
+    client._send_lock, client.text = threading.Lock(), FrontEndText(None)
+    client._sender = _Sender(writer, pickled=True)
     sender = client._sender
     big = ("add", "r", {"prompt_token_ids": list(range(300_000))}, SamplingParams())  # more than a pipe holds
     started = time.monotonic()
@@ -223,3 +224,15 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     assert [reader.recv() for _ in range(3)] == [big, ("abort", "r"), ("stop",)]
     sender.close(timeout=5)
     assert not sender.thread.is_alive()
+
+
+def test_a_prompt_that_cannot_be_pickled_fails_alone(core: AsyncLLM) -> None:
+    """The front end pickles each message on the caller's thread: a prompt the pipe cannot carry fails its
+    own ``generate``, and the sender keeps serving everyone else."""
+    async def run() -> list:
+        with pytest.raises(TypeError):
+            await _collect(core, "bad", {"prompt_token_ids": (t for t in [5, 9, 2])}, greedy(3))
+        return await _collect(core, "good", PROMPTS[0], greedy(3))
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3

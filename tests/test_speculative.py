@@ -350,3 +350,47 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_checkpoint, make_checkpoi
     with pytest.raises(VtcoreError, match="vocab_size=256.*must share the target's vocabulary"):
         build_engine(tiny_checkpoint[0], "sync", **KNOBS, speculative_config={
             "method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("num_kv_blocks", [30, 400], ids=["evicting", "roomy"])
+def test_async_device_drafts_cache_and_free_what_sync_does(tiny_checkpoint, num_kv_blocks) -> None:
+    """Requests ending inside accepted runs, then next turns over their answers (prefix-cache hits), with
+    drafts replayed so verify rows accept every count: the async engine registers, frees and evicts cached
+    blocks as the mirror-off engine does (an ended request's blocks wait for its verify rows to settle,
+    freed in arrival order in both), so the batches stay equal; tokens equal plain decoding's."""
+    from vtcore.testing.replay_drafts import replay_device_drafts
+
+    path = tiny_checkpoint[0]
+    knobs = {**KNOBS, "num_kv_blocks": num_kv_blocks, "max_num_batched_tokens": 256}
+    for seed in range(3):
+        rng = random.Random(seed)
+        arrivals: dict[int, list] = {}
+        for i in range(6):
+            arrivals.setdefault(rng.choice([0, 0, 1, 3]), []).append(
+                (f"r{i}", _repetitive(rng.randrange(5, 20), seed * 10 + i), greedy(rng.randrange(5, 30))))
+        plain, _ = run_engine(build_engine(path, "sync", **knobs), arrivals)
+        prompts = {rid: ids for batch in arrivals.values() for rid, ids, _ in batch}
+        for i, rid in enumerate(sorted(plain)):  # a chat's next turn: prompt, answer and more
+            arrivals.setdefault(25 + i, []).append((f"t{rid}", prompts[rid] + plain[rid] + [1, 2], greedy(4)))
+        runs = {}
+        for mode in ("mirror-off", "async"):
+            engine = build_engine(path, mode, **knobs, speculative_config=NGRAM)
+            replay_device_drafts(engine, [prompts[r] + plain[r] for r in plain])
+            runs[mode] = run_engine(engine, arrivals)
+            assert engine.pool.num_free == engine.pool.num_blocks and not engine.scheduler.ending
+            assert engine.pool.hits > 0
+        assert runs["async"] == runs["mirror-off"], seed
+        assert {r: runs["async"][0][r] for r in plain} == plain
+
+
+def test_a_request_the_pool_just_holds_finishes_with_device_drafts(tiny_checkpoint) -> None:
+    """Blocks grow past what a step computes only for an MTP head's chain, and never past the request's own
+    end: a request whose prompt and max_tokens fill the pool exactly finishes (it preempted itself forever)."""
+    engine = build_engine(tiny_checkpoint[0], "async", device="cpu", block_size=4, num_kv_blocks=10, max_num_seqs=4,
+                          speculative_config=NGRAM)
+    engine.add_request("a", {"prompt_token_ids": list(range(1, 21))}, greedy(20))
+    for _ in range(100):
+        if any(o.finished for o in engine.step()):
+            break
+    else:
+        pytest.fail(f"not finished after 100 steps ({engine.scheduler.num_preemptions} preemptions)")

@@ -123,7 +123,13 @@ class AsyncLLM(EngineFrontEnd):
                     raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
                 self._adds.setdefault(msg[1], collections.deque()).append(added)
             msg = msg[:-1]
-        self.core.send(msg)
+        try:
+            self.core.send(msg)
+        except BaseException:  # (a prompt that cannot be pickled): the add was never sent
+            if msg[0] == "add":
+                with self._lock:
+                    self._answered(msg[1])
+            raise
 
     def _answered(self, request_id: str) -> concurrent.futures.Future:
         """The oldest unanswered add of ``request_id`` (under ``_lock``)."""

@@ -24,6 +24,7 @@ import queue
 import threading
 import weakref
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import attrs
@@ -81,22 +82,27 @@ class _Sender:
     """Messages over one end of the pipe, written in order by a thread of their own: the core's step loop
     never waits while the front end is slow to read, nor the front end's event loop while the core steps
     (a full pipe blocks its writer). A write that fails (the other end is gone) ends the thread; that end's
-    reader hears of it."""
+    reader hears of it. ``pickled``: messages are pickled by the caller (a message that cannot be pickled
+    fails its sender, not the thread), else by the thread (the core's outputs, off its step loop)."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn, self.queue = conn, queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="vtcore-core-sender", daemon=True)
+    def __init__(self, conn: Connection, pickled: bool = False) -> None:
+        self.conn, self.queue, self.pickled = conn, queue.SimpleQueue(), pickled
+        self.thread = threading.Thread(target=self._run, name="vtcore-sender", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while (msg := self.queue.get()) is not None:
             try:
-                self.conn.send(msg)
+                self.conn.send_bytes(msg) if self.pickled else self.conn.send(msg)
             except OSError:
-                return  # the front end is gone
+                return  # the other end is gone
 
     def send(self, msg: tuple) -> None:
-        self.queue.put(msg)
+        self.queue.put(ForkingPickler.dumps(msg) if self.pickled else msg)
+
+    def send_pickled(self, data: bytes) -> None:
+        """A message the caller pickled (``pickled`` senders only)."""
+        self.queue.put(data)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued, then stop (waiting at most ``timeout`` seconds for a reader that reads)."""
@@ -170,7 +176,7 @@ class CoreClient(PromptText):
         self.process.start()
         theirs.close()
         self.conn = ours
-        self._sender = _Sender(ours)
+        self._sender = _Sender(ours, pickled=True)
         # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
         self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
         self._send_lock = threading.Lock()
@@ -195,9 +201,10 @@ class CoreClient(PromptText):
     def send(self, msg: tuple) -> None:
         """Queue a message to the core (from any thread; written by the sender thread, never blocking)."""
         with self._send_lock:
+            data = ForkingPickler.dumps(msg)  # a message that cannot be pickled fails here, its sender's call
             if msg[0] == "add":
                 self.text.sent(msg[1], msg[3])
-            self._sender.send(msg)
+            self._sender.send_pickled(data)
 
     def recv(self) -> tuple:
         """The core's next message (the receiving thread only); ``EOFError`` / ``OSError`` once it is gone."""

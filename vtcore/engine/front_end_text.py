@@ -9,6 +9,7 @@ an engine that detokenizes everything itself.
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any
 
 from vtcore.engine.detokenizer import IncrementalDetokenizer
@@ -35,19 +36,22 @@ class FrontEndText:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._lock = threading.Lock()  # sent (the callers' threads) and answered (the receiving thread)
         self._sent: dict[str, collections.deque[SamplingParams]] = collections.defaultdict(collections.deque)
         self._params: dict[str, SamplingParams] = {}
         self._completions: dict[tuple[str, int], _Completion] = {}
 
     def sent(self, request_id: str, params: SamplingParams) -> None:
-        self._sent[request_id].append(params)
+        with self._lock:
+            self._sent[request_id].append(params)
 
     def answered(self, request_id: str, added: bool) -> None:
         """The core added (or rejected) the oldest add of ``request_id``."""
-        waiting = self._sent[request_id]
-        params = waiting.popleft()
-        if not waiting:
-            del self._sent[request_id]
+        with self._lock:
+            waiting = self._sent[request_id]
+            params = waiting.popleft()
+            if not waiting:
+                del self._sent[request_id]
         if added and self.tokenizer is not None and text_in_front_end(params):
             self._params[request_id] = params
 

@@ -215,7 +215,7 @@ class LLMEngine(PromptText):
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    snapshots, proposer, spec.num_speculative_tokens if spec else 0,
-                                   device_drafts=drafts_on_device(config))
+                                   device_drafts=drafts_on_device(config), lookahead=self.runner.lookahead)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()

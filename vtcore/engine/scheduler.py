@@ -60,15 +60,15 @@ _UNKNOWN_AFTER_SCHEDULE = 2
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  snapshots: SnapshotPool | None = None, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0, device_drafts: bool = False) -> None:
-        """``proposer``: asked for drafts each step; ``device_drafts``: instead each request's ``proposed``
-        (its MTP head's draft, made on the device in the step before) is its draft, and a request's blocks
-        reach k - 1 tokens past what a step computes, where that head's chain writes."""
+                 num_speculative_tokens: int = 0, device_drafts: bool = False, lookahead: int = 0) -> None:
+        """``proposer``: asked for drafts each step; ``device_drafts``: instead the drafts are made on the
+        device in the step before (an MTP head, the device n-gram); ``lookahead``: tokens past what a step
+        computes that a request's blocks reach, up to its own end (an MTP head's draft chain writes there)."""
         self.pool = pool
         self.snapshots = snapshots
         self.proposer = proposer
         self.device_drafts = device_drafts
-        self.lookahead = num_speculative_tokens - 1 if device_drafts else 0
+        self.lookahead = lookahead
         self.num_speculative_tokens = num_speculative_tokens
         #: schedules so far, empty ones too: at schedule ``steps`` every batch scheduled at ``steps - 2`` or before
         #: has been applied in both engines (in the sync engine the last one too)
@@ -78,8 +78,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        #: finished with a verify row unsettled (device drafts): seat, blocks and mirror slot kept until it
-        #: settles, as the async engine, which has not seen its count yet, keeps them
+        #: ended (device drafts): seat, blocks and mirror slot kept until its verify rows settle, as the async
+        #: engine, which may not have seen its count yet, keeps them
         self.ending: list[Request] = []
         self.free_mirror_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
@@ -180,10 +180,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _ahead(self, tokens: int) -> int:
-        """The tokens a request's blocks must hold after a step computing up to ``tokens``: ``lookahead``
-        more where ``max_model_len`` leaves room (an MTP head's draft chain writes there)."""
-        return max(tokens, min(tokens + self.lookahead, self.max_model_len))
+    def _ahead(self, req: Request, tokens: int) -> int:
+        """The tokens ``req``'s blocks must hold after a step computing up to ``tokens``: ``lookahead`` more
+        where its own end leaves room (past it no token is ever computed; ``add`` checked the pool holds it)."""
+        end = min(self.max_model_len, req.num_prompt_tokens + req.max_output)
+        return max(tokens, min(tokens + self.lookahead, end))
 
     def _may_end(self, req: Request) -> bool:
         """Whether ``req``'s unsettled verify row can reach its output limit (all its drafts accepted)."""
@@ -200,7 +201,7 @@ class Scheduler:
         accepted token, unless a floating share already did that on the device."""
         while req.verifies and req.verifies[0].step <= self.steps - self.settle_after:
             v = req.verifies.pop(0)
-            req.num_computed_tokens += v.accepted
+            req.num_computed_tokens += v.accepted or 0  # (None: its step failed, the request was aborted)
             if not v.floated and v.accepted < v.drafts:
                 req.resume_draft_state = v.accepted
 
@@ -256,16 +257,24 @@ class Scheduler:
         saves = () if floats else self._snapshot_saves(req, start, n)  # positions the host knows
         return Scheduled(req, start, n + len(draft), samples, restore, saves, draft, resume, floats, verify)
 
-    def schedule(self) -> Batch:
-        for req in self.running:
-            self._settle(req)
-        for req in [r for r in self.ending if r.verifies[-1].step <= self.steps - self.settle_after]:
-            self.ending.remove(req)
-            req.verifies.clear()
-            self._release(req)
-        for req in [r for r in self.running if r.host_knows_end and r.num_computed_tokens >= r.num_tokens]:
-            self._leave_running(req)
+    def _release_ended(self) -> None:
+        """Requests whose end the host knows leave (``DRAINING``: their last token may be in flight), and ended
+        ones whose verify rows have all settled free their seat, blocks and slot; with device drafts all in
+        arrival order, the same in both engines (the order freed blocks are evicted in)."""
+        drained = [r for r in self.running if r.host_knows_end and r.num_computed_tokens >= r.num_tokens]
+        for req in drained:
             req.status = RequestStatus.DRAINING
+        leaving = drained + [r for r in self.ending if not r.verifies]
+        if self.device_drafts:
+            leaving.sort(key=lambda r: r.arrival)
+        for req in leaving:
+            (self.ending if req.status == RequestStatus.FINISHED else self.running).remove(req)
+            self._release(req)
+
+    def schedule(self) -> Batch:
+        for req in self.running + self.ending:
+            self._settle(req)
+        self._release_ended()
         budget = self.max_num_batched_tokens
         batch: Batch = []
         preempted = False
@@ -283,8 +292,8 @@ class Scheduler:
             if n <= 0:
                 continue
             draft = proposals.get(req.request_id, ())[:budget - 1] if n == 1 else ()
-            floats = req.verifies[0].drafts if req.verifies else 0
-            while not self.pool.grow(req.block_ids, self._ahead(req.num_computed_tokens + floats + n + len(draft))):
+            most = req.num_computed_tokens + (req.verifies[0].drafts if req.verifies else 0) + n + len(draft)
+            while not self.pool.grow(req.block_ids, self._ahead(req, most)):
                 victim = next(r for r in reversed(self.running) if r is req or not self._may_end(r))
                 self._preempt(victim)
                 preempted = True
@@ -301,7 +310,7 @@ class Scheduler:
             if not req.block_ids:
                 self._reuse_prefix(req)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
-            if not self.pool.grow(req.block_ids, self._ahead(req.num_computed_tokens + n)):
+            if not self.pool.grow(req.block_ids, self._ahead(req, req.num_computed_tokens + n)):
                 self.pool.free(req.block_ids)  # the cached prefix too: looked up again next time
                 req.num_computed_tokens = req.num_registered_blocks = 0
                 req.restore_snapshot = -1
@@ -323,9 +332,10 @@ class Scheduler:
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
-        """End a request: free its blocks and seat at once (device work is ordered on one stream), or once
-        its last verify row settles (``ending``)."""
-        if req.status == RequestStatus.RUNNING and req.verifies and self.device_drafts:
+        """End a request: free its blocks and seat at once (device work is ordered on one stream), or, with
+        device drafts, at the next schedule once its verify rows have settled (``ending``; the async engine
+        may not know yet that it ended)."""
+        if req.status == RequestStatus.RUNNING and self.device_drafts:
             self.running.remove(req)
             self.ending.append(req)
         elif req.status == RequestStatus.RUNNING:

@@ -240,7 +240,7 @@ class ModelRunner:
         # past a step's last one, where the head's draft chain writes its KV
         self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
             if config.mtp else None
-        self.ngram = None if config.ngram is None else DeviceNgram(
+        self.ngram = None if config.ngram is None or tp.tp().rank else DeviceNgram(  # (rank 0 drafts)
             *config.ngram, config.num_speculative_tokens, config.max_num_seqs, config.max_model_len, self.device)
         self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
         # the device side of drafting there (``Scheduled.floats``): per running request the draft tokens its

@@ -25,16 +25,19 @@ class DeviceNgram:
         self.min_n, self.max_n, self.k = min_n, max_n, k
         #: per mirror slot its request's tokens by position (one past max_model_len: a last token's successor)
         self.history = torch.zeros((max_num_seqs + 1, max_model_len + 1), dtype=torch.int64, device=device)
-        self._owner: dict[int, Any] = {}  # mirror slot -> the request whose tokens its row holds (host)
+        self._owner: dict[int, tuple[Any, int]] = {}  # mirror slot -> (request, admission) its row holds (host)
 
     def known(self, batch: Batch, rows: DraftRows) -> None:
-        """Host: a request's first share in its slot that starts past 0 (a cached prefix) leaves the tokens
-        before it unfed; they go to the history with the step (``DraftRows.known_tokens``)."""
+        """Host: a request's first share in its slot since it was (re)admitted that starts past 0 (a cached
+        prefix) leaves the tokens before it unfed; they go to the history with the step
+        (``DraftRows.known_tokens``)."""
         for s in batch:
             req = s.request
-            if self._owner.get(req.mirror_slot) is req:
+            owner = (req, req.num_preemptions)
+            held = self._owner.get(req.mirror_slot)
+            if held is not None and held[0] is req and held[1] == owner[1]:
                 continue
-            self._owner[req.mirror_slot] = req
+            self._owner[req.mirror_slot] = owner
             rows.known_slots += [req.mirror_slot] * s.start
             rows.known_positions += range(s.start)
             rows.known_tokens += req.token_ids[:s.start]
