@@ -2,7 +2,7 @@
 # Speculative decoding on one GPU (docs/BENCHMARKS.md): the gate's speculative check on CUDA (verify rows
 # in CUDA graphs against the oracle), then `vtcore bench --speculative-config` on dummy weights of the
 # Qwen3-4B shape (replay bound for k = 1..8 beside the plain step, batch 1, 16, 64), and n-gram's real
-# acceptance on the embedded default model.
+# acceptance on the embedded default model, the host's search (sync) beside the device's (async).
 #   bash scripts/bench_speculative.sh OUTDIR   (vtcore, plugins/qwen3_dense and plugins/qwen3_5 installed)
 set -uo pipefail
 out=${1:?usage: bench_speculative.sh OUTDIR}
@@ -20,4 +20,8 @@ echo "(rc ${PIPESTATUS[0]})"
 echo "== embedded default model: n-gram acceptance"
 timeout 60 vtcore bench --speculative-config "$ngram" --speculative-k 4 --concurrency 1,16 --input-len 256 \
     --output-len 128 --no-progress --json "$out/bench-speculative-default.json" 2>&1 | quiet
+echo "(rc ${PIPESTATUS[0]})"
+echo "== embedded default model: the n-gram on the device, async (beside the host's above)"
+timeout 60 vtcore bench --speculative-config "$ngram" --speculative-k 4 --concurrency 1,16 --input-len 256 \
+    --output-len 128 --no-progress --async-scheduling --json "$out/bench-speculative-default-async.json" 2>&1 | quiet
 echo "(rc ${PIPESTATUS[0]})"

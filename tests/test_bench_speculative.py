@@ -23,6 +23,7 @@ def spec_doc(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
 def test_replay_accepts_everything_and_equals_plain(spec_doc) -> None:
     doc, table = spec_doc
     assert doc["mode"] == "speculative" and doc["ks"] == [1, 3] and doc["method"] == "ngram"
+    assert doc["method_async_depth"] == 1 and "(replay runs: 1, ngram: 1)" in table  # the host n-gram: sync
     assert [r["concurrency"] for r in doc["runs"]] == [1, 3]
     for r in doc["runs"]:
         assert r["plain_decode_steps"] == OUTPUT_LEN - 1  # one token a step after the prefill's

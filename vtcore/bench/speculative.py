@@ -196,12 +196,14 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     del plain_engine
     _collect()
     sequences = [p + t for c in concurrency for p, t in zip(prompts[c], plain[c].tokens)]
+    depths: dict[bool, int] = {}  # replay or not -> the engine's async depth
 
     def speculative(k: int, replay: bool) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None, float | None]]:
         knobs = {"speculative_config": {**attrs.asdict(spec), "num_speculative_tokens": k}}
         if replay:  # teacher forcing rewrites each step's tokens on the host
             knobs["async_scheduling"] = False
         engine = build(attrs.evolve(config, **knobs))
+        depths[replay] = engine.depth
         forcing = None
         if replay:
             engine.scheduler.proposer = ReplayProposer(sequences, vocab)
@@ -245,7 +247,8 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     return {"mode": "speculative", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "method": spec.method, "speculative_config": attrs.asdict(spec), "input_len": input_len,
             "output_len": output_len, "ks": list(ks), "timer": "time.perf_counter",
-            "enforce_eager": config.enforce_eager, "plain_async_depth": plain_depth, "runs": out_runs,
+            "enforce_eager": config.enforce_eager, "plain_async_depth": plain_depth,
+            "method_async_depth": depths[False], "runs": out_runs,
             "roofline": {"kv_bytes_per_token": kv_per_token, "copy_bandwidth_bytes_s": copy["bandwidth_bytes_s"],
                          "copy": copy}}
 
@@ -260,7 +263,7 @@ def format_speculative(doc: dict[str, Any]) -> str:
 
     lines = [f"speculative decoding ({doc['method']}), {doc['device']} {doc['dtype']}, input {doc['input_len']}, "
              f"output {doc['output_len']} tokens, enforce_eager={doc['enforce_eager']}, plain run at async depth "
-             f"{doc['plain_async_depth']} (speculation: 1)"]
+             f"{doc['plain_async_depth']} (replay runs: 1, {doc['method']}: {doc.get('method_async_depth', 1)})"]
     for r in doc["runs"]:
         lines.append(f"c={r['concurrency']}: plain decode step {ms(r['plain_step_ms'])} ms, TPOT "
                      f"{ms(r['plain_tpot_ms'])} ms (roofline {r['roofline']['roofline_ms']:.3f} ms a step)")

@@ -163,7 +163,8 @@ def test_mtp_drafts_are_the_heads_own_from_scratch_and_tokens_stay_exact(example
 
 def test_the_speculative_bench_times_the_mtp_head_and_replays_with_it_running(tmp_path: Any) -> None:
     """``vtcore bench --speculative-config '{"method": "mtp", ...}'``: the replay runs use the replayed
-    drafts (all accepted) while the head still runs, and every run reports the head's time a step."""
+    drafts (all accepted) while the head still runs (sync: teacher forcing), the head's own drafts run async,
+    and every run reports the head's time a step."""
     import argparse
     import io
 
@@ -180,7 +181,9 @@ def test_the_speculative_bench_times_the_mtp_head_and_replays_with_it_running(tm
                               "--output-len", "8", "--copy-mib", "16"])
     out = io.StringIO()
     assert args.func(args, out) == 0
-    (run,) = json.loads((tmp_path / "b.json").read_text())["runs"]
+    doc = json.loads((tmp_path / "b.json").read_text())
+    assert doc["method_async_depth"] == 2  # the head's own drafts on the async engine
+    (run,) = doc["runs"]
     (replay,) = run["replay"]
     assert replay["acceptance_rate"] == 1.0 and replay["mtp_head_ms"] > 0
     assert run["method"]["mtp_head_ms"] > 0 and run["method"]["outputs_equal"]
