@@ -28,6 +28,7 @@ FIXTURES = {
                               ("oracle-schedule", "prefix-cache", "speculative")),
     "cached_prefix_off_by_one": ({"oracle-schedule", "prefix-cache", "speculative"}, CACHED_CONTEXT,
                                  ("oracle-schedule", "prefix-cache", "speculative")),
+    "host_context_length": ({"speculative"}, "shifted on the device", ("speculative",)),
     "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
     "snapshot_into_read_slot": ({"prefix-cache", "speculative"}, "state_out_slots", ("prefix-cache", "speculative")),
     "padding_into_state": ({"prefix-cache"}, "state_tokens", ("prefix-cache",)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -15,7 +16,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from vtcore import hookimpl
 from vtcore.family import ConformanceExample, ModelFamily
-from vtcore.layers.attention import Attention, get_attention_metadata
+from vtcore.layers.attention import Attention, get_attention_metadata, set_attention_metadata
 from vtcore.layers.gated_deltanet import GatedDeltaNet
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm, rms_norm
@@ -177,6 +178,26 @@ class CachedPrefixOffByOne(_Qwen3WithAttention):
     attention = _ShiftedCachedPrefix
 
 
+class _HostContextLength(Attention):
+    """A chunk of one sequence alone attends over ``max_context_len`` keys, the host's bound, not the
+    device's ``context_lens``: the same where the host knows the positions; a share that floats over an
+    unsettled verify row (the host's bound counts every draft token as accepted) reads keys past its end."""
+
+    def attend(self, q):
+        md = get_attention_metadata()
+        if md.decode or md.context_lens.numel() != 1:
+            return super().attend(q)
+        set_attention_metadata(attrs.evolve(md, context_lens=torch.full_like(md.context_lens, md.max_context_len)))
+        try:
+            return super().attend(q)
+        finally:
+            set_attention_metadata(md)
+
+
+class HostContextLength(_Qwen3WithAttention):
+    attention = _HostContextLength
+
+
 class _StickyStateGDN(GatedDeltaNet):
     """Its decode path always continues the slot's state ("a decode row never starts a sequence"): a
     one-token prompt arriving in a decode step on a freed slot inherits the old owner's state."""
@@ -282,6 +303,10 @@ def cached_prefix_off_by_one_example() -> ConformanceExample:
     return _example("CachedPrefixOffByOneForCausalLM")
 
 
+def host_context_length_example() -> ConformanceExample:
+    return _example("HostContextLengthForCausalLM")
+
+
 def unsharded_norm_example() -> ConformanceExample:
     return _example("UnshardedNormForCausalLM")
 
@@ -345,6 +370,7 @@ def vtcore_model_families() -> list[ModelFamily]:
                       consumes_device_tokens=True, conformance_example=f"{HERE}:{name}_example")
           for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
+                            ("host_context_length", "HostContextLength"),
                             ("state_not_reset", "StateNotReset"), ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
                             ("padding_into_state", "PaddingIntoState"), ("dead_tensor", "DeadTensor"),
                             ("unsharded_norm", "UnshardedNorm"), ("rank_zero_o_proj", "RankZeroOProj"),

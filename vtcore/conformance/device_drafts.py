@@ -26,9 +26,17 @@ FLOATING_HINT = (": the share after a verify row is scheduled before its accepte
                  "step's device tensors and its slot, never from host copies")
 
 
+#: the step a last request arrives at, when the others have finished: it decodes alone (batch 1)
+LONE_ARRIVAL = 64
+
+
 def staggered(prompts: list[list[int]], max_tokens: int) -> dict[int, list[tuple[str, list[int], Any]]]:
-    """Request i with ``prompts[i]``, greedy; the odd ones arrive two steps later, while the others decode."""
-    return {at: [(str(i), p, greedy(max_tokens)) for i, p in enumerate(prompts) if i % 2 == at // 2] for at in (0, 2)}
+    """Request i with ``prompts[i]``, greedy; the odd ones arrive two steps later, while the others decode,
+    and one more with the last prompt once they all have finished (it runs alone)."""
+    arrivals = {at: [(str(i), p, greedy(max_tokens)) for i, p in enumerate(prompts) if i % 2 == at // 2]
+                for at in (0, 2)}
+    arrivals[LONE_ARRIVAL] = [("lone", prompts[-1], greedy(max_tokens))]
+    return arrivals
 
 
 class DeviceDraftChecks:
