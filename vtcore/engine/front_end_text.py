@@ -39,7 +39,7 @@ class FrontEndText:
         self._lock = threading.Lock()  # sent (the callers' threads) and answered (the receiving thread)
         self._sent: dict[str, collections.deque[SamplingParams]] = collections.defaultdict(collections.deque)
         self._params: dict[str, SamplingParams] = {}
-        self._completions: dict[tuple[str, int], _Completion] = {}
+        self._completions: dict[str, dict[int, _Completion]] = {}  # per request, per completion index
 
     def sent(self, request_id: str, params: SamplingParams) -> None:
         with self._lock:
@@ -62,10 +62,11 @@ class FrontEndText:
         if params is None:
             return
         delta = params.output_kind == RequestOutputKind.DELTA
+        completions = self._completions.setdefault(rid, {})
         for c in out.outputs:
-            state = self._completions.get((rid, c.index))
+            state = completions.get(c.index)
             if state is None:
-                state = self._completions[rid, c.index] = _Completion(self.tokenizer, out.prompt_token_ids, params)
+                state = completions[c.index] = _Completion(self.tokenizer, out.prompt_token_ids, params)
             for token in c.token_ids if delta else c.token_ids[state.fed:]:
                 state.detok.add(token)
             state.fed += len(c.token_ids) if delta else len(c.token_ids) - state.fed
@@ -73,6 +74,4 @@ class FrontEndText:
             c.text = text[state.sent:] if delta else text
             state.sent = len(text)
         if out.finished:
-            del self._params[rid]
-            for key in [k for k in self._completions if k[0] == rid]:
-                del self._completions[key]
+            del self._params[rid], self._completions[rid]

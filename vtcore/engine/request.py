@@ -94,6 +94,12 @@ class Request:
         return sum(v.accepted or 0 for v in self.verifies)
 
     @property
+    def floats_over(self) -> int:
+        """Draft tokens of the unsettled verify row a next share of it floats over (0: none); the scheduler
+        settles every older one first."""
+        return self.verifies[0].drafts if self.verifies else 0
+
+    @property
     def num_tokens_scheduled(self) -> int:
         """Tokens the sequence will hold once every in-flight token lands (an unsettled verify row's
         accepted draft tokens not counted: ``lag``)."""

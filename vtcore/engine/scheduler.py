@@ -188,7 +188,7 @@ class Scheduler:
 
     def _may_end(self, req: Request) -> bool:
         """Whether ``req``'s unsettled verify row can reach its output limit (all its drafts accepted)."""
-        return bool(req.verifies) and req.num_outputs_scheduled + req.verifies[0].drafts >= req.max_output
+        return bool(req.floats_over) and req.num_outputs_scheduled + req.floats_over >= req.max_output
 
     @property
     def settle_after(self) -> int:
@@ -222,8 +222,7 @@ class Scheduler:
             ready = _reads_no_history(r) and r.drafted if self.device_drafts else not r.num_inflight
             if not ready:
                 continue
-            over = r.verifies[0].drafts if r.verifies else 0
-            k = min(self.num_speculative_tokens, r.max_output - r.num_outputs_scheduled - 1 - over)
+            k = min(self.num_speculative_tokens, r.max_output - r.num_outputs_scheduled - 1 - r.floats_over)
             if k > 0:
                 rows.append((r, k))
         if self.device_drafts:
@@ -292,7 +291,7 @@ class Scheduler:
             if n <= 0:
                 continue
             draft = proposals.get(req.request_id, ())[:budget - 1] if n == 1 else ()
-            most = req.num_computed_tokens + (req.verifies[0].drafts if req.verifies else 0) + n + len(draft)
+            most = req.num_computed_tokens + req.floats_over + n + len(draft)
             while not self.pool.grow(req.block_ids, self._ahead(req, most)):
                 victim = next(r for r in reversed(self.running) if r is req or not self._may_end(r))
                 self._preempt(victim)

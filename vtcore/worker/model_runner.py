@@ -450,8 +450,9 @@ class ModelRunner:
             return
         first = f.draft_sections[2]
         slots = f.sample_slots[first]
-        self.last_sampled_tokens[slots] = tokens[first + accepted]
-        self.accepted[slots] = accepted
+        if width:  # (no verify row: the sampler's mirror write stands, and no share floats over this step)
+            self.last_sampled_tokens[slots] = tokens[first + accepted]
+            self.accepted[slots] = accepted
         self.device_drafts[slots] = drafts
         out["drafts"], out["accepted"] = self._to_host(drafts), self._to_host(accepted)
 
