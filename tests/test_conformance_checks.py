@@ -84,6 +84,20 @@ def test_an_unknown_check_is_named_before_any_check_runs(plugins: Plugins, monke
         run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["oracle-schedul"])
 
 
+def test_a_crashing_check_names_the_line_it_raised_at(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that raises fails its family and says where (outside torch), not only what."""
+    import torch
+
+    def crash(self: checks.FamilyGate) -> str:
+        return str(torch.ones(2) + torch.ones(3))
+
+    monkeypatch.setattr(checks.FamilyGate, "check_example", crash)
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["example"])
+    detail = gate.results["example"].detail
+    assert gate.results["example"].status == "fail" and "example raised RuntimeError" in detail, detail
+    assert f"(raised at {__file__}:" in detail and "in crash)" in detail, detail
+
+
 def test_the_hostile_schedule_proves_what_it_built(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool with room for everything never preempts: the check says so rather than passing."""
     monkeypatch.setattr(schedule, "KNOBS", {**schedule.KNOBS, "num_kv_blocks": 64})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -138,7 +139,8 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
         except Failed as exc:
             return CheckResult(check, "fail", f"family {self.name!r}: {exc}")
         except Exception as exc:  # noqa: BLE001 - a crash in a check is a failure of the family
-            return CheckResult(check, "fail", f"family {self.name!r}: {check} raised {type(exc).__name__}: {exc}")
+            return CheckResult(check, "fail", f"family {self.name!r}: {check} raised {type(exc).__name__}: {exc}"
+                                              f"{_raised_at(exc)}")
         finally:
             while self._engines:
                 self._engines.pop().shutdown()
@@ -507,3 +509,11 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
         prompt = self.prompts()[2]
         self._same_as_sync({0: [(f"m{n}", prompt[:n % BLOCK + 1], greedy(n)) for n in MAX_TOKENS_BRACKET]})
         return f"max_tokens {', '.join(map(str, MAX_TOKENS_BRACKET))}"
+
+
+def _raised_at(exc: BaseException) -> str:
+    """Where a check's unexpected exception was raised: the innermost frame outside installed libraries (torch's,
+    triton's), so that a failure seen only in a GPU run's log points at the engine's or the plugin's line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "-packages" + os.sep not in f.filename] or frames
+    return f" (raised at {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name})" if ours else ""

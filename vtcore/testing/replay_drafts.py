@@ -31,25 +31,25 @@ def replay_device_drafts(engine: Any, sequences: Sequence[Sequence[int]]) -> Non
         if not done:
             submitted.append({s.request.mirror_slot: s.request.prompt_token_ids for s in batch if s.samples})
 
-    def replayed(out: dict[str, Any], f: Any, tokens: torch.Tensor, width: int, max_context_len: int) -> None:
-        drafter(out, f, tokens, width, max_context_len)
+    def replayed(out: dict[str, Any], f: Any, tokens: torch.Tensor, width: int, max_context_len: int
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        proposed = drafter(out, f, tokens, width, max_context_len)
         prompts = submitted.popleft()  # device work runs in submit order
-        if "accepted" not in out:
-            return
+        if proposed is None:
+            return None
+        drafts, accepted = proposed  # (device tensors: ``out`` holds their host copies, maybe still in flight)
         base, first = f.draft_sections[1], f.draft_sections[2]
-        slots = f.sample_slots[first].tolist()
-        last_rows = (base + out["accepted"]).tolist()
-        for i, (slot, row) in enumerate(zip(slots, last_rows)):
-            prompt = prompts[slot]
-            seq = next((s for s in proposer.sequences if s[:len(prompt)] == prompt), None)
-            if seq is None:
-                continue
-            tokens_after = int(f.positions[row]) + 2  # the row's position, then the token sampled there
-            draft = proposer.propose(seq[:tokens_after], k)
-            if draft:
-                draft += out["drafts"][i, len(draft):].tolist()
-                runner.device_drafts[slot] = torch.tensor(draft)
-                out["drafts"][i] = runner.device_drafts[slot]
+        slots = f.sample_slots[first]
+        positions = f.positions[base + accepted].tolist()
+        replaced = drafts.tolist()
+        for i, (slot, position) in enumerate(zip(slots.tolist(), positions)):
+            seq = next((s for s in proposer.sequences if s[:len(prompts[slot])] == prompts[slot]), None)
+            draft = [] if seq is None else proposer.propose(seq[:position + 2], k)  # (its row, the token sampled)
+            replaced[i][:len(draft)] = draft
+        drafts = torch.tensor(replaced, dtype=drafts.dtype, device=drafts.device).view(drafts.shape)
+        runner.device_drafts[slots] = drafts
+        out["drafts"] = runner._to_host(drafts)
+        return drafts, accepted
 
     runner.on_submit.append(observe)
     runner._draft = replayed

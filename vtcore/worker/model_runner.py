@@ -434,12 +434,12 @@ class ModelRunner:
         return self._enqueue(step, inputs.staged.index, device_work, [inputs.metas[i] for i in inputs.sampling.late])
 
     def _draft(self, out: dict[str, Any], f: "Forward", tokens: torch.Tensor, width: int, max_context_len: int
-               ) -> None:
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Run the device drafter (an MTP head, the device n-gram) after a general step; keep, per sampling
         request, its draft, its verify row's accepted count and its last accepted token on the device (the
         next step's floating rows read them, ``Scheduled.floats``) and start their copies to the host. (With
         late rows ``tokens`` holds their first, greedy draws: constrained requests take no drafts, and their
-        draw fixes the mirror.)"""
+        draw fixes the mirror.) Returns the drafts and accepted counts (device), or None when no row samples."""
         if self.mtp is not None:
             drafts, accepted = self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens,
                                                 f.sample_rows, f.draft_sections, width)
@@ -447,7 +447,7 @@ class ModelRunner:
             drafts, accepted = self.ngram.propose(f.input_ids, f.positions, tokens, f.draft_sections, width,
                                                   max_context_len)
         if not accepted.numel():
-            return
+            return None
         first = f.draft_sections[2]
         slots = f.sample_slots[first]
         if width:  # (no verify row: the sampler's mirror write stands, and no share floats over this step)
@@ -455,6 +455,7 @@ class ModelRunner:
             self.accepted[slots] = accepted
         self.device_drafts[slots] = drafts
         out["drafts"], out["accepted"] = self._to_host(drafts), self._to_host(accepted)
+        return drafts, accepted
 
     def prepare_inputs(self, batch: Batch, step: int) -> StepInputs:
         """Phase 1 (host): the flat rows of every scheduled request, staged for one upload."""
