@@ -31,7 +31,7 @@ FIXTURES = {
     "host_context_length": ({"speculative"}, "shifted on the device", ("speculative",)),
     "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
     "snapshot_into_read_slot": ({"prefix-cache", "speculative"}, "state_out_slots", ("prefix-cache", "speculative")),
-    "padding_into_state": ({"prefix-cache"}, "state_tokens", ("prefix-cache",)),
+    "padding_into_state": ({"prefix-cache", "speculative"}, "state_tokens", ("prefix-cache", "speculative")),
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
                     ("parameters",)),
 }
@@ -175,8 +175,8 @@ def test_the_mtp_pass_catches_a_head_fed_the_wrong_next_tokens(plugins: Plugins,
 
     rows = model_runner.draft_rows
 
-    def wrong(batch, block_size):
-        got = rows(batch, block_size)
+    def wrong(batch, block_size, *layout):
+        got = rows(batch, block_size, *layout)
         got.next_ids = [t if t == NO_TOKEN else 0 for t in got.next_ids]
         return got
 
@@ -186,22 +186,24 @@ def test_the_mtp_pass_catches_a_head_fed_the_wrong_next_tokens(plugins: Plugins,
     assert result.status == "fail" and "the head run from scratch" in result.detail, result.detail
 
 
-@pytest.mark.parametrize("broken", ["unshifted", "state_not_resumed"])
-def test_the_mtp_pass_catches_a_floating_share_run_wrongly(plugins: Plugins, monkeypatch: pytest.MonkeyPatch,
-                                                           broken: str) -> None:
+@pytest.mark.parametrize(("family", "broken"), [("qwen3_5", "unshifted"), ("qwen3_5", "state_not_resumed"),
+                                               ("qwen3_dense", "unshifted")])
+def test_the_device_draft_passes_catch_a_floating_share_run_wrongly(plugins: Plugins, monkeypatch: pytest.MonkeyPatch,
+                                                                    family: str, broken: str) -> None:
     """A share scheduled right after its request's verify row floats: its positions, KV slots and context
     length shift by the accepted count on the device, and the stateful layers resume from the state after
     the last accepted token. Running it at the host's unshifted positions, or on the state after the whole
-    draft, must fail the MTP pass (its replayed drafts accept every count)."""
+    draft, must fail the device passes (their replayed drafts accept every count): the MTP pass (qwen3_5),
+    and the n-gram's, whose verify steps take the padded path (qwen3_dense)."""
     from vtcore.worker.model_runner import ModelRunner
 
     if broken == "unshifted":
         shifted = ModelRunner._float
-        monkeypatch.setattr(ModelRunner, "_float", lambda self, floats, pos, slots, ctx, table: (
-            pos, slots, ctx, shifted(self, floats, pos, slots, ctx, table)[3]))
+        monkeypatch.setattr(ModelRunner, "_float", lambda self, floats, pos, slots, ctx, table: shifted(
+            self, floats, pos.clone(), slots.clone(), ctx.clone(), table))
     else:
         monkeypatch.setattr(ModelRunner, "_resume_floating", lambda self, floats, shift: None)
-    (gate,) = run_gate(["qwen3_5"], plugins=plugins, quant=[], checks=["speculative"])
+    (gate,) = run_gate([family], plugins=plugins, quant=[], checks=["speculative"])
     result = gate.results["speculative"]
     # (a state left after the whole draft may show first in the drafts of a random head's rare accepted run)
     assert result.status == "fail" and ("shifted on the device" in result.detail

@@ -204,7 +204,27 @@ def test_the_widest_padded_step_fits_its_upload_buffer(q, chunk) -> None:
         req = SimpleNamespace(token_ids=list(range(start + 1)), block_ids=blocks, mirror_slot=i)
         draft = () if chunk else tuple(range(q - 1))
         return SimpleNamespace(request=req, start=start, num_tokens=q if chunk else 1 + len(draft), draft=draft,
-                               samples=True)
+                               samples=True, floats=0)
 
     inputs = graphs.prepare([row(i) for i in range(graphs.sizes[-1])])
     assert sum(len(s) for s in inputs.sections) <= graphs.buffer.numel()
+    assert len(inputs.sections) == graphs.num_sections  # (the runner's sections follow them, uploaded apart)
+
+
+def test_an_upload_splits_the_graphs_sections_from_the_runners() -> None:
+    """A padded step's own sections go into the graphs' persistent buffer, at the offsets its captured views
+    read; the sections the runner appends (floating shares, the drafter's) go elsewhere, however long,
+    and each section comes back whole."""
+    import torch
+
+    from vtcore.worker.staging import Staging
+
+    staging = Staging(2, torch.device("cpu"))
+    sections = [[1, 2, 3], [4], [], [5, 6], list(range(100))]
+    staged = staging.stage(0, sections, align=1)
+    dest = torch.zeros(8, dtype=torch.int64)
+    views = staging.upload(staged, dest, into=3)
+    assert [v.tolist() for v in views] == sections
+    assert dest[:4].tolist() == [1, 2, 3, 4] and dest[4:].tolist() == [0] * 4  # only the first three
+    assert all(v.untyped_storage().data_ptr() == dest.untyped_storage().data_ptr() for v in views[:3])
+    assert all(v.untyped_storage().data_ptr() != dest.untyped_storage().data_ptr() for v in views[3:])

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 FLOATING_HINT = (": the share after a verify row is scheduled before its accepted count is known, and runs at "
                  "positions, KV slots and context lengths shifted on the device, with its stateful layers' state "
                  "restored to the one after its last accepted token: a layer must take all of them from the "
-                 "step's device tensors and its slot, never from host copies")
+                 "step's device tensors and its slot, never from host copies; these steps and a lone prompt chunk "
+                 "take the padded paths, where a stateful layer must leave a chunk's rows past "
+                 "AttentionMetadata.state_tokens out of its state")
 
 
 #: the step a last request arrives at, when the others have finished: it decodes alone (batch 1)
@@ -49,6 +51,8 @@ class DeviceDraftChecks:
         async one must equal; ``first`` that engine's run already made (tokens, batches), else run here."""
         cases = [c for batch in arrivals.values() for c in batch]
 
+        padded: list[int] = []  # the async runs' verify steps on the padded path
+
         def run(mode: str, replay: list[list[int]] | None = None) -> tuple[tuple[dict, list], Any]:
             engine = self.engine(mode, **knobs)
             if replay is not None:
@@ -58,6 +62,8 @@ class DeviceDraftChecks:
             what = f"{label}{', replayed' if replay else ''}, {mode}"
             self._against_oracle([(*c, finals[c[0]]) for c in cases],
                                  _context(f" ({what}; requests {{}} decoded through verify rows){FLOATING_HINT}"))
+            if mode == "async" and engine.runner.verify_graphs is not None:
+                padded.append(engine.runner.padded_verify_steps)
             return got, engine.spec_stats
 
         ref = first if first is not None else run(reference)[0]
@@ -73,8 +79,13 @@ class DeviceDraftChecks:
                          "rows, not every count (a vtcore bug)")
         if again != replayed:
             raise Failed(f"{label} async with replayed drafts: other batches or tokens than {reference}{FLOATING_HINT}")
+        if padded and not all(padded):
+            raise Failed(f"{label} async: verify steps on the padded path {padded} (a run without any: the padded "
+                         "path of drafts made on the device went untested; a vtcore bug)")
+        where = f" ({' and '.join(map(str, padded))} verify steps on the padded path)" if padded else ""
         return (f"{label} async: {drafted[0]} verify rows, {drafted[1]} tokens accepted, equal to {reference}; "
-                f"replayed: {rows} verify rows accepting {per_position} a position, async equal to {reference}")
+                f"replayed: {rows} verify rows accepting {per_position} a position, async equal to {reference}"
+                f"{where}")
 
 
 def _context(template: str) -> Callable[[list[str]], str]:

@@ -32,8 +32,9 @@ def poison_staging(runner: Any, when: str) -> None:
     if when == "early":
         upload = staging.upload
 
-        def poisoned_upload(staged: Any, dest: torch.Tensor | None = None) -> list[torch.Tensor]:
-            views = upload(staged, dest)
+        def poisoned_upload(staged: Any, dest: torch.Tensor | None = None, into: int | None = None
+                            ) -> list[torch.Tensor]:
+            views = upload(staged, dest, into)
             staged.host.fill_(PLACEHOLDER)
             return views
 

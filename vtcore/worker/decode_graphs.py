@@ -14,6 +14,11 @@ the dummy mirror slot; their samples are never written to the mirror. A verify r
 padded tokens: id 0, the row's first position, KV slot -1; its context length counts them, so each
 real token sees exactly the keys before it (the causal rule reads the query length from the uniform
 query starts), and no real token sees a padded one. On CPU the same padded forward runs eagerly.
+
+Drafts made on the device (``vtcore.worker.drafting``) take these paths too: a draft token the device
+holds is combined in like an in-flight token (its combine index points past the mirror, into the
+runner's drafts: ``drafts``), and a floating share (``Scheduled.floats``) is laid out at its lagged
+position and shifted on the device before the replay (``run``'s ``adjust``).
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
-from vtcore.worker.step import Batch
+from vtcore.worker.step import DEVICE_DRAFT, Batch
 
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
 GRAPH_MAX = 256  # larger decode batches run eagerly
@@ -55,9 +60,12 @@ class DecodeGraphs:
     ``chunk`` one row of up to ``query_len`` tokens."""
 
     def __init__(self, forward: DecodeForward, device: torch.device, block_size: int, max_model_len: int,
-                 max_num_seqs: int, dummy_slot: int, query_len: int = 1, chunk: bool = False) -> None:
+                 max_num_seqs: int, dummy_slot: int, query_len: int = 1, chunk: bool = False,
+                 drafts: tuple[int, int] = (0, 0)) -> None:
         self.forward, self.device, self.block_size, self.q = forward, device, block_size, query_len
         self.chunk = chunk
+        #: (where the device drafts start in the tokens the combine reads, drafts per mirror slot)
+        self.drafts = drafts
         q = query_len
         self.per_token = (True, True, True, False, True, False) + ((False,) if chunk else ())
         # a padded row's context counts its q tokens: a context shorter than the query would put the
@@ -70,6 +78,9 @@ class DecodeGraphs:
         per_row = sum(q if t else 1 for t in self.per_token)
         # after the table: the rows that sample and their mirror slots (verify: every token; chunk: one a row)
         samples = 0 if q == 1 else 2 * (1 if chunk else q)
+        #: the sections ``prepare`` makes (per row, the table, the samples); a step's sections after them
+        #: are the runner's
+        self.num_sections = len(self.per_token) + 1 + (2 if q > 1 else 0)
         self.buffer = torch.zeros((per_row + samples + self.max_table) * largest, dtype=torch.int64, device=device)
         self.tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=device)
         self.qstart = torch.arange(0, (largest + 1) * q, q, dtype=torch.int32, device=device)
@@ -137,6 +148,7 @@ class DecodeGraphs:
     def prepare(self, batch: Batch) -> DecodeInputs:
         """The host side of a padded step of ``batch``."""
         bs, n, q = self.block_size, len(batch), self.q
+        drafts_at, per_slot = self.drafts
         p = self.padded_size(n)
         width = max(len(s.request.block_ids) for s in batch)
         table: list[int] = []
@@ -147,14 +159,18 @@ class DecodeGraphs:
         for r, s in enumerate(batch):
             req, pos, real = s.request, s.start, s.num_tokens
             fed = real - len(s.draft)
-            known = req.token_ids[pos:pos + fed]
+            known = [] if s.floats else req.token_ids[pos:pos + fed]  # floating: its last accepted token
             missing = fed - len(known)  # the in-flight token (at most one): filled by the combine
-            stale |= missing > 0
+            on_device = [i for i, token in enumerate(s.draft) if token == DEVICE_DRAFT]
+            stale |= missing > 0 or bool(on_device)
             cols[0] += known + [PLACEHOLDER] * missing + [*s.draft] + [0] * (q - real)
             cols[1] += [*range(pos, pos + real)] + [pos] * (q - real)
             cols[2] += [req.block_ids[t // bs] * bs + t % bs for t in range(pos, pos + real)] + [-1] * (q - real)
             cols[3].append(pos + q)
-            cols[4] += [-1] * len(known) + [req.mirror_slot] * missing + [-1] * (q - fed)
+            drafted = [-1] * len(s.draft)
+            for i in on_device:
+                drafted[i] = drafts_at + req.mirror_slot * per_slot + i
+            cols[4] += [-1] * len(known) + [req.mirror_slot] * missing + drafted + [-1] * (q - real)
             cols[5].append(req.mirror_slot)
             if self.chunk:
                 cols[6].append(r * q + real - 1)
@@ -167,15 +183,19 @@ class DecodeGraphs:
         for col, v, per_token in zip(cols, self.padding, self.per_token):
             col += [v] * ((p - n) * (q if per_token else 1))
         extra = [sample_rows, mirror] if q > 1 else []
-        return DecodeInputs(p, n, width, cols + [table] + extra, stale, max(s.start for s in batch) + q)
+        return DecodeInputs(p, n, width, cols + [table] + extra, stale,
+                            max(s.start + s.floats for s in batch) + q)
 
-    def run(self, inputs: DecodeInputs, staged: list[torch.Tensor]
-            ) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+    def run(self, inputs: DecodeInputs, staged: list[torch.Tensor],
+            adjust: Callable[[list[torch.Tensor], torch.Tensor], None] | None = None) -> "PaddedForward":
         """The device side, after the sections were uploaded into ``buffer`` (``staged``: their device
-        views): (fed ids, logits, consumed, mirror slots) of the sampled tokens; a graph replay where one
-        was captured."""
+        views): a graph replay where one was captured. ``adjust(sections, block tables)`` runs on the step's
+        sections in the buffer once the block tables are in place, before the forward (floating shares)."""
         n, width, table = inputs.rows, inputs.width, len(self.per_token)
+        views = self.views[inputs.size]
         self.tables[:n, :width].copy_(staged[table].view(n, width))
+        if adjust is not None:
+            adjust(views, self.tables)
         self.steps += 1
         graph = self.graphs.get(inputs.size)
         if graph is not None:
@@ -185,11 +205,24 @@ class DecodeGraphs:
         else:
             fed, logits, consumed = self._run(inputs.size, inputs.max_context_len)
         if self.q == 1:
-            return fed[:n], logits[:n], consumed, self.views[inputs.size][5][:n]
+            return PaddedForward(fed[:n], logits[:n], consumed, views[5][:n], fed, views[1])
         rows, mirror = staged[table + 1], staged[table + 2]
         if self.chunk:  # logits of each row's last real token; the fed token there
-            return fed[self.views[inputs.size][6][rows]], logits[rows], consumed, mirror
-        return fed[rows], logits[rows], consumed, mirror
+            return PaddedForward(fed[views[6][rows]], logits[rows], consumed, mirror, fed, views[1])
+        return PaddedForward(fed[rows], logits[rows], consumed, mirror, fed, views[1])
+
+
+@attrs.frozen
+class PaddedForward:
+    """What a padded step's forward leaves (device tensors): per sampling row its fed id, logits and mirror
+    slot; whether EmbedInto consumed the override; every padded token's fed id and (shifted) position."""
+
+    fed: torch.Tensor
+    logits: torch.Tensor
+    consumed: bool
+    mirror: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
 
 
 @contextlib.contextmanager

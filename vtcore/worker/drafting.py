@@ -40,8 +40,10 @@ class DraftRows:
                 self.row_slots, self.known_slots, self.known_positions, self.known_tokens]
 
 
-def draft_rows(batch: Batch, block_size: int) -> DraftRows:
-    """The drafter's sections of ``batch`` (rows laid out as the runner lays them out: in batch order)."""
+def draft_rows(batch: Batch, block_size: int, stride: int = 0, size: int = 0, dummy_slot: int = 0) -> DraftRows:
+    """The drafter's sections of ``batch``, its rows laid out as the runner lays them out: in batch order,
+    each share's tokens after the last's, or (a padded step) ``stride`` tokens a share and ``size`` shares,
+    the padding's tokens in ``dummy_slot``."""
     rows = DraftRows(width=max((len(s.draft) for s in batch), default=0))
     row0 = sampled = 0
     for seq, s in enumerate(batch):
@@ -51,14 +53,20 @@ def draft_rows(batch: Batch, block_size: int) -> DraftRows:
             known = p + 1 < s.start + fed or (not s.samples and p + 1 < len(tokens))
             rows.next_ids.append(tokens[p + 1] if known else NO_TOKEN)
         rows.row_slots += [req.mirror_slot] * s.num_tokens
+        padding = stride - s.num_tokens if stride else 0
+        rows.next_ids += [NO_TOKEN] * padding
+        rows.row_slots += [dummy_slot] * padding
         if s.samples:
             rows.base_rows.append(row0 + fed - 1)
             rows.first_samples.append(sampled)
             rows.table_rows.append(seq)
             rows.capacity.append(len(req.block_ids) * block_size)
             rows.widths.append(len(s.draft))
-        row0 += s.num_tokens
+        row0 += s.num_tokens + padding
         sampled += s.num_sampled
+    padding = (size - len(batch)) * stride
+    rows.next_ids += [NO_TOKEN] * padding
+    rows.row_slots += [dummy_slot] * padding
     return rows
 
 

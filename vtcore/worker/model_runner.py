@@ -47,7 +47,7 @@ from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_
 from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer
 from vtcore.plugins.manager import get_plugins
-from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs
+from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward
 from vtcore.worker.drafting import DraftRows, draft_rows
 from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
@@ -109,14 +109,15 @@ class StepInputs:
 
 @attrs.frozen
 class Forward:
-    """What ``run_model`` leaves for the phases after it (device tensors)."""
+    """What ``run_model`` leaves for the phases after it (device tensors). After a padded step the device
+    n-gram drafts from one without hidden states, sample rows and metadata (it reads none of them)."""
 
-    hidden: torch.Tensor  # [rows, H], after the final norm
+    hidden: torch.Tensor | None  # [rows, H], after the final norm
     input_ids: torch.Tensor  # the fed ids, in-flight tokens combined in
     consumed: bool  # whether EmbedInto consumed the device-token override
-    sample_rows: torch.Tensor
+    sample_rows: torch.Tensor | None
     sample_slots: torch.Tensor  # the sampling rows' mirror slots
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | None
     positions: torch.Tensor
     draft_sections: list[torch.Tensor]  # the device views of ``StepInputs.drafts``'s sections, if any
 
@@ -227,8 +228,13 @@ class ModelRunner:
             or device_token_scope
         # one slot per running request, and a dummy slot (the last) that padded decode rows name
         self.dummy_slot = config.max_num_seqs
-        self.last_sampled_tokens = torch.full((config.max_num_seqs + 1,), PLACEHOLDER, dtype=torch.int64,
-                                              device=self.device)
+        # the tokens the combine reads on the device: the mirror, then (drafting on the device) per slot the
+        # drafter's latest draft (a slot never drafted: 0)
+        slots, per_slot = config.max_num_seqs + 1, max(config.num_speculative_tokens, 1)
+        self.device_tokens = torch.zeros(slots * (1 + per_slot), dtype=torch.int64, device=self.device)
+        self.last_sampled_tokens = self.device_tokens[:slots]
+        self.last_sampled_tokens.fill_(PLACEHOLDER)
+        self.device_drafts = self.device_tokens[slots:].view(slots, per_slot)
         self.staging = Staging(self.depth, self.device)
         self._worker = ThreadPoolExecutor(1, "vtcore-forward") if self.depth > 1 and not self.cuda else None
         self.steps_submitted = 0
@@ -246,32 +252,32 @@ class ModelRunner:
         # the device side of drafting there (``Scheduled.floats``): per running request the draft tokens its
         # last verify row accepted and the head's latest draft; the mirror holds its last accepted token
         self.accepted = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=self.device)
-        self.device_drafts = torch.zeros((config.max_num_seqs + 1, max(config.num_speculative_tokens, 1)),
-                                         dtype=torch.int64, device=self.device)
         #: rank 0 of several: the worker ranks its steps are sent to (set by the engine); the ranks' group
         self.peers: Peers | None = None
         self.tp_group = tp.tp()
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
-        # decode, W4A4 experts) keeps the model eager; so does drafting on the device (the padded steps
-        # keep no hidden states for an MTP head, and run no drafter)
-        if not config.enforce_eager and not config.mtp and config.ngram is None and all(
+        # decode, W4A4 experts) keeps the model eager; so does an MTP head (the padded steps keep no hidden
+        # states for it); the device n-gram drafts after them as after a general step
+        drafts = (slots, per_slot)
+        if not config.enforce_eager and not config.mtp and all(
                 getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
-                                              config.max_model_len, config.max_num_seqs, self.dummy_slot)
+                                              config.max_model_len, config.max_num_seqs, self.dummy_slot,
+                                              drafts=drafts)
         # verify rows padded to k + 1 tokens; a stateful layer's per-token state segments stay eager
         self.verify_graphs: DecodeGraphs | None = None
         if self.decode_graphs is not None and config.num_speculative_tokens and not self.stateful_layers:
             self.verify_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
-                                              query_len=config.num_speculative_tokens + 1)
+                                              query_len=config.num_speculative_tokens + 1, drafts=drafts)
         # a step that is one prefill chunk alone, padded to the next bucket (stateful layers that can: their
         # state from device tensors too); the smallest bucket is asked first
         self.chunk_graphs: list[DecodeGraphs] = []
         if self.decode_graphs is not None and all(m.supports_chunk_graphs for m in self.stateful_layers):
             longest = min(config.max_num_batched_tokens or config.max_model_len, config.max_model_len)
             self.chunk_graphs = [DecodeGraphs(self._decode_forward, self.device, self.block_size, config.max_model_len,
-                                              1, self.dummy_slot, query_len=q, chunk=True)
+                                              1, self.dummy_slot, query_len=q, chunk=True, drafts=drafts)
                                  for q in CHUNK_SIZES if q <= longest]
         if config.tensor_parallel_size == 1:  # ranks capture once every rank has built its model
             self.capture_graphs()
@@ -578,7 +584,8 @@ class ModelRunner:
         table = d_table.view(inputs.num_seqs, inputs.max_blocks)
         shift: torch.Tensor | None = None
         if floats[0].numel():
-            d_pos, d_slots, d_ctx, shift = self._float(floats, d_pos, d_slots, d_ctx, table)
+            d_pos, d_slots, d_ctx = d_pos.clone(), d_slots.clone(), d_ctx.clone()
+            shift = self._float(floats, d_pos, d_slots, d_ctx, table)
         state = inputs.state
         md = AttentionMetadata(
             slot_mapping=d_slots, block_tables=table, context_lens=d_ctx,
@@ -599,17 +606,16 @@ class ModelRunner:
         return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, drafting)
 
     def _float(self, floats: list[torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
-               table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Shift the floating shares' positions, KV slots and context lengths by their requests' accepted
-        counts (rank 0's, on every rank); returns them and the shifts (``Floating``)."""
+               table: torch.Tensor) -> torch.Tensor:
+        """Shift the floating shares' positions, KV slots and context lengths (in place) by their requests'
+        accepted counts (rank 0's, on every rank); returns the shifts (``Floating``)."""
         seqs, mirror, _, rows, of = floats
         shift = tp.broadcast(self.accepted[mirror], self.tp_group)
-        pos, slots, ctx = pos.clone(), slots.clone(), ctx.clone()
         pos[rows] += shift[of]
         at = pos[rows]
         slots[rows] = table[seqs[of], at // self.block_size] * self.block_size + at % self.block_size
         ctx[seqs] += shift
-        return pos, slots, ctx, shift
+        return shift
 
     def _resume_floating(self, floats: list[torch.Tensor], shift: torch.Tensor) -> None:
         """A floating share's stateful layers start from the state after its last accepted token: the
@@ -720,7 +726,7 @@ class ModelRunner:
                         ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
         graph on CUDA)."""
-        fed = torch.where(combine >= 0, self.last_sampled_tokens[combine.clamp(min=0)], ids)
+        fed = torch.where(combine >= 0, self.device_tokens[combine.clamp(min=0)], ids)
         if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(fed, self.tp_group)
         # stateful layers: one state a row (verify graphs exist only for models without them); a lone
@@ -744,7 +750,19 @@ class ModelRunner:
 
     def _submit_decode(self, batch: Batch, step: int, graphs: DecodeGraphs) -> StepHandle:
         inputs: DecodeInputs = graphs.prepare(batch)
-        staged = self.staging.stage(step, inputs.sections, align=1)
+        sections = inputs.sections
+        drafting = None
+        if self.ngram is not None or any(s.floats for s in batch):  # (the n-gram drafts on rank 0 alone)
+            floating = Floating()
+            for r, s in enumerate(batch):
+                if s.floats:
+                    floating.add(r, s.request.mirror_slot, s.floats, r * graphs.q, s.num_tokens)
+            sections = sections + floating.sections()
+            if self.ngram is not None:
+                drafting = draft_rows(batch, self.block_size, graphs.q, inputs.size, self.dummy_slot)
+                self.ngram.known(batch, drafting)
+                sections += drafting.sections()
+        staged = self.staging.stage(step, sections, align=1)
         metas = [m for s in batch for m in _sample_metas(s)]
         sampling = self.sampler.prepare(metas)
         restores: list[tuple[int, int]] = []
@@ -761,24 +779,36 @@ class ModelRunner:
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            fed, logits, consumed, mirror = self._run_padded(padded)
-            out: dict[str, Any] = {"consumed": consumed, "stale": inputs.stale, "plp": {}}
+            f, draft_sections = self._run_padded(padded)
+            out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
             if metas:  # a chunk before the prompt's last samples nothing
                 with torch.inference_mode():
-                    self.sample(out, logits, sampling, fed, mirror)
+                    tokens = self.sample(out, f.logits, sampling, f.fed, f.mirror)
+                    if drafting is not None:
+                        forward = Forward(None, f.ids, f.consumed, None, f.mirror, None, f.positions, draft_sections)
+                        self._draft(out, forward, tokens, drafting.width, inputs.max_context_len)
             return out
 
         return self._enqueue(step, staged.index, device_work, [metas[i] for i in sampling.late])
 
-    def _run_padded(self, step: "PaddedStep") -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
-        """A padded step's device side (the same on every rank): upload, restores, forward, saves."""
+    def _run_padded(self, step: "PaddedStep") -> tuple[PaddedForward, list[torch.Tensor]]:
+        """A padded step's device side (the same on every rank): upload, restores, floating shares shifted,
+        forward, saves; returns the forward and the drafter's sections."""
         graphs = self._padded[step.graphs]
-        sections = self.staging.upload(step.staged, graphs.buffer)
+        sections = self.staging.upload(step.staged, graphs.buffer, into=graphs.num_sections)
+        rest = sections[graphs.num_sections:]
+        floats, draft_sections = rest[:FLOATING_SECTIONS], rest[FLOATING_SECTIONS:]
         with torch.inference_mode():
             self._copy_states(step.restores)
-            fed, logits, consumed, mirror = graphs.run(step.inputs, sections)
+
+            def adjust(views: list[torch.Tensor], tables: torch.Tensor) -> None:
+                shift = self._float(floats, views[1], views[2], views[3], tables)
+                if self.stateful_layers:
+                    self._resume_floating(floats, shift)
+
+            f = graphs.run(step.inputs, sections, adjust if floats and floats[0].numel() else None)
             self._copy_states(step.saves)
-        return fed, logits, consumed, mirror
+        return f, draft_sections
 
     def follow(self, message: "StepMessage | PaddedStep") -> None:
         """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits

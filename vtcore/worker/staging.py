@@ -61,15 +61,18 @@ class Staging:
         self._owner[index] = step
         return Staged(index, host[:len(flat)], bounds)
 
-    def upload(self, staged: Staged, dest: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def upload(self, staged: Staged, dest: torch.Tensor | None = None, into: int | None = None) -> list[torch.Tensor]:
         """Device views of the staged sections: one non-blocking copy on CUDA, into ``dest`` (a
-        persistent buffer) when given, else into a new tensor (on CPU without ``dest``: the host views)."""
+        persistent buffer) when given, else into a new tensor (on CPU without ``dest``: the host views).
+        With ``into``, only the first ``into`` sections go to ``dest``, the rest to a new tensor."""
         host = staged.host
-        if dest is not None:
-            dev = dest[:host.numel()].copy_(host, non_blocking=True)
-        else:
+        if dest is None:
             dev = host.to(self.device, non_blocking=True) if self.pinned else host
-        return [dev[a:b] for a, b in staged.bounds]
+            return [dev[a:b] for a, b in staged.bounds]
+        cut = staged.bounds[into][0] if into is not None and into < len(staged.bounds) else host.numel()
+        head = dest[:cut].copy_(host[:cut], non_blocking=True)
+        tail = host[cut:].to(self.device, non_blocking=True) if self.pinned else host[cut:]
+        return [head[a:b] if b <= cut else tail[a - cut:b - cut] for a, b in staged.bounds]
 
     def retire(self, index: int) -> None:
         """The step using buffer ``index`` is done with it."""
