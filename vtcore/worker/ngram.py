@@ -60,20 +60,23 @@ class DeviceNgram:
         return self.search(history[slots, :min(history.shape[1], max_context_len + 2)], last + 2), accepted
 
     def search(self, rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """``rows`` [R, T] sequences, the first ``lengths`` tokens of each its own: [R, k] drafts (module doc)."""
-        span = rows.shape[1]
-        start = torch.full_like(lengths, -1)
-        size = torch.zeros_like(lengths)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if n >= span:
-                continue
-            tail = rows.gather(1, (lengths[:, None] - n + torch.arange(n, device=rows.device)).clamp(min=0))
-            at = torch.arange(span - n + 1, device=rows.device)
-            hit = (rows.unfold(1, n, 1) == tail[:, None, :]).all(-1) & (at[None, :] <= lengths[:, None] - 1 - n)
-            latest = torch.where(hit, at[None, :], -1).amax(1)
-            take = (start < 0) & (latest >= 0)
-            start, size = torch.where(take, latest, start), torch.where(take, n, size)
-        follow = start[:, None] + size[:, None] + torch.arange(self.k, device=rows.device)
-        found = (start[:, None] >= 0) & (follow < lengths[:, None])
+        """``rows`` [R, T] sequences, the first ``lengths`` tokens of each its own: [R, k] drafts (module doc).
+
+        One pass for every n (a fixed count of launches, whatever ``max_n - min_n``): for each end position e
+        before the last token, how many of the last ``max_n`` tokens match backwards from e; the longest match
+        of at least ``min_n`` wins, the latest e among equals (the host's rule: longest n first, then the
+        latest occurrence), and the draft is what followed e."""
+        r, span = rows.shape
+        n = self.max_n
+        # windows[:, e, n - 1 - j] = rows[:, e - j] (-1 before the start); the tail likewise (-2: never equal)
+        windows = torch.cat([rows.new_full((r, n - 1), -1), rows], 1).unfold(1, n, 1)
+        at = lengths[:, None] - n + torch.arange(n, device=rows.device)
+        tail = torch.where(at >= 0, rows.gather(1, at.clamp(min=0)), -2)
+        matched = (windows == tail[:, None, :]).flip(-1).cumprod(-1).sum(-1)  # [R, T]: match length ending at e
+        end = torch.arange(span, device=rows.device)
+        valid = (end[None, :] <= lengths[:, None] - 2) & (matched >= self.min_n)
+        best = torch.where(valid, matched * span + end[None, :], -1).amax(1)
+        follow = (best % span + 1)[:, None] + torch.arange(self.k, device=rows.device)
+        found = (best[:, None] >= 0) & (follow < lengths[:, None])
         last = rows.gather(1, (lengths[:, None] - 1).clamp(min=0))
         return torch.where(found, rows.gather(1, follow.clamp(0, span - 1)), last)
