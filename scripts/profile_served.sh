@@ -2,7 +2,7 @@
 # Where the served path's front end spends its time (docs/BENCHMARKS.md): `vtcore serve` on the Qwen3-0.6B shape
 # (dummy bf16 weights, the engine core in its own process) under the stack sampler of scripts/profile_stacks.py,
 # driven by `vtcore bench --base-url` at one concurrency; the sampler's table of the server process's threads
-# is written to OUTDIR/served-stacks.txt when the server stops.
+# is written to OUTDIR/served-stacks.txt when the server stops, the engine core process's to served-stacks.txt.PID.
 #   bash scripts/profile_served.sh OUTDIR [CONCURRENCY]   (vtcore, plugins/qwen3_dense, fastapi and uvicorn installed)
 set -uo pipefail
 out=${1:?usage: profile_served.sh OUTDIR [CONCURRENCY]}
@@ -24,4 +24,4 @@ timeout 200 vtcore bench --base-url "http://127.0.0.1:$port/v1" --model "$model"
     --input-len 1024 --output-len 128 --no-progress --json "$out/served-profiled.json" 2>&1 \
     | grep -v -i -e warn -e "^ *$" -e External
 kill -INT "$server"; wait "$server"
-head -n 60 "$out/served-stacks.txt"
+for f in "$out"/served-stacks.txt*; do echo "== $f"; grep -v -e threading.py -e importlib -e _bootstrap "$f" | head -n 45; done
