@@ -66,6 +66,30 @@ def test_teacher_forcing_accepts_a_recording_the_target_disagrees_with(tiny_chec
     assert forcing.agreement is not None and forcing.agreement < 0.5
 
 
+@pytest.mark.parametrize("shift", [0, 1], ids=["own", "disagreeing"])
+def test_the_device_replay_forces_and_drafts_the_recording_at_async_depth(tiny_checkpoint, shift: int) -> None:
+    """On the device path (the n-gram's async engine: floating shares, padded verify steps) the replay forces
+    every sampled token to the recording and drafts what follows: the run emits the recording, every draft is
+    accepted, and the agreement says how much of it the target sampled itself (all of its own greedy run in
+    float32; little of a recording shifted by one)."""
+    from vtcore.bench.device_replay import DeviceReplay
+    from vtcore.conformance.harness import build_engine
+
+    knobs = dict(device="cpu", block_size=4, num_kv_blocks=64, max_num_seqs=4)
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 6, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    plain = build_engine(tiny_checkpoint[0], "sync", **knobs)
+    recorded = [p + [(t + shift) % 512 for t in run]
+                for p, run in zip(prompts, timed_run(plain, prompts, 13, "p").tokens)]
+    engine = build_engine(tiny_checkpoint[0], "async", **knobs,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    replay = DeviceReplay({tuple(p): r for p, r in zip(prompts, recorded)}, engine)
+    got = timed_run(engine, prompts, 13, "f")
+    assert engine.depth == 2 and [p + t for p, t in zip(prompts, got.tokens)] == recorded
+    stats = engine.spec_stats
+    assert stats.acceptance_rate == 1.0 and stats.num_drafts >= 2 * 3 and engine.runner.padded_verify_steps > 0
+    assert (replay.agreement == 1.0) if not shift else (replay.agreement is not None and replay.agreement < 0.5)
+
+
 def test_the_bench_refuses_what_it_cannot_measure(tmp_path) -> None:
     from tests.test_bench import _parser
 

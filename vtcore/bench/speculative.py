@@ -17,7 +17,10 @@ work; ``time.perf_counter``):
   the recorded continuation is no longer the request's. ``target_agreement``: the share of sampled
   positions where the target's own token was the recorded one. Its verify steps' median time beside
   the plain step's (``verify_over_plain``), its TPOT and ``speedup`` (plain TPOT / its TPOT): the
-  bound on what speculation at that k can gain.
+  bound on what speculation at that k can gain. Where the configured method drafts on the device (the
+  n-gram with ``--async-scheduling``) the replay does too (:mod:`vtcore.bench.device_replay`: forced and
+  drafted on the device, at async depth 2, in the padded paths), so the bound is the device path's;
+  otherwise the replay runs synchronously.
 * ``method``: the configured proposer itself (e.g. ``ngram``, real acceptance on real weights such as
   the embedded default model): acceptance rate, mean acceptance length, TPOT and speedup, and
   ``outputs_equal`` (its tokens are the plain run's; in bf16 a near-tie may flip, as above).
@@ -159,6 +162,8 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     from vtcore.bench.roofline import (decode_step_bytes, kv_bytes_per_token, measure_copy_bandwidth,
                                        parameter_bytes, roofline_for_run)
     from vtcore.engine.llm_engine import resolve_device
+    from vtcore.bench.device_replay import DeviceReplay
+    from vtcore.engine.llm_engine import drafts_on_device
     from vtcore.spec.replay import ReplayProposer
 
     spec = config.speculative_config
@@ -170,7 +175,7 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     rng = random.Random(config.seed)
     prompts = {c: [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(c)] for c in concurrency}
 
-    def measure(engine: Any, forcing: TeacherForcing | None = None
+    def measure(engine: Any, forcing: "TeacherForcing | DeviceReplay | None" = None
                 ) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None, float | None]]:
         """Per concurrency: the timed run, the proposals counted in it alone, (teacher-forced) the share of
         its sampled tokens the target itself sampled as recorded, and an MTP head's median time a step."""
@@ -198,17 +203,22 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
     sequences = [p + t for c in concurrency for p, t in zip(prompts[c], plain[c].tokens)]
     depths: dict[bool, int] = {}  # replay or not -> the engine's async depth
 
+    replay_on_device = spec.method == "ngram" and drafts_on_device(config)
+
     def speculative(k: int, replay: bool) -> dict[int, tuple[TimedRun, SpecDecodeStats, float | None, float | None]]:
-        knobs = {"speculative_config": {**attrs.asdict(spec), "num_speculative_tokens": k}}
-        if replay:  # teacher forcing rewrites each step's tokens on the host
+        knobs: dict[str, Any] = {"speculative_config": {**attrs.asdict(spec), "num_speculative_tokens": k}}
+        if replay and not replay_on_device:  # teacher forcing rewrites each step's tokens on the host
             knobs["async_scheduling"] = False
         engine = build(attrs.evolve(config, **knobs))
         depths[replay] = engine.depth
-        forcing = None
-        if replay:
+        forcing: TeacherForcing | DeviceReplay | None = None
+        recorded = {tuple(s[:input_len]): s for s in sequences}
+        if replay and replay_on_device:
+            forcing = DeviceReplay(recorded, engine)
+        elif replay:
             engine.scheduler.proposer = ReplayProposer(sequences, vocab)
             engine.scheduler.device_drafts = False  # an MTP head still runs (and is timed), its drafts unused
-            forcing = TeacherForcing({tuple(s[:input_len]): s for s in sequences})
+            forcing = TeacherForcing(recorded)
             forcing.install(engine)
         runs = measure(engine, forcing)
         del engine
@@ -248,7 +258,7 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
             "method": spec.method, "speculative_config": attrs.asdict(spec), "input_len": input_len,
             "output_len": output_len, "ks": list(ks), "timer": "time.perf_counter",
             "enforce_eager": config.enforce_eager, "plain_async_depth": plain_depth,
-            "method_async_depth": depths[False], "runs": out_runs,
+            "method_async_depth": depths[False], "replay_async_depth": depths[True], "runs": out_runs,
             "roofline": {"kv_bytes_per_token": kv_per_token, "copy_bandwidth_bytes_s": copy["bandwidth_bytes_s"],
                          "copy": copy}}
 
@@ -263,7 +273,8 @@ def format_speculative(doc: dict[str, Any]) -> str:
 
     lines = [f"speculative decoding ({doc['method']}), {doc['device']} {doc['dtype']}, input {doc['input_len']}, "
              f"output {doc['output_len']} tokens, enforce_eager={doc['enforce_eager']}, plain run at async depth "
-             f"{doc['plain_async_depth']} (replay runs: 1, {doc['method']}: {doc.get('method_async_depth', 1)})"]
+             f"{doc['plain_async_depth']} (replay runs: {doc.get('replay_async_depth', 1)}, "
+             f"{doc['method']}: {doc.get('method_async_depth', 1)})"]
     for r in doc["runs"]:
         lines.append(f"c={r['concurrency']}: plain decode step {ms(r['plain_step_ms'])} ms, TPOT "
                      f"{ms(r['plain_tpot_ms'])} ms (roofline {r['roofline']['roofline_ms']:.3f} ms a step)")

@@ -204,18 +204,20 @@ class DecodeGraphs:
             (fed, logits), consumed = graph[1], graph[2]
         else:
             fed, logits, consumed = self._run(inputs.size, inputs.max_context_len)
-        if self.q == 1:
-            return PaddedForward(fed[:n], logits[:n], consumed, views[5][:n], fed, views[1])
+        if self.q == 1:  # (qstart: 0, 1, 2, ...)
+            return PaddedForward(fed[:n], logits[:n], consumed, views[5][:n], fed, views[1], self.qstart[:n])
         rows, mirror = staged[table + 1], staged[table + 2]
         if self.chunk:  # logits of each row's last real token; the fed token there
-            return PaddedForward(fed[views[6][rows]], logits[rows], consumed, mirror, fed, views[1])
-        return PaddedForward(fed[rows], logits[rows], consumed, mirror, fed, views[1])
+            last = views[6][rows]
+            return PaddedForward(fed[last], logits[rows], consumed, mirror, fed, views[1], last)
+        return PaddedForward(fed[rows], logits[rows], consumed, mirror, fed, views[1], rows)
 
 
 @attrs.frozen
 class PaddedForward:
     """What a padded step's forward leaves (device tensors): per sampling row its fed id, logits and mirror
-    slot; whether EmbedInto consumed the override; every padded token's fed id and (shifted) position."""
+    slot; whether EmbedInto consumed the override; every padded token's fed id and (shifted) position; and
+    the sampling rows' indices among those tokens."""
 
     fed: torch.Tensor
     logits: torch.Tensor
@@ -223,6 +225,7 @@ class PaddedForward:
     mirror: torch.Tensor
     ids: torch.Tensor
     positions: torch.Tensor
+    sample_rows: torch.Tensor
 
 
 @contextlib.contextmanager

@@ -110,12 +110,12 @@ class StepInputs:
 @attrs.frozen
 class Forward:
     """What ``run_model`` leaves for the phases after it (device tensors). After a padded step the device
-    n-gram drafts from one without hidden states, sample rows and metadata (it reads none of them)."""
+    n-gram drafts from one without hidden states and metadata (it reads neither)."""
 
     hidden: torch.Tensor | None  # [rows, H], after the final norm
     input_ids: torch.Tensor  # the fed ids, in-flight tokens combined in
     consumed: bool  # whether EmbedInto consumed the device-token override
-    sample_rows: torch.Tensor | None
+    sample_rows: torch.Tensor
     sample_slots: torch.Tensor  # the sampling rows' mirror slots
     metadata: AttentionMetadata | None
     positions: torch.Tensor
@@ -785,7 +785,8 @@ class ModelRunner:
                 with torch.inference_mode():
                     tokens = self.sample(out, f.logits, sampling, f.fed, f.mirror)
                     if drafting is not None:
-                        forward = Forward(None, f.ids, f.consumed, None, f.mirror, None, f.positions, draft_sections)
+                        forward = Forward(None, f.ids, f.consumed, f.sample_rows, f.mirror, None, f.positions,
+                                          draft_sections)
                         self._draft(out, forward, tokens, drafting.width, inputs.max_context_len)
             return out
 
