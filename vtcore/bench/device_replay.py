@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vtcore.worker.drafting import DraftRows, accepted_counts
+from vtcore.worker.ngram import newly_seated
 from vtcore.worker.step import Batch
 
 
@@ -67,10 +68,8 @@ class DeviceReplay:
         width = self.history.shape[1]
         for s in batch:
             req = s.request
-            held = self._owner.get(req.mirror_slot)
-            if held is not None and held[0] is req and held[1] == req.num_preemptions:
+            if not newly_seated(self._owner, req):
                 continue
-            self._owner[req.mirror_slot] = (req, req.num_preemptions)
             seq = self.sequences[tuple(req.prompt_token_ids)][:width]
             rows.known_slots += [req.mirror_slot] * len(seq)
             rows.known_positions += range(len(seq))

@@ -19,6 +19,16 @@ from vtcore.worker.drafting import DraftRows, accepted_counts
 from vtcore.worker.step import Batch
 
 
+def newly_seated(owners: dict[int, tuple[Any, int]], req: Any) -> bool:
+    """Whether ``req``'s share is its first in its mirror slot since it was (re)admitted; records it in
+    ``owners`` (mirror slot -> the request and admission its history row holds)."""
+    held = owners.get(req.mirror_slot)
+    if held is not None and held[0] is req and held[1] == req.num_preemptions:
+        return False
+    owners[req.mirror_slot] = (req, req.num_preemptions)
+    return True
+
+
 class DeviceNgram:
     def __init__(self, min_n: int, max_n: int, k: int, max_num_seqs: int, max_model_len: int,
                  device: torch.device) -> None:
@@ -33,11 +43,8 @@ class DeviceNgram:
         (``DraftRows.known_tokens``)."""
         for s in batch:
             req = s.request
-            owner = (req, req.num_preemptions)
-            held = self._owner.get(req.mirror_slot)
-            if held is not None and held[0] is req and held[1] == owner[1]:
+            if not newly_seated(self._owner, req):
                 continue
-            self._owner[req.mirror_slot] = owner
             rows.known_slots += [req.mirror_slot] * s.start
             rows.known_positions += range(s.start)
             rows.known_tokens += req.token_ids[:s.start]
