@@ -236,3 +236,28 @@ def test_a_prompt_that_cannot_be_pickled_fails_alone(core: AsyncLLM) -> None:
 
     outs = asyncio.run(run())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+
+def test_outputs_cross_the_pipe_as_tuples_with_every_field_and_the_prompt_once() -> None:
+    """The wire form keeps every field of an output (a field added to the output classes and not packed
+    would come back missing or shifted), and drops the prompt after a request's first output."""
+    import pickle
+
+    from vtcore.engine.core_process import pack_output, unpack_output
+    from vtcore.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+    def output(finished: bool) -> RequestOutput:
+        return RequestOutput("r1", "hi there", [5, 6, 7], [None, {6: Logprob(-0.5, 1, "x")}],
+                             [CompletionOutput(0, "ab", [1, 2], -1.25, [{1: Logprob(-0.25, 1, "a")}], None, None),
+                              CompletionOutput(1, "c", [3], None, None, "stop", "</s>")],
+                             finished, 16, RequestMetrics(4, 3))
+
+    announced: set[str] = set()
+    first = pack_output(output(False), announced)
+    assert all(not attrs.has(type(v)) for v in first), "packed as plain values, not attrs instances"
+    assert unpack_output(pickle.loads(pickle.dumps(first))) == output(False)
+    later = unpack_output(pack_output(output(True), announced))
+    assert (later.prompt, later.prompt_token_ids) == (None, [])
+    assert attrs.evolve(later, prompt="hi there", prompt_token_ids=[5, 6, 7]) == output(True)
+    again = unpack_output(pack_output(output(False), announced))  # finished: a reused id is announced anew
+    assert again.prompt_token_ids == [5, 6, 7]
