@@ -12,8 +12,9 @@ id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [packed RequestOutput],
 EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in its first output,
 its text only if it has stop strings: the front end detokenizes the others, ``vtcore.engine.front_end_text``;
-written by a sender thread, so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every request aborted and
-finished; an add after a stop is rejected), or ``("dead", error)`` when the engine raised (then it exits).
+written by a sender thread, so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every
+request aborted and finished; an add after a stop is rejected), or ``("dead", error)`` when the engine
+raised (then it exits).
 Between steps the core takes every message waiting; with no work it blocks on the pipe.
 """
 from __future__ import annotations
