@@ -207,10 +207,50 @@ def test_sampled_tokens_keep_the_targets_distribution(tiny_checkpoint, sampling)
     assert _chi_square_p(*counts) > 1e-3, counts
 
 
-def test_async_scheduling_with_a_draft_model_is_refused_by_name(tiny_checkpoint) -> None:
-    with pytest.raises(VtcoreError, match="async_scheduling=True with speculative_config method 'draft_model'"):
+@pytest.mark.parametrize("knobs", [{}, {"max_num_batched_tokens": 6}, {"num_kv_blocks": 16}],
+                         ids=["plain", "chunked", "preempting"])
+def test_async_draft_model_drafts_on_the_device_and_builds_the_sync_batches(tiny_checkpoint, make_checkpoint,
+                                                                             knobs) -> None:
+    """With async scheduling a draft model drafts on the device, after each step (its KV in caches indexed
+    by the target's block tables; a cached prefix's blocks hold the draft's KV too): the target as its own
+    draft has nearly every draft accepted, a draft of other weights few; greedy tokens equal plain
+    decoding's; the mirror-off engine (depth 1, the same rules) builds the same batches and tokens."""
+    path = tiny_checkpoint[0]
+    preempting, knobs = "num_kv_blocks" in knobs, {**KNOBS, **knobs}
+    arrivals = _arrivals()
+    arrivals.setdefault(3, []).append(("cached", _repetitive(12, seed=0) + [7, 7], greedy(10)))  # a cached prefix
+    plain, _ = run_engine(build_engine(path, "sync", **knobs), arrivals)
+    rates = {}
+    for name, draft in (("self", path), ("other", make_checkpoint(num_hidden_layers=1)[0])):
+        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+        runs = {}
+        for mode in ("mirror-off", "async"):
+            engine = build_engine(path, mode, **knobs, speculative_config=config)
+            assert engine.scheduler.proposer is None and engine.runner.mtp.reads_fed
+            runs[mode] = run_engine(engine, arrivals)
+            assert engine.pool.num_free == engine.pool.num_blocks
+            if preempting:
+                assert engine.scheduler.num_preemptions > 0
+        assert runs["async"] == runs["mirror-off"], name
+        assert runs["async"][0] == plain, name
+        rates[name] = engine.spec_stats.acceptance_rate
+    assert rates["self"] > 0.9 > rates["other"], rates
+
+
+def test_a_draft_model_that_cannot_draft_on_the_device_is_refused_by_name(tiny_checkpoint, make_checkpoint,
+                                                                          tmp_path) -> None:
+    import json
+
+    from vtcore_qwen3_5.plugin import dense_example
+
+    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
+    config = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
+    with pytest.raises(VtcoreError, match=r"the draft model .* \(family 'qwen3_5'\) has stateful layers, which draft "
+                                          "on the host only: use async_scheduling=False"):
+        build_engine(tiny_checkpoint[0], "async", **KNOBS, load_format="dummy", speculative_config=config)
+    with pytest.raises(VtcoreError, match="vocab_size=256.*must share the target's vocabulary"):
         build_engine(tiny_checkpoint[0], "async", **KNOBS, speculative_config={
-            "method": "draft_model", "model": tiny_checkpoint[0], "num_speculative_tokens": 2})
+            **config, "model": make_checkpoint(vocab_size=256)[0]})
 
 
 def test_the_device_ngram_search_proposes_what_the_host_proposer_does() -> None:

@@ -26,7 +26,9 @@ work; ``time.perf_counter``):
   ``outputs_equal`` (its tokens are the plain run's; in bf16 a near-tie may flip, as above).
 * With ``"method": "mtp"`` the replay runs keep the model's MTP head running after every step (its
   drafts unused), so their verify steps carry its cost; ``mtp_head_ms`` is the head's own median time a
-  step (its pass over the step's rows and its chain; CUDA events on CUDA), in every run.
+  step (its pass over the step's rows and its chain; CUDA events on CUDA), in every run. A draft model
+  drafting on the device (``draft_model`` with ``--async-scheduling``) is timed the same way in the
+  ``method`` run (printed as "drafter").
 
 Also in the same run: the roofline (the device copy bandwidth, measured before any engine is built,
 and the bytes a plain decode step must move; see :mod:`vtcore.bench.roofline`).
@@ -278,6 +280,7 @@ def format_speculative(doc: dict[str, Any]) -> str:
     for r in doc["runs"]:
         lines.append(f"c={r['concurrency']}: plain decode step {ms(r['plain_step_ms'])} ms, TPOT "
                      f"{ms(r['plain_tpot_ms'])} ms (roofline {r['roofline']['roofline_ms']:.3f} ms a step)")
+        drafter = "MTP head" if doc["method"] == "mtp" else "drafter"
         for e in r["replay"] + [r["method"]]:
             name = "replay" if e is not r["method"] else doc["method"]
             rate, length = e["acceptance_rate"], e["mean_acceptance_length"]
@@ -288,5 +291,5 @@ def format_speculative(doc: dict[str, Any]) -> str:
                              f"target's own tokens as recorded {100 * e['target_agreement']:.1f}%"
                              if e["target_agreement"] is not None else
                              f"tokens {'equal to' if e['outputs_equal'] else 'NOT equal to'} plain's")
-                         + ("" if e.get("mtp_head_ms") is None else f", MTP head {ms(e['mtp_head_ms'])} ms a step"))
+                         + ("" if e.get("mtp_head_ms") is None else f", {drafter} {ms(e['mtp_head_ms'])} ms a step"))
     return "\n".join(lines) + "\n"

@@ -46,9 +46,11 @@ class DeviceDraftChecks:
 
     def _device_drafts_pass(self, label: str, reference: str, knobs: dict[str, Any],
                             arrivals: dict[int, list[tuple[str, list[int], Any]]],
-                            first: tuple[dict[str, list[int]], list] | None = None) -> str:
+                            first: tuple[dict[str, list[int]], list] | None = None,
+                            min_acceptance: float = 0.0) -> str:
         """``label``'s pass (module doc) on engines built with ``knobs``: ``reference`` the engine mode the
-        async one must equal; ``first`` that engine's run already made (tokens, batches), else run here."""
+        async one must equal; ``first`` that engine's run already made (tokens, batches), else run here;
+        ``min_acceptance``: the share of its own drafts the async run must have accepted."""
         cases = [c for batch in arrivals.values() for c in batch]
 
         padded: list[int] = []  # the async runs' verify steps on the padded path
@@ -71,6 +73,9 @@ class DeviceDraftChecks:
         if got != ref:
             raise Failed(f"{label} async: other batches or tokens than {reference}{FLOATING_HINT}")
         drafted = (stats.num_drafts, stats.num_accepted_tokens)
+        if stats.num_accepted_tokens < min_acceptance * stats.num_draft_tokens or not stats.num_drafts:
+            raise Failed(f"{label} async: {stats.num_accepted_tokens} of {stats.num_draft_tokens} drafted tokens "
+                         f"accepted in {stats.num_drafts} verify rows, below {min_acceptance:.0%}")
         sequences = [p + ref[0][rid] for rid, p, _ in cases]
         (replayed, _), (again, stats) = run(reference, sequences), run("async", sequences)
         per_position, rows = stats.accepted_per_position, stats.num_drafts

@@ -35,7 +35,9 @@ from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import GrammarCache
+from vtcore.layers.state import StatefulLayer
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
+from vtcore.worker.mtp import DraftModelHead
 from vtcore.worker.step import DEVICE_DRAFT, StepOutput
 from vtcore.worker.tensor_parallel import Peers, WorkerSetup
 
@@ -82,11 +84,12 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: HFConfig, device: torch.d
 
 
 def drafts_on_device(config: EngineConfig) -> bool:
-    """Whether speculative decoding drafts on the device: an MTP head always; the n-gram proposer when async
-    scheduling is asked for (``vtcore.worker.ngram``; without it the host's n-gram proposes, and a miss
-    proposes nothing)."""
+    """Whether speculative decoding drafts on the device: an MTP head always; the n-gram proposer and a
+    draft model when async scheduling is asked for (``vtcore.worker.ngram``, ``vtcore.worker.mtp``;
+    without it the host's n-gram proposes, a miss proposing nothing, and the draft model runs as an engine
+    of its own, ``vtcore.spec.draft_model``)."""
     spec = config.speculative_config
-    return spec is not None and (spec.method == "mtp" or (spec.method == "ngram" and bool(config.async_scheduling)))
+    return spec is not None and (spec.method == "mtp" or bool(config.async_scheduling))
 
 
 def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: bool) -> int:
@@ -104,7 +107,7 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
         if config.async_scheduling:
             raise VtcoreError(f"async_scheduling=True with speculative_config method {spec.method!r}: that "
                               "proposer reads each request's tokens on the host, so the host waits for every "
-                              "step; use async_scheduling=False, leave it unset, or the method 'ngram' or 'mtp'")
+                              "step; use async_scheduling=False or leave it unset")
         log.info("vtcore: async scheduling off: the %s proposer reads tokens on the host", spec.method)
         return 1
     enabled = consumes_device_tokens if config.async_scheduling is None else config.async_scheduling
@@ -177,7 +180,8 @@ class LLMEngine(PromptText):
                               "ignore its sampling values)") from None
         spec = config.speculative_config
         mtp = spec is not None and spec.method == "mtp"
-        ngram = (spec.prompt_lookup_min, spec.prompt_lookup_max) if drafts_on_device(config) and not mtp else None
+        on_device = spec.method if drafts_on_device(config) else None
+        ngram = (spec.prompt_lookup_min, spec.prompt_lookup_max) if on_device == "ngram" else None
         ranks = config.tensor_parallel_size
         proposer = self._proposer()
         peers = Peers(ranks, self.device) if ranks > 1 else None
@@ -185,6 +189,8 @@ class LLMEngine(PromptText):
             with tensor_parallel(0, ranks, None if peers is None else peers.group):
                 model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
                                                  config.load_format, config.seed, mtp=mtp)
+                if on_device == "draft_model":
+                    model.mtp = self._device_draft_model()
                 self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
                 self.runner = ModelRunner(model, self.family, RunnerConfig(
                     self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
@@ -192,7 +198,7 @@ class LLMEngine(PromptText):
                     config.seed, self.depth, config.enforce_eager, config.enable_prefix_caching,
                     config.num_state_snapshots, self._snapshot_interval(),
                     config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
-                    self.max_num_batched_tokens, mtp, ranks, ngram))
+                    self.max_num_batched_tokens, on_device in ("mtp", "draft_model"), ranks, ngram))
             if peers is not None:
                 # rank 0's cache sizes, not each rank's own reading of its free memory: the block ids and state
                 # slots rank 0 hands out must exist on every rank
@@ -224,8 +230,8 @@ class LLMEngine(PromptText):
         self.front_end_text = False
 
     def _proposer(self) -> Proposer | None:
-        """The proposer ``speculative_config`` names (None: no speculative decoding, or the model's MTP head,
-        which drafts on the device in the runner). A draft model is built before the target's KV cache is
+        """The proposer ``speculative_config`` names (None: no speculative decoding, or a method drafting on
+        the device in the runner: ``drafts_on_device``). A draft model is built before the target's KV cache is
         sized: its own cache (at most its max_num_seqs full contexts) comes out of the same memory budget."""
         spec = self.config.speculative_config
         if spec is None or drafts_on_device(self.config):
@@ -237,10 +243,31 @@ class LLMEngine(PromptText):
                                        async_scheduling=False, enable_prefix_caching=True,
                                        max_model_len=self.max_model_len, num_kv_blocks=None,
                                        num_state_snapshots=None, tensor_parallel_size=1))
-        if draft.vocab_size != self.vocab_size:
-            raise ConfigError(f"speculative_config: the draft model {spec.model!r} has vocab_size={draft.vocab_size},"
-                              f" the target {c.model!r} {self.vocab_size}: a draft must share the target's vocabulary")
+        self._refuse_other_vocabulary(draft.vocab_size)
         return DraftModelProposer(draft)
+
+    def _refuse_other_vocabulary(self, draft_vocab_size: int) -> None:
+        if draft_vocab_size != self.vocab_size:
+            raise ConfigError(f"speculative_config: the draft model {self.config.speculative_config.model!r} has "
+                              f"vocab_size={draft_vocab_size}, the target {self.config.model!r} {self.vocab_size}: "
+                              "a draft must share the target's vocabulary")
+
+    def _device_draft_model(self) -> DraftModelHead:
+        """The draft model of ``speculative_config`` built to draft on the device, as ``model.mtp`` (its KV
+        caches sized and allocated with the target's, indexed by the target's block tables)."""
+        c, spec = self.config, self.config.speculative_config
+        if c.tensor_parallel_size > 1:
+            raise ConfigError(f"speculative_config: a draft model drafts on the device only at tensor_parallel_size"
+                              f"=1, not {c.tensor_parallel_size}; use async_scheduling=False (it drafts on the host)")
+        path = resolve_model(spec.model, weights=c.load_format != "dummy")
+        hf = HFConfig.from_path(path)
+        hf.validate()
+        self._refuse_other_vocabulary(int(hf.vocab_size))
+        draft, family = build_model(path, hf, self.device, self.dtype, self.max_model_len, c.load_format, c.seed)
+        if any(isinstance(m, StatefulLayer) for m in draft.modules()):
+            raise ConfigError(f"speculative_config: the draft model {spec.model!r} (family {family.name!r}) has "
+                              "stateful layers, which draft on the host only: use async_scheduling=False")
+        return DraftModelHead(draft)
 
     def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
         """Compile ``constraint`` into the engine's grammar cache (thread-safe; ``AsyncLLM`` calls it off

@@ -85,7 +85,7 @@ class RunnerConfig:
     state_snapshot_interval: int = 512
     num_speculative_tokens: int = 0
     max_num_batched_tokens: int | None = None  # None: max_model_len
-    mtp: bool = False  # the model's MTP head drafts num_speculative_tokens a step (``vtcore.worker.mtp``)
+    mtp: bool = False  # ``model.mtp`` (its MTP head, or a draft model) drafts on the device (``vtcore.worker.mtp``)
     tensor_parallel_size: int = 1  # ranks of the model (``vtcore.worker.tensor_parallel``); this runner is one
     ngram: tuple[int, int] | None = None  # (min_n, max_n): the n-gram drafts on the device (``vtcore.worker.ngram``)
 
@@ -242,13 +242,13 @@ class ModelRunner:
         self.stale_forwards = 0  # forwards whose host ids held placeholders (each must consume the override)
         self.late_draws = 0  # steps whose constrained rows were drawn late (vtcore.worker.sampler)
         self.on_submit: list[Callable[[Batch, bool], None]] = []  # (batch, done): before, then after each submit
-        # MTP drafting: the head runs after every step, over its rows; the block tables reach k - 1 positions
-        # past a step's last one, where the head's draft chain writes its KV
+        # MTP drafting (an MTP head, or a draft model as ``model.mtp``): the head runs after every step, over its
+        # rows; the block tables reach the drafter's lookahead past a step's last position, where its chain writes
         self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
             if config.mtp else None
         self.ngram = None if config.ngram is None or tp.tp().rank else DeviceNgram(  # (rank 0 drafts)
             *config.ngram, config.num_speculative_tokens, config.max_num_seqs, config.max_model_len, self.device)
-        self.lookahead = config.num_speculative_tokens - 1 if config.mtp else 0
+        self.lookahead = self.mtp.lookahead if self.mtp is not None else 0
         # the device side of drafting there (``Scheduled.floats``): per running request the draft tokens its
         # last verify row accepted and the head's latest draft; the mirror holds its last accepted token
         self.accepted = torch.zeros(config.max_num_seqs + 1, dtype=torch.int64, device=self.device)

@@ -12,6 +12,11 @@ reading and writing its KV at positions the scheduler allocated ahead (past them
 nothing is written and the token is only a guess). What it wrote past the accepted tokens is overwritten
 by the next step's pass over those positions, and verification keeps the target's tokens exact whatever
 the head proposes.
+
+A draft model drafts the same way (``DraftModelHead``, set as ``model.mtp`` by the engine): its pass over
+the step's rows reads the fed tokens, not the next ones, so its KV holds every token the request keeps;
+its first draft comes from one more position, the token sampled after the last accepted one, so its
+chain runs k positions where the head's runs k - 1, and its logits are its own.
 """
 from __future__ import annotations
 
@@ -25,11 +30,32 @@ from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
 from vtcore.worker.drafting import accepted_counts
 
+class DraftModelHead(nn.Module):
+    """A draft model (any registered family, its own KV caches) as ``MTPDrafter``'s head."""
+
+    reads_fed_tokens = True  # (an MTP head reads the token after each position)
+
+    def __init__(self, draft: nn.Module) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int) -> torch.Tensor:
+        return self.draft(ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft.compute_logits(hidden)
+
+
 class MTPDrafter:
-    """Runs ``model.mtp`` after each general step and returns each sampling request's ``k`` draft tokens."""
+    """Runs ``model.mtp`` (an MTP head, or a ``DraftModelHead``) after each general step and returns each
+    sampling request's ``k`` draft tokens."""
 
     def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int) -> None:
         self.model, self.head, self.k = model, model.mtp, k
+        self.reads_fed = getattr(self.head, "reads_fed_tokens", False)
+        self.logits = self.head.compute_logits if self.reads_fed else model.compute_logits
+        #: positions past a step's last one that its drafting writes KV at (the scheduler allocates them)
+        self.lookahead = k if self.reads_fed else k - 1
         self.tp_group = tp.tp()  # the ranks the head runs on (its layers shard as the model's do)
         self.block_size, self.max_model_len = block_size, max_model_len
         #: set to [] to time every ``propose`` (a benchmark's): CUDA event pairs on CUDA, else perf_counter pairs
@@ -69,16 +95,17 @@ class MTPDrafter:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         next_ids, base, first, table_rows, capacity, widths = sections[:6]
         ids = next_ids.index_put((sample_rows,), tokens)
-        h = self._run(ids, positions, hidden, md, 0)
+        h = self._run(fed if self.reads_fed else ids, positions, hidden, md, 0)
         if not base.numel():  # no row samples: the pass wrote the head's KV, nothing to draft
             return base.new_empty((0, self.k)), base
         accepted = accepted_counts(fed, tokens, base, first, widths, width)
         rows = base + accepted
         h, pos = h[rows], positions[rows]
-        out = [self._greedy(h)]
+        # a draft model's chain starts one position on, at the token sampled after the last accepted one
+        out = [ids[rows]] if self.reads_fed else [self._greedy(h)]
         tables = md.block_tables[table_rows]
         room = capacity.clamp(max=min(self.max_model_len, tables.shape[1] * self.block_size))
-        for step in range(1, self.k):
+        for step in range(1, self.k + self.reads_fed):
             pos = pos + 1
             inside = pos < room
             at = torch.where(inside, pos, room - 1)  # a guess past the allocated blocks reads, never writes
@@ -91,7 +118,7 @@ class MTPDrafter:
                 max_query_len=1, max_context_len=md.max_context_len + self.k)
             h = self._run(out[-1], at, h, step_md, step)
             out.append(self._greedy(h))
-        return torch.stack(out, dim=1), accepted
+        return torch.stack(out[self.reads_fed:], dim=1), accepted
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata,
              step: int) -> torch.Tensor:
@@ -102,4 +129,4 @@ class MTPDrafter:
             set_attention_metadata(None)
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).float().argmax(dim=-1)
+        return self.logits(hidden).float().argmax(dim=-1)
