@@ -35,9 +35,8 @@ from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import GrammarCache
-from vtcore.layers.state import StatefulLayer
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
-from vtcore.worker.mtp import DraftModelHead
+from vtcore.worker.mtp import build_draft_head
 from vtcore.worker.step import DEVICE_DRAFT, StepOutput
 from vtcore.worker.tensor_parallel import Peers, WorkerSetup
 
@@ -182,6 +181,7 @@ class LLMEngine(PromptText):
         mtp = spec is not None and spec.method == "mtp"
         on_device = spec.method if drafts_on_device(config) else None
         ngram = (spec.prompt_lookup_min, spec.prompt_lookup_max) if on_device == "ngram" else None
+        draft_path = self._device_draft_path() if on_device == "draft_model" else None
         ranks = config.tensor_parallel_size
         proposer = self._proposer()
         peers = Peers(ranks, self.device) if ranks > 1 else None
@@ -189,8 +189,9 @@ class LLMEngine(PromptText):
             with tensor_parallel(0, ranks, None if peers is None else peers.group):
                 model, self.family = build_model(self.model_path, hf, self.device, self.dtype, self.max_model_len,
                                                  config.load_format, config.seed, mtp=mtp)
-                if on_device == "draft_model":
-                    model.mtp = self._device_draft_model()
+                if draft_path is not None:
+                    model.mtp = build_draft_head(draft_path, self.device, self.dtype, self.max_model_len,
+                                                 config.load_format, config.seed)
                 self.depth = async_depth(config, self.family.name, self.family.consumes_device_tokens)
                 self.runner = ModelRunner(model, self.family, RunnerConfig(
                     self.vocab_size, self.device, self.dtype, config.block_size, config.num_kv_blocks,
@@ -205,7 +206,7 @@ class LLMEngine(PromptText):
                 sized = attrs.evolve(self.runner.config, num_kv_blocks=self.runner.num_kv_blocks,
                                      num_state_snapshots=self.runner.num_state_snapshots)
                 peers.setup(WorkerSetup(self.model_path, self.dtype, self.max_model_len, config.load_format,
-                                        config.seed, sized, get_plugins().entry_points))
+                                        config.seed, sized, get_plugins().entry_points, draft_path))
                 peers.ready()  # every rank's model and runner built (a worker that failed is named)
                 self.runner.peers = peers
                 self.runner.capture_graphs()  # the ranks capture together
@@ -252,22 +253,15 @@ class LLMEngine(PromptText):
                               f"vocab_size={draft_vocab_size}, the target {self.config.model!r} {self.vocab_size}: "
                               "a draft must share the target's vocabulary")
 
-    def _device_draft_model(self) -> DraftModelHead:
-        """The draft model of ``speculative_config`` built to draft on the device, as ``model.mtp`` (its KV
-        caches sized and allocated with the target's, indexed by the target's block tables)."""
+    def _device_draft_path(self) -> str:
+        """The checkpoint folder of ``speculative_config``'s draft model, checked for drafting on the device
+        (``build_draft_head`` builds it on every rank)."""
         c, spec = self.config, self.config.speculative_config
-        if c.tensor_parallel_size > 1:
-            raise ConfigError(f"speculative_config: a draft model drafts on the device only at tensor_parallel_size"
-                              f"=1, not {c.tensor_parallel_size}; use async_scheduling=False (it drafts on the host)")
         path = resolve_model(spec.model, weights=c.load_format != "dummy")
         hf = HFConfig.from_path(path)
         hf.validate()
         self._refuse_other_vocabulary(int(hf.vocab_size))
-        draft, family = build_model(path, hf, self.device, self.dtype, self.max_model_len, c.load_format, c.seed)
-        if any(isinstance(m, StatefulLayer) for m in draft.modules()):
-            raise ConfigError(f"speculative_config: the draft model {spec.model!r} (family {family.name!r}) has "
-                              "stateful layers, which draft on the host only: use async_scheduling=False")
-        return DraftModelHead(draft)
+        return path
 
     def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
         """Compile ``constraint`` into the engine's grammar cache (thread-safe; ``AsyncLLM`` calls it off

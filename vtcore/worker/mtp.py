@@ -46,6 +46,23 @@ class DraftModelHead(nn.Module):
         return self.draft.compute_logits(hidden)
 
 
+def build_draft_head(path: str, device: torch.device, dtype: torch.dtype, max_position: int, load_format: str,
+                     seed: int) -> DraftModelHead:
+    """The draft model checkpoint at ``path`` built to draft on the device (every rank builds its own
+    shard, as of the target); refused by name when it has stateful layers (their state would need rolling
+    back per verified position, which the drafter does not do: the host's draft engine serves them)."""
+    from vtcore.config import HFConfig
+    from vtcore.errors import ConfigError
+    from vtcore.layers.state import StatefulLayer
+    from vtcore.loading.model_loader import build_model
+
+    draft, family = build_model(path, HFConfig.from_path(path), device, dtype, max_position, load_format, seed)
+    if any(isinstance(m, StatefulLayer) for m in draft.modules()):
+        raise ConfigError(f"speculative_config: the draft model {path!r} (family {family.name!r}) has stateful "
+                          "layers, which draft on the host only: use async_scheduling=False")
+    return DraftModelHead(draft)
+
+
 class MTPDrafter:
     """Runs ``model.mtp`` (an MTP head, or a ``DraftModelHead``) after each general step and returns each
     sampling request's ``k`` draft tokens."""

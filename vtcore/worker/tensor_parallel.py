@@ -79,6 +79,7 @@ class WorkerSetup:
     seed: int
     runner_config: Any
     plugins: list[tuple[str, str]]  # rank 0's plugin entry points (``Plugins.entry_points``): the same families
+    draft_model: str | None = None  # a draft model's checkpoint folder, drafting on the device (``model.mtp``)
 
 
 @attrs.define
@@ -283,6 +284,7 @@ def _serve(rank: int, size: int, store: str, device_type: str) -> None:
     from vtcore.loading.model_loader import build_model
     from vtcore.plugins.manager import plugins_from, use_plugins
     from vtcore.worker.model_runner import ModelRunner
+    from vtcore.worker.mtp import build_draft_head
 
     group, control = _groups(rank, size, store, device_type)
     setup: WorkerSetup | None = _broadcast_object(control, _RECEIVE)
@@ -291,7 +293,11 @@ def _serve(rank: int, size: int, store: str, device_type: str) -> None:
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     with use_plugins(plugins_from(setup.plugins)), tensor_parallel(rank, size, group):
         model, family = build_model(setup.model_path, HFConfig.from_path(setup.model_path), device, setup.dtype,
-                                    setup.max_model_len, setup.load_format, setup.seed, mtp=setup.runner_config.mtp)
+                                    setup.max_model_len, setup.load_format, setup.seed,
+                                    mtp=setup.runner_config.mtp and setup.draft_model is None)
+        if setup.draft_model is not None:
+            model.mtp = build_draft_head(setup.draft_model, device, setup.dtype, setup.max_model_len,
+                                         setup.load_format, setup.seed)
         runner = ModelRunner(model, family, attrs.evolve(setup.runner_config, device=device, depth=1))
     _barrier(control)  # built: rank 0 waits for every worker (Peers.ready)
     runner.capture_graphs()  # with rank 0, which captures after every rank is ready
