@@ -1,6 +1,7 @@
-"""Speculative decoding with the n-gram proposer: greedy tokens equal plain decoding's (with prefix
-caching, chunked prefill, preemption, stops inside an accepted run), sampled tokens keep the target's
-distribution (chi-square against plain sampling), and the counters add up."""
+"""Speculative decoding with the n-gram proposer and draft models (on the host and on the device, hybrid
+drafts included): greedy tokens equal plain decoding's (with prefix caching, chunked prefill, preemption,
+stops inside an accepted run), sampled tokens keep the target's distribution (chi-square against plain
+sampling), and the counters add up."""
 from __future__ import annotations
 
 import collections
@@ -222,31 +223,83 @@ def test_async_draft_model_drafts_on_the_device_and_builds_the_sync_batches(tiny
     plain, _ = run_engine(build_engine(path, "sync", **knobs), arrivals)
     rates = {}
     for name, draft in (("self", path), ("other", make_checkpoint(num_hidden_layers=1)[0])):
-        config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
-        runs = {}
-        for mode in ("mirror-off", "async"):
-            engine = build_engine(path, mode, **knobs, speculative_config=config)
-            assert engine.scheduler.proposer is None and engine.runner.mtp.reads_fed
-            runs[mode] = run_engine(engine, arrivals)
-            assert engine.pool.num_free == engine.pool.num_blocks
-            if preempting:
-                assert engine.scheduler.num_preemptions > 0
-        assert runs["async"] == runs["mirror-off"], name
-        assert runs["async"][0] == plain, name
-        rates[name] = engine.spec_stats.acceptance_rate
+        runs = {mode: _device_draft_run(path, draft, mode, knobs, arrivals, preempting) for mode in MODES}
+        assert runs["async"][0] == runs["mirror-off"][0], name
+        assert runs["async"][0][0] == plain, name
+        rates[name] = runs["async"][1].spec_stats.acceptance_rate
     assert rates["self"] > 0.9 > rates["other"], rates
 
 
-def test_a_draft_model_that_cannot_draft_on_the_device_is_refused_by_name(tiny_checkpoint, make_checkpoint,
-                                                                          tmp_path) -> None:
+MODES = ("mirror-off", "async")
+
+
+def _device_draft_run(target: str, draft: str, mode: str, knobs: dict, arrivals: dict, preempting: bool
+                      ) -> tuple[tuple[dict, list], object]:
+    """``target`` drafted by ``draft`` on the device (k=3), engine ``mode``: (tokens, batches) and the engine,
+    its blocks all free again and preemptions where ``preempting``."""
+    engine = build_engine(target, mode, **knobs, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    assert engine.scheduler.proposer is None and engine.runner.mtp.reads_fed
+    got = run_engine(engine, arrivals)
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert (engine.scheduler.num_preemptions > 0) == preempting
+    return got, engine
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Qwen3.5 checkpoint folder (Gated DeltaNet and attention layers), dummy weights."""
     import json
 
     from vtcore_qwen3_5.plugin import dense_example
 
-    (tmp_path / "config.json").write_text(json.dumps(dense_example().hf_config))
-    config = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
-    with pytest.raises(VtcoreError, match=r"the draft model .* \(family 'qwen3_5'\) has stateful layers, which draft "
-                                          "on the host only: use async_scheduling=False"):
+    path = tmp_path_factory.mktemp("qwen3_5")
+    (path / "config.json").write_text(json.dumps(dense_example().hf_config))
+    return str(path)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"max_num_batched_tokens": 6}, {"num_kv_blocks": 16}],
+                         ids=["plain", "chunked", "preempting"])
+def test_a_hybrid_draft_model_drafts_on_the_device_from_its_state_after_the_last_accepted_token(hybrid, knobs
+                                                                                               ) -> None:
+    """A draft with Gated DeltaNet layers (the target itself: dummy weights of one seed) drafting on the
+    device: its pass leaves its state after each verified position, its chain starts from the one after the
+    last accepted token, and its cached prefixes resume from its own snapshots. A draft equal to the target
+    then has nearly every draft accepted (a chain or a next step starting from another state would not);
+    greedy tokens equal plain decoding's; the mirror-off engine builds the same batches and tokens."""
+    preempting = "num_kv_blocks" in knobs
+    knobs = {**KNOBS, "load_format": "dummy", "state_snapshot_interval": 8, **knobs}
+    arrivals = _arrivals()
+    arrivals.setdefault(3, []).append(("cached", _repetitive(12, seed=0) + [7, 7], greedy(10)))
+    # a prompt ending at a snapshot (taken after the forward: the draft's after its pass), then its hit
+    ends = _repetitive(16, seed=11)
+    arrivals[0].append(("snapshot-end", ends, greedy(2)))
+    arrivals.setdefault(6, []).append(("hit-at-it", ends + [3, 1, 4], greedy(16)))
+    plain, _ = run_engine(build_engine(hybrid, "sync", **knobs), arrivals)
+    runs = {}
+    for mode in MODES:
+        runs[mode], engine = _device_draft_run(hybrid, hybrid, mode, knobs, arrivals, preempting)
+        stats, runner, drafter = engine.spec_stats, engine.runner, engine.runner.mtp
+        assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, (mode, stats)
+        # the same weights over the same rows: the draft's state equals the target's in every slot but its
+        # chain's (live, snapshot and draft-state slots); snapshots were taken at a fed run's end
+        assert runner.num_state_snapshots and drafter.chain_state_base < len(drafter.stateful[0].states["conv"])
+        for target, draft in zip(runner.target_stateful, drafter.stateful, strict=True):
+            for name, t in target.states.items():
+                assert torch.equal(t, draft.states[name][:drafter.chain_state_base]), (mode, name)
+    assert runs["async"] == runs["mirror-off"]
+    assert runs["async"][0] == plain
+
+
+def test_a_draft_model_that_cannot_draft_on_the_device_is_refused_by_name(tiny_checkpoint, make_checkpoint,
+                                                                          hybrid, monkeypatch) -> None:
+    from vtcore.layers.gated_deltanet import GatedDeltaNet
+
+    monkeypatch.setattr(GatedDeltaNet, "supports_decode_graphs", False)
+    config = {"method": "draft_model", "model": hybrid, "num_speculative_tokens": 2}
+    with pytest.raises(VtcoreError, match=r"the draft model .* \(family 'qwen3_5'\) has stateful layers "
+                                          r"\(GatedDeltaNet\) that cannot decode from device slots .*: use "
+                                          "async_scheduling=False"):
         build_engine(tiny_checkpoint[0], "async", **KNOBS, load_format="dummy", speculative_config=config)
     with pytest.raises(VtcoreError, match="vocab_size=256.*must share the target's vocabulary"):
         build_engine(tiny_checkpoint[0], "async", **KNOBS, speculative_config={

@@ -408,9 +408,9 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
         plain greedy continuations with one proposed token changed in a cycle, so verify rows accept
         every length from none to all; and the family's own example as its draft model (its own engine
         and KV cache), which must have nearly every proposal accepted. Each continuation is
-        teacher-forced against the oracle. Then the n-gram and the draft model (a family without stateful
-        layers) with async scheduling, drafting on the device (``vtcore.conformance.device_drafts``), and the
-        family's MTP head if it has one."""
+        teacher-forced against the oracle. Then the n-gram and the draft model with async scheduling,
+        drafting on the device (``vtcore.conformance.device_drafts``; a stateful draft resumes its state from
+        the last accepted token as the target does), and the family's MTP head if it has one."""
         from vtcore.spec.replay import ReplayProposer
 
         rng = random.Random(SEED + 2)
@@ -452,11 +452,8 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
         if self.family.consumes_device_tokens:
             report.append(self._device_drafts_pass("n-gram", "mirror-off", {"speculative_config": SPECULATIVE},
                                                    staggered(prompts, 16)))
-            if target.runner.stateful_layers:
-                report.append("draft-model async: not run (a draft with stateful layers drafts on the host only)")
-            else:
-                report.append(self._device_drafts_pass("draft-model", "mirror-off", {"speculative_config": draft},
-                                                       staggered(prompts, 16), min_acceptance=DRAFT_ACCEPTANCE))
+            report.append(self._device_drafts_pass("draft-model", "mirror-off", {"speculative_config": draft},
+                                                   staggered(prompts, 16), min_acceptance=DRAFT_ACCEPTANCE))
         mtp = self._mtp_pass(prompts, BLOCK, 2 * BLOCK)
         report.append(mtp or "no MTP head (vtcore_mtp_head builds none for this family)")
         return f"{len(prompts)} requests; {'; '.join(report)}; within the oracle's tolerances"

@@ -54,3 +54,15 @@ class StatefulLayer(nn.Module):
     def allocate_state(self, num_slots: int, device: torch.device) -> None:
         self.states = {name: torch.zeros((num_slots, *shape), dtype=dtype, device=device)
                        for name, (shape, dtype) in self.state_shapes().items()}
+
+
+def stateful_layers(module: nn.Module) -> list[StatefulLayer]:
+    """``module``'s stateful layers, in module order."""
+    return [m for m in module.modules() if isinstance(m, StatefulLayer)]
+
+
+def copy_states(layers: list[StatefulLayer], dst: int | torch.Tensor, src: int | torch.Tensor) -> None:
+    """``state[dst] = state[src]`` in every state of ``layers``: one slot (ints) or several (index tensors)."""
+    for layer in layers:
+        for t in layer.states.values():
+            t[dst] = t[src]

@@ -45,7 +45,7 @@ from vtcore.family import ModelFamily
 from vtcore.layers import parallel as tp
 from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_metadata
 from vtcore.layers.embedding import device_token_scope
-from vtcore.layers.state import StatefulLayer
+from vtcore.layers.state import StatefulLayer, copy_states, stateful_layers
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward
 from vtcore.worker.drafting import DraftRows, draft_rows
@@ -120,6 +120,7 @@ class Forward:
     metadata: AttentionMetadata | None
     positions: torch.Tensor
     draft_sections: list[torch.Tensor]  # the device views of ``StepInputs.drafts``'s sections, if any
+    end_saves: list[tuple[int, int]] = attrs.Factory(list)  # ``StateRows.end_saves``: copies after the forward
 
 
 @attrs.define
@@ -210,7 +211,7 @@ class ModelRunner:
         self.depth = config.depth
         self.cuda = self.device.type == "cuda"
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.stateful_layers = [m for m in model.modules() if isinstance(m, StatefulLayer)]
+        self.stateful_layers = stateful_layers(model)
         # a state slot per running request (its mirror slot), the dummy, then the prefix-cache snapshots
         self.snapshot_base = config.max_num_seqs + 1
         self.num_state_snapshots = self._snapshot_slots(config)
@@ -218,8 +219,14 @@ class ModelRunner:
         # last (that one ends in its own slot), so a verify row can resume from its last accepted token
         self.draft_state_base = self.snapshot_base + self.num_state_snapshots
         self.draft_states = config.num_speculative_tokens
+        chain_base = self.draft_state_base + config.max_num_seqs * self.draft_states
+        # a stateful draft model's layers (drafting on the device, ``model.mtp``): one more slot a running
+        # request, where its chain runs (``MTPDrafter``)
+        self.head_stateful = stateful_layers(model.mtp) if config.mtp else []
         for layer in self.stateful_layers:
-            layer.allocate_state(self.draft_state_base + config.max_num_seqs * self.draft_states, self.device)
+            chain = any(layer is m for m in self.head_stateful)
+            layer.allocate_state(chain_base + (config.max_num_seqs if chain else 0), self.device)
+        self.target_stateful = [m for m in self.stateful_layers if not any(m is h for h in self.head_stateful)]
         self.num_kv_blocks = config.num_kv_blocks or self._auto_blocks(config.gpu_memory_utilization,
                                                                        config.max_model_len * config.max_num_seqs)
         self._allocate_kv_cache()
@@ -244,8 +251,8 @@ class ModelRunner:
         self.on_submit: list[Callable[[Batch, bool], None]] = []  # (batch, done): before, then after each submit
         # MTP drafting (an MTP head, or a draft model as ``model.mtp``): the head runs after every step, over its
         # rows; the block tables reach the drafter's lookahead past a step's last position, where its chain writes
-        self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len) \
-            if config.mtp else None
+        self.mtp = MTPDrafter(model, config.num_speculative_tokens, self.block_size, config.max_model_len,
+                              self.draft_state_base, chain_base) if config.mtp else None
         self.ngram = None if config.ngram is None or tp.tp().rank else DeviceNgram(  # (rank 0 drafts)
             *config.ngram, config.num_speculative_tokens, config.max_num_seqs, config.max_model_len, self.device)
         self.lookahead = self.mtp.lookahead if self.mtp is not None else 0
@@ -367,12 +374,11 @@ class ModelRunner:
         enough = config.max_num_seqs * -(-config.max_model_len // config.state_snapshot_interval)
         return max(0, min(enough, int(self._memory_budget(config.gpu_memory_utilization) * SNAPSHOT_SHARE) // per))
 
-    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
-        """``state[dst] = state[src]`` in every stateful layer, for each (dst, src) slot pair (device work)."""
+    def _copy_states(self, pairs: list[tuple[int, int]], layers: list[StatefulLayer] | None = None) -> None:
+        """``state[dst] = state[src]`` in every stateful layer (or ``layers``), for each (dst, src) slot pair
+        (device work)."""
         for dst, src in pairs:
-            for layer in self.stateful_layers:
-                for t in layer.states.values():
-                    t[dst].copy_(t[src])
+            copy_states(self.stateful_layers if layers is None else layers, dst, src)
 
     def _allocate_kv_cache(self) -> None:
         slots = self.num_kv_blocks * self.block_size
@@ -448,7 +454,7 @@ class ModelRunner:
         draw fixes the mirror.) Returns the drafts and accepted counts (device), or None when no row samples."""
         if self.mtp is not None:
             drafts, accepted = self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens,
-                                                f.sample_rows, f.draft_sections, width)
+                                                f.sample_rows, f.draft_sections, width, f.end_saves)
         else:
             drafts, accepted = self.ngram.propose(f.input_ids, f.positions, tokens, f.draft_sections, width,
                                                   max_context_len)
@@ -599,11 +605,11 @@ class ModelRunner:
                 if shift is not None and self.stateful_layers:
                     self._resume_floating(floats, shift)
                 hidden = self.model(d_ids, d_pos)
-                self._copy_states(state.end_saves)
+                self._copy_states(state.end_saves, self.target_stateful)  # (a draft's: after its pass)
             consumed = bool(override is not None and override.consumed)
         finally:
             set_attention_metadata(None)
-        return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, drafting)
+        return Forward(hidden, input_ids, consumed, d_srows, d_sslots, md, d_pos, drafting, state.end_saves)
 
     def _float(self, floats: list[torch.Tensor], pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                table: torch.Tensor) -> torch.Tensor:
@@ -823,7 +829,7 @@ class ModelRunner:
                 self.model.compute_logits(f.hidden[f.sample_rows])
             if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
                 self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows,
-                                 f.draft_sections, message.mtp_width)
+                                 f.draft_sections, message.mtp_width, f.end_saves)
             for row0, count in message.plp_rows:
                 self.model.compute_logits(f.hidden[row0:row0 + count])
 

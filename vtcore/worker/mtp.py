@@ -17,18 +17,27 @@ A draft model drafts the same way (``DraftModelHead``, set as ``model.mtp`` by t
 the step's rows reads the fed tokens, not the next ones, so its KV holds every token the request keeps;
 its first draft comes from one more position, the token sampled after the last accepted one, so its
 chain runs k positions where the head's runs k - 1, and its logits are its own.
+
+A head with stateful layers (a hybrid draft model) keeps their state as the target keeps its own: the
+runner allocates its slots with the target's, and its pass over the step's rows runs the step's state
+segments, so it leaves the state after each verified position in the request's draft-state slots (and
+the next step resumes from the one after the last accepted token, as the target does). Its chain starts
+from a copy of that state in a slot of its own per running request, so what the chain reads past the
+accepted tokens leaves no trace.
 """
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
+from vtcore.layers.state import copy_states, stateful_layers
 from vtcore.worker.drafting import accepted_counts
+
 
 class DraftModelHead(nn.Module):
     """A draft model (any registered family, its own KV caches) as ``MTPDrafter``'s head."""
@@ -49,26 +58,34 @@ class DraftModelHead(nn.Module):
 def build_draft_head(path: str, device: torch.device, dtype: torch.dtype, max_position: int, load_format: str,
                      seed: int) -> DraftModelHead:
     """The draft model checkpoint at ``path`` built to draft on the device (every rank builds its own
-    shard, as of the target); refused by name when it has stateful layers (their state would need rolling
-    back per verified position, which the drafter does not do: the host's draft engine serves them)."""
+    shard, as of the target); refused by name when a stateful layer of it cannot decode from slots named
+    on the device (``StatefulLayer.supports_decode_graphs``), which its chain needs."""
     from vtcore.config import HFConfig
     from vtcore.errors import ConfigError
-    from vtcore.layers.state import StatefulLayer
     from vtcore.loading.model_loader import build_model
 
     draft, family = build_model(path, HFConfig.from_path(path), device, dtype, max_position, load_format, seed)
-    if any(isinstance(m, StatefulLayer) for m in draft.modules()):
+    unable = sorted({type(m).__name__ for m in stateful_layers(draft) if not m.supports_decode_graphs})
+    if unable:
         raise ConfigError(f"speculative_config: the draft model {path!r} (family {family.name!r}) has stateful "
-                          "layers, which draft on the host only: use async_scheduling=False")
+                          f"layers ({', '.join(unable)}) that cannot decode from device slots "
+                          "(StatefulLayer.supports_decode_graphs), which drafting on the device needs: "
+                          "use async_scheduling=False (the host's draft engine)")
     return DraftModelHead(draft)
+
 
 
 class MTPDrafter:
     """Runs ``model.mtp`` (an MTP head, or a ``DraftModelHead``) after each general step and returns each
     sampling request's ``k`` draft tokens."""
 
-    def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int, draft_state_base: int = 0,
+                 chain_state_base: int = 0) -> None:
         self.model, self.head, self.k = model, model.mtp, k
+        #: the head's stateful layers; the target's draft-state slots (``k`` a running request, after its own
+        #: slot and the snapshots) and the chain's slots (one a running request) in them
+        self.stateful = stateful_layers(self.head)
+        self.draft_state_base, self.chain_state_base = draft_state_base, chain_state_base
         self.reads_fed = getattr(self.head, "reads_fed_tokens", False)
         self.logits = self.head.compute_logits if self.reads_fed else model.compute_logits
         #: positions past a step's last one that its drafting writes KV at (the scheduler allocates them)
@@ -90,34 +107,39 @@ class MTPDrafter:
         return event
 
     def propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
-                tokens: torch.Tensor | None, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                tokens: torch.Tensor | None, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int,
+                end_saves: Sequence[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` [T, H] the step's final-norm hidden states, ``md`` / ``positions`` its metadata, ``fed``
         its fed ids (draft tokens included), ``tokens`` its sampled tokens at ``sample_rows`` (a
         tensor-parallel worker: None, rank 0's are broadcast); ``sections`` the device views of
-        :meth:`DraftRows.sections`. Returns, the same on every rank, int64 [sampling requests, k] drafts and
-        [sampling requests] the draft tokens each verify row accepted (``accepted_counts``)."""
+        :meth:`DraftRows.sections`; ``end_saves`` the step's (snapshot slot, state slot) copies after its
+        forward, which the head's stateful layers make after its pass. Returns, the same on every rank, int64
+        [sampling requests, k] drafts and [sampling requests] the draft tokens each verify row accepted
+        (``accepted_counts``)."""
         if self.tp_group.size > 1:
             tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=hidden.device)
                                   if tokens is None else tokens.to(torch.int64).contiguous(), self.tp_group)
         if self.timings is None:
-            return self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width)
+            return self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width, end_saves)
         start = self._mark(hidden.device)
-        drafts = self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width)
+        drafts = self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width, end_saves)
         self.timings.append((start, self._mark(hidden.device)))
         return drafts
 
     def _propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
-                 tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        next_ids, base, first, table_rows, capacity, widths = sections[:6]
+                 tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int,
+                 end_saves: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        next_ids, base, first, table_rows, capacity, widths, row_slots = sections[:7]
         ids = next_ids.index_put((sample_rows,), tokens)
         h = self._run(fed if self.reads_fed else ids, positions, hidden, md, 0)
+        for dst, src in end_saves:
+            copy_states(self.stateful, dst, src)
         if not base.numel():  # no row samples: the pass wrote the head's KV, nothing to draft
             return base.new_empty((0, self.k)), base
         accepted = accepted_counts(fed, tokens, base, first, widths, width)
         rows = base + accepted
         h, pos = h[rows], positions[rows]
+        chain = self._chain_states(row_slots[base], widths, accepted) if self.stateful else None
         # a draft model's chain starts one position on, at the token sampled after the last accepted one
         out = [ids[rows]] if self.reads_fed else [self._greedy(h)]
         tables = md.block_tables[table_rows]
@@ -132,10 +154,19 @@ class MTPDrafter:
             step_md = AttentionMetadata(
                 slot_mapping=slots, block_tables=tables, context_lens=(at + 1).to(md.context_lens.dtype),
                 query_start_loc=torch.arange(n + 1, device=pos.device, dtype=md.query_start_loc.dtype),
-                max_query_len=1, max_context_len=md.max_context_len + self.k)
+                max_query_len=1, max_context_len=md.max_context_len + self.k, state_index=chain,
+                state_continues=None if chain is None else torch.ones_like(chain, dtype=torch.bool))
             h = self._run(out[-1], at, h, step_md, step)
             out.append(self._greedy(h))
         return torch.stack(out[self.reads_fed:], dim=1), accepted
+
+    def _chain_states(self, mirror: torch.Tensor, widths: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+        """Copy each sampling request's state after its last accepted token (a draft-state slot, or its own
+        slot when it accepted its whole draft) into its chain slot, which it returns."""
+        kept = self.draft_state_base + mirror * self.k + accepted
+        chain = self.chain_state_base + mirror
+        copy_states(self.stateful, chain, torch.where(accepted < widths, kept, mirror))
+        return chain
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata,
              step: int) -> torch.Tensor:
