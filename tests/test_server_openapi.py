@@ -73,6 +73,8 @@ def _chat(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 #: (path, body, the field a refusal must name, or None where the document accepts the body)
 BODIES = [
     ("/v1/completions", _completion(), None),
@@ -98,6 +100,18 @@ BODIES = [
     ("/v1/completions", _completion(logprobs=False), "logprobs"),
     ("/v1/completions", _completion(temperature="0.5"), "temperature"),
     ("/v1/completions", _completion(temperature=1), None),  # an integer is a number
+    ("/v1/completions", _completion(max_tokens=5.0), None),  # and 5.0 an integer, as JSON Schema counts
+    ("/v1/completions", _completion(max_tokens=5.5), "max_tokens"),
+    ("/v1/completions", _completion(max_tokens=True), "max_tokens"),
+    ("/v1/completions", _completion(max_tokens=10 ** 10), "max_tokens"),  # past any context
+    ("/v1/chat/completions", _chat(max_completion_tokens=10 ** 10), "max_completion_tokens"),
+    ("/v1/completions", _completion(seed=-2 ** 63), None),
+    ("/v1/completions", _completion(seed=2 ** 63), "seed"),
+    # vLLM's extensions this server refuses: only the value that asks for nothing (JSON's equality)
+    ("/v1/completions", _completion(length_penalty=1), None),
+    ("/v1/completions", _completion(length_penalty=2.0), "length_penalty"),
+    ("/v1/completions", _completion(return_tokens_as_token_ids=0), "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", _chat(echo=True), "echo"),
     # single-field ranges the sampling parameters check, in the document too
     ("/v1/completions", _completion(stop_token_ids=[-1]), "stop_token_ids"),
     ("/v1/completions", _completion(repetition_penalty=0.0), "repetition_penalty"),
@@ -116,6 +130,13 @@ BODIES = [
     ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs"),  # without logprobs=true
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=2), None),
     ("/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),  # without tools
+    ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice="auto"), None),
+    ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}), None),
+    ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice={"type": "function"}), "tool_choice"),
+    ("/v1/chat/completions", _chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools"),
+    ("/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+     "tools"),
     ("/v1/chat/completions", _chat(function_call="auto"), "function_call"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url",
                                                                             "image_url": {"url": "x"}}]}]),
@@ -126,7 +147,10 @@ BODIES = [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "hi", "continue_final_message": 0}, "continue_final_message"),  # 0 is no false
+    ("/tokenize", {"prompt": "hi", "add_generation_prompt": 1}, "add_generation_prompt"),
     ("/detokenize", {"tokens": [5]}, None),
+    ("/detokenize", {"tokens": [5.0]}, None),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
 ]
 

@@ -76,6 +76,7 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
     parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     completions, chat, tokenization = CompletionsEndpoint(serving), ChatEndpoint(serving, parser), Tokenization(serving)
     CompletionBody = bounded(CompletionRequest, serving.limits)
+    ChatBody = bounded(ChatCompletionRequest, serving.limits)
     DetokenizeBody = bounded(DetokenizeRequest, serving.limits)
     app = FastAPI(title="vtcore", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   description=f"OpenAI-compatible API (vLLM's shape) serving {served_model_name!r}.")
@@ -90,7 +91,7 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
 
     @app.post("/v1/chat/completions", response_model=None, responses={
         **json_or_stream("A chat.completion, or its chunks when streamed."), **_REQUEST_ERRORS})
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    async def create_chat_completion(body: ChatBody, request: Request) -> Response:
         return await chat(body, request)
 
     @app.post("/tokenize", responses=_REQUEST_ERRORS)

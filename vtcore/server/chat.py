@@ -10,7 +10,7 @@ from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.outputs import PositionLogprobs
 from vtcore.server.errors import APIError
 from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Prompts, finite
-from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatCompletionRequest, ChatMessage
+from vtcore.server.protocol import ChatCompletionRequest, ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.tool_calls import CallStream, call_id, split_calls
 from vtcore.server.structured import structured_outputs
@@ -86,7 +86,6 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
-    refused_extensions = {**UNSUPPORTED_EXTENSIONS, "echo": False}
 
     def __init__(self, serving: Serving, reasoning_parser: type[ThinkSplitter] | None = None) -> None:
         super().__init__(serving)
@@ -245,17 +244,9 @@ def choose(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     tools = body.tools or []
     if not tools:
         raise APIError(400, f"tool_choice={choice!r}: requires tools", "tool_choice")
-    for i, t in enumerate(tools):
-        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-                and isinstance(t["function"].get("name"), str)):
-            raise APIError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                                "\"parameters\": {...}}}}", "tools")
     if choice == "required":
         return tools
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise APIError(400, f"tool_choice={choice!r}: expected 'none', 'auto', 'required' or {{\"type\": "
-                            "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    name = choice["function"]["name"]  # (the request's model checked the shapes: ``protocol.Tool``)
     named = [t for t in tools if t["function"]["name"] == name]
     if not named:
         raise APIError(400, f"tool_choice: the function {name!r} is not among the tools "

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from vtcore.outputs import CompletionOutput, Logprob, PositionLogprobs
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.server.errors import APIError, to_api_error
-from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, GenerationRequest
+from vtcore.server.protocol import GenerationRequest, json_equal
 from vtcore.server.serving import Serving
 from vtcore.server.sse import DONE, EventStream, sse, unless_disconnected
 from vtcore.server.structured import RESPONSE_FORMATS, structured_outputs
@@ -152,8 +152,6 @@ class GenerationEndpoint(ABC, Generic[Body]):
     id_prefix: ClassVar[str]  # of the response id: "cmpl", "chatcmpl"
     object: ClassVar[str]  # the response's "object"
     chunk_object: ClassVar[str]  # a streamed chunk's "object"
-    #: vLLM extensions refused unless sent at the value that asks for nothing
-    refused_extensions: ClassVar[dict[str, Any]] = UNSUPPORTED_EXTENSIONS
 
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
@@ -311,9 +309,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
         if body.response_format is not None and body.response_format.type not in RESPONSE_FORMATS:
             raise APIError(400, f"response_format type {body.response_format.type!r}: expected one of "
                                 f"{list(RESPONSE_FORMATS)}", "response_format", "unsupported")
-        for field, harmless in self.refused_extensions.items():
+        for field, harmless in body.refused_extensions.items():
             value = (body.model_extra or {}).get(field, harmless)
-            if value is not None and value != harmless:
+            if value is not None and not json_equal(value, harmless):
                 raise APIError(400, f"{field}={value!r}: this vLLM extension is not supported here; leave it out",
                                field, "unsupported")
 

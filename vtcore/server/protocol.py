@@ -3,17 +3,19 @@
 
 What a field's shape and range can say is said here, so validation and ``/openapi.json`` agree:
 every such value is answered with a 400 naming its field. Bodies are strict: a field takes JSON's type
-as the document gives it ("1" is no integer, false no 0; nor is 1.0, which JSON Schema would let pass
-as one). Values that depend on each other or on the model are checked by ``SamplingParams`` and the endpoints. Unknown fields are ignored (as vLLM
-does), but for vLLM's own extensions that this server does not implement and that would change the
-output (``UNSUPPORTED_EXTENSIONS``): answering those with unconstrained text would be silently wrong.
-``bounded`` fits a model's token-id fields to one engine's vocabulary and context.
+as the document gives it, in JSON Schema's terms ("1" is no integer, false no 0 and 0 no false; 1.0 is
+the integer 1). Values that depend on each other or on the model are checked by ``SamplingParams`` and
+the endpoints. Unknown fields are ignored (as vLLM does), but for vLLM's own extensions that this
+server does not implement and that would change the output (``UNSUPPORTED_EXTENSIONS``, in the
+document at the one value each takes): answering those with unconstrained text would be silently
+wrong. ``bounded`` fits a model's token-id and output-count fields to one engine's vocabulary and
+context.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model
 from pydantic_core import PydanticCustomError
 
 from vtcore.engine.capacity import EngineLimits
@@ -49,13 +51,44 @@ def _encodable(text: str) -> str:
     return text
 
 
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: a number without a fraction, 5.0 as well as 5 (pydantic's strict int takes
+    only the second)."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def _boolean(value: Any) -> Any:
+    """A JSON boolean for a ``Literal`` of one (which would take 0 for false: they compare equal)."""
+    if type(value) is not bool:
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+    return value
+
+
+def _integer(**bounds: int) -> Any:
+    """An integer field's type with ``bounds`` (see ``_integral``); the bounds go inside the validator, where
+    the document can state them (outside it, pydantic writes its own names for them)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Int = _integer()
+Count = _integer(ge=0)
+Choices = _integer(ge=1, le=MAX_N)
+CompletionLogprobs = _integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
+TopLogprobs = _integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+TopK = _integer(ge=-1)
+Seed = _integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
+#: Boolean fields that take only one value (the other asks for what the server does not do).
+OnlyFalse = Annotated[Literal[False], BeforeValidator(_boolean)]
+OnlyTrue = Annotated[Literal[True], BeforeValidator(_boolean)]
+
+
 #: Text that goes to the tokenizer (a prompt, a message).
 Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
-    token = Annotated[int, Field(ge=0, lt=None if limits is None else limits.vocab_size)]
+    token = _integer(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))
     return Annotated[list[token], Field(min_length=min_length)]
 
 
@@ -113,16 +146,43 @@ class ResponseFormat(BaseModel):
     type: str = Field(json_schema_extra={"enum": ["text", "json_object", "json_schema"]})
 
 
+def json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON Schema's ``const`` has it: 1 is 1.0, but 0 is not false."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def _generation_schema(schema: dict[str, Any], model: type[GenerationRequest]) -> None:
+    """A generation request's document: the vLLM extensions it refuses, each taking only the value that asks
+    for nothing (or null), and the model's ``schema_rules``."""
+    schema["properties"].update({
+        name: {"enum": [None] if value is None else [value, None], "description": "vLLM's; not served."}
+        for name, value in model.refused_extensions.items()})
+    schema.update(model.schema_rules)
+
+
 class GenerationRequest(BoundedModel):
     """Fields that completions and chat share (other fields are kept in ``model_extra``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_generation_schema)
+    #: vLLM extensions refused unless sent at the value that asks for nothing (``json_equal``)
+    refused_extensions: ClassVar[dict[str, Any]] = UNSUPPORTED_EXTENSIONS
+    #: JSON Schema keywords for what the endpoint refuses across fields
+    schema_rules: ClassVar[dict[str, Any]] = {}
+    #: the fields that count output tokens: each leaves room for a prompt token within the context
+    output_counts: ClassVar[tuple[str, ...]] = ("max_tokens",)
+
+    @classmethod
+    def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
+        below = _integer(ge=0, lt=limits.max_model_len)
+        return {name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts}
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: Count | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(1, ge=1, le=MAX_N, description=f"Choices per prompt, at most {MAX_N} (OpenAI's limit).")
+    n: Choices | None = Field(1, description=f"Choices per prompt, at most {MAX_N} (OpenAI's limit).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -130,18 +190,18 @@ class GenerationRequest(BoundedModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
         None, description="Token id (a string of an integer) -> a finite bias, clamped to [-100, 100].")
-    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64)
+    seed: Seed | None = None
     user: str | None = None
     # vLLM's extras
-    best_of: int | None = Field(None, json_schema_extra={"enum": [1, None]}, description="Only 1 is served.")
+    best_of: Int | None = Field(None, json_schema_extra={"enum": [1, None]}, description="Only 1 is served.")
     use_beam_search: bool | None = Field(False, json_schema_extra={"enum": [False, None]},
                                          description="Beam search is not served.")
-    top_k: int | None = Field(None, ge=-1, description="vLLM's: at least 1, or 0 / -1 for no top-k.")
+    top_k: TopK | None = Field(None, description="vLLM's: at least 1, or 0 / -1 for no top-k.")
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: Count | None = None
     ignore_eos: bool | None = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Count] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)
@@ -149,14 +209,15 @@ class GenerationRequest(BoundedModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: PromptField = Field(description=_prompt_description(None))
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
+    max_tokens: Count | None = 16  # OpenAI's default for completions
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: CompletionLogprobs | None = None
     suffix: str | None = None
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
-        return {"prompt": (_prompt(limits), Field(description=_prompt_description(limits)))}
+        return {**super().engine_fields(limits),
+                "prompt": (_prompt(limits), Field(description=_prompt_description(limits)))}
 
 
 class ContentPart(BaseModel):
@@ -190,25 +251,70 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+def _function(required: dict[str, type], optional: dict[str, type]) -> tuple[dict[str, Any], Any]:
+    """OpenAI's ``{"type": "function", "function": {...}}`` object with these fields of the function (each a
+    JSON type), as a JSON Schema and its validator."""
+    names = {str: "string", dict: "object", bool: "boolean"}
+    kinds = {**required, **optional}
+    schema = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": list(required), "properties": {
+            name: {"type": names[kind]} for name, kind in kinds.items()}}}}
+    fields = [f'"{name}": {names[kind]}' for name, kind in required.items()]
+    fields += [f'"{name}" (optional): {names[kind]}' for name, kind in optional.items()]
+    shape = '{"type": "function", "function": {' + ", ".join(fields) + "}}"
+
+    def check(value: Any) -> Any:
+        function = value.get("function") if isinstance(value, dict) else None
+        if not isinstance(function, dict) or value.get("type") != "function" or any(
+                name not in function for name in required) or any(
+                name in function and type(function[name]) is not kind for name, kind in kinds.items()):
+            raise PydanticCustomError("function_object", "expected {shape}", {"shape": shape})
+        return value
+
+    return schema, check
+
+
+_TOOL_SCHEMA, _tool = _function({"name": str}, {"description": str, "parameters": dict, "strict": bool})
+_NAMED_SCHEMA, _named = _function({"name": str}, {})
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tool_choice(value: Any) -> Any:
+    """One of ``TOOL_CHOICES``, or a named function."""
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise PydanticCustomError("tool_choice", "expected one of {choices} or a named function",
+                                      {"choices": list(TOOL_CHOICES)})
+        return value
+    return _named(value)
+
+
+#: OpenAI's tool (a function the model may call) and tool choice
+Tool = Annotated[dict[str, Any], AfterValidator(_tool), WithJsonSchema(_TOOL_SCHEMA)]
+ToolChoice = Annotated[str | dict[str, Any], AfterValidator(_tool_choice), WithJsonSchema(
+    {"anyOf": [{"enum": list(TOOL_CHOICES)}, _NAMED_SCHEMA]})]
+
+
 class ChatCompletionRequest(GenerationRequest):
+    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False}
+    output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
     # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
     # required or named tool_choice, for tools
-    model_config = ConfigDict(json_schema_extra={"allOf": [
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [
         {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
          "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
         {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
                 "required": ["tool_choice"]},
-         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]})
+         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]}
 
     messages: list[ChatMessage] = Field(
         min_length=1, description="The conversation; rendered by the chat template, it must leave room for "
                                   "max_completion_tokens within the model's context.")
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra={"anyOf": [
-        {"enum": ["none", "auto", "required"]}, {"type": "object"}, {"type": "null"}]})
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = Field(
         None, json_schema_extra={"maxItems": 0}, description="Legacy function calling: not served (send tools).")
@@ -229,11 +335,11 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: Literal[False] = Field(
+    add_special_tokens: OnlyFalse = Field(
         False, description="vLLM's default is true for a prompt; this server adds no special tokens to a "
                            "prompt, as in /v1/completions.")
-    add_generation_prompt: Literal[True] = True
-    continue_final_message: Literal[False] = False
+    add_generation_prompt: OnlyTrue = True
+    continue_final_message: OnlyFalse = False
     chat_template: None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: None = None
