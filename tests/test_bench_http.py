@@ -46,11 +46,12 @@ def test_client_processes_share_the_streams_and_merge_every_request(server: Serv
     assert r["wall_s"] >= r["latency_s"]["p99"]  # one window over both processes
 
 
-def test_client_processes_default_to_one_per_32_streams() -> None:
+def test_client_processes_default_to_one_per_8_streams_at_most_one_per_core() -> None:
     from vtcore.bench.http import client_processes
 
-    assert client_processes(1) == 1 and client_processes(32) == 1
-    assert client_processes(33) == min(2, os.cpu_count() or 1)
+    assert client_processes(1) == 1 and client_processes(8) == 1
+    assert client_processes(9) == min(2, os.cpu_count() or 1)
+    assert client_processes(128) == min(16, os.cpu_count() or 1)
     assert client_processes(3, asked=8) == 3  # never more processes than streams
 
 

@@ -56,9 +56,10 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], output_len:
             else None, "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
-#: streams one client process drives: parsing server-sent events in Python caps one process near 3,500
-#: events a second (docs/BENCHMARKS.md), so higher concurrencies spread over several processes
-STREAMS_PER_PROCESS = 32
+#: streams one client process drives: parsing server-sent events in Python caps one process near 3,000
+#: events a second (docs/BENCHMARKS.md: 4 processes at concurrency 128 measured the client, 12 the
+#: server), so a process takes few enough streams to stay near half that at a 5 ms step
+STREAMS_PER_PROCESS = 8
 
 
 def client_processes(concurrency: int, asked: int | None = None) -> int:
