@@ -58,27 +58,27 @@ class GrammarCache:
 
 
 class RequestGrammar:
-    """A request's place in its grammar: the tokens it accepted, and the output positions whose masked
-    draw is on the device (``masked``: the next position that has none)."""
+    """A request's place in its grammar: the tokens it accepted, whether that ended it (kept here: only an
+    accepted token changes it, and the sampler asks for every row of every step), and the output positions
+    whose masked draw is on the device (``masked``: the next position that has none)."""
 
     def __init__(self, matcher: Any, cache: GrammarCache) -> None:
         self.matcher, self.cache = matcher, cache
         self.accepted = 0
         self.masked = 0
+        self.terminated = bool(matcher.is_terminated())
 
     def stands_at(self, position: int) -> bool:
         """Whether the mask of output ``position`` can be filled now: every earlier token accepted."""
-        return self.accepted == position and not self.matcher.is_terminated()
+        return self.accepted == position and not self.terminated
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False when the grammar does not allow it."""
         ok = bool(self.matcher.accept_token(token))
-        self.accepted += ok
+        if ok:
+            self.accepted += 1
+            self.terminated = bool(self.matcher.is_terminated())
         return ok
-
-    @property
-    def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
 
 
 def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], out: torch.Tensor) -> torch.Tensor:
