@@ -7,7 +7,8 @@ Each request is a streamed ``/v1/completions`` of ``--input-len`` random token i
 server-sent event arrives (``time.perf_counter``): TTFT is the first event with a choice (new tokens), ITL
 the gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
 from the final usage chunk (an event may carry several tokens). The statistics have the in-process
-bench's names, so the two compare field by field. A concurrency is driven by several client processes
+bench's names, so the two compare field by field. The client is ``vtcore.bench.http_stream`` (plain HTTP/1.1
+over asyncio, one kept-alive connection a stream). A concurrency is driven by several client processes
 (``client_processes``; ``--client-processes``), started together on a barrier, their requests merged: one
 process parsing every stream's events would measure itself.
 """
@@ -20,34 +21,31 @@ import random
 import time
 from typing import Any, Sequence
 
+from vtcore.bench.http_stream import StreamingConnection
 from vtcore.bench.summary import summarize
 
 PROMPT_ID_BOUND = 1000
 
 
-async def _one(client: Any, url: str, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+async def _one(connection: StreamingConnection, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     arrivals: list[float] = []
     tokens = None
     finish = None
     sent = time.perf_counter()
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"POST {url}: HTTP {response.status_code}: {text[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[len("data: "):])
-            choices = event.get("choices") or []
-            if choices:  # a chunk of new tokens (its text may be empty: a model served without a tokenizer)
-                arrivals.append(now)
-            for choice in choices:
-                finish = choice.get("finish_reason") or finish
-            if event.get("usage"):
-                tokens = event["usage"].get("completion_tokens")
+    async for data in connection.events(body):
+        if data == b"[DONE]":
+            continue
+        now = time.perf_counter()
+        event = json.loads(data)
+        choices = event.get("choices") or []
+        if choices:  # a chunk of new tokens (its text may be empty: a model served without a tokenizer)
+            arrivals.append(now)
+        for choice in choices:
+            finish = choice.get("finish_reason") or finish
+        if event.get("usage"):
+            tokens = event["usage"].get("completion_tokens")
     done = time.perf_counter()
     ttft = arrivals[0] - sent if arrivals else None
     latency = done - sent
@@ -71,32 +69,34 @@ def client_processes(concurrency: int, asked: int | None = None) -> int:
 
 async def _closed_loop(base_url: str, model: str, c: int, prompts: list[list[int]], output_len: int,
                        warm_up: bool = True, start: Any = None) -> tuple[list[dict[str, Any]], float, float]:
-    """``c`` streams over ``prompts`` (each takes the next one not yet sent); after a first untimed request
-    (connection set-up) unless not ``warm_up``, and ``start`` (a barrier across processes) when given. Returns
+    """``c`` streams over ``prompts`` (each takes the next one not yet sent), each on a connection of its own
+    (``StreamingConnection``); after an untimed request on each (connection set-up) unless not ``warm_up``,
+    and ``start`` (a barrier across processes) when given. Returns
     the requests' results and the loop's start and end (``time.perf_counter``, one clock for every process of
     the machine)."""
-    import httpx
-
     url = base_url.rstrip("/") + "/completions"
     results: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        if warm_up:
-            await _one(client, url, model, prompts[0][:8], 2)
+    connections = [StreamingConnection(url) for _ in range(c)]  # one a stream, kept alive
+    try:
+        if warm_up:  # every connection opened before the clock starts
+            await asyncio.gather(*(_one(connection, model, prompts[0][:8], 2) for connection in connections))
         if start is not None:
             await asyncio.get_running_loop().run_in_executor(None, start.wait)
         next_index = 0
 
-        async def worker() -> None:
+        async def worker(connection: StreamingConnection) -> None:
             nonlocal next_index
             while next_index < len(prompts):
                 i = next_index
                 next_index += 1
-                results.append(await _one(client, url, model, prompts[i], output_len))
+                results.append(await _one(connection, model, prompts[i], output_len))
 
         begin = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(c)))
+        await asyncio.gather(*(worker(connection) for connection in connections))
         end = time.perf_counter()
+    finally:
+        for connection in connections:
+            connection.close()
     return results, begin, end
 
 
@@ -155,8 +155,9 @@ def served_model(base_url: str) -> str:
 def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None, input_len: int, output_len: int,
              seed: int, model: str | None = None, processes: int | None = None, warm_up: bool = True) -> dict[str, Any]:
     """Every concurrency against ``base_url`` (ending in ``/v1``), each over ``client_processes(c,
-    processes)`` client processes, each of which first sends an untimed request unless not ``warm_up``; the
-    --json document."""
+    processes)`` client processes, each stream's connection first sending an untimed request unless not
+    ``warm_up``; the --json document."""
+    StreamingConnection(base_url.rstrip("/") + "/completions")  # (refuses a URL it cannot speak to, first)
     model = model or served_model(base_url)
     rng = random.Random(seed)
     runs = [_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng,
