@@ -80,6 +80,16 @@ def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
     assert outs[3].finish_reason == "stop" and isinstance(json.loads(outs[3].text), dict), outs[3].text
 
 
+def test_a_finished_grammar_ends_its_request_even_with_ignore_eos(llm: LLM) -> None:
+    """The grammar's own end (it accepted a stop token) stops the request, which ignore_eos would not."""
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=60, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate(["Answer: "] * 4, [params] * 4, use_tqdm=False)
+    for o in out:
+        assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text in ("yes", "no"), o.outputs[0]
+        assert len(o.outputs[0].token_ids) < 60
+
+
 def test_unconstrained_requests_beside_constrained_ones_are_untouched(llm: LLM) -> None:
     plain = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     alone = llm.generate("Hello", plain, use_tqdm=False)[0].outputs[0].token_ids
