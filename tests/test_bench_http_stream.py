@@ -3,11 +3,13 @@ kept-alive connection reused, a closed one reopened, an error body read whole, h
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import pytest
 
 from vtcore.bench.http_stream import HTTPError, StreamingConnection
+from vtcore.cli.main import main
 
 
 def _chunked(*pieces: bytes) -> bytes:
@@ -70,3 +72,4 @@ def test_events_come_whole_across_chunks_on_a_kept_then_reopened_connection() ->
 def test_only_plain_http_is_spoken() -> None:
     with pytest.raises(ValueError, match="https://x/v1.*expected an http:// URL"):
         StreamingConnection("https://x/v1/completions")
+    assert main(["bench", "--base-url", "https://x/v1"], out=io.StringIO()) == 2  # before any connection

@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any, Sequence
 
-from vtcore.bench.http_stream import StreamingConnection
+from vtcore.bench.http_stream import StreamingConnection, plain_http
 from vtcore.bench.summary import summarize
 
 PROMPT_ID_BOUND = 1000
@@ -157,7 +157,7 @@ def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None,
     """Every concurrency against ``base_url`` (ending in ``/v1``), each over ``client_processes(c,
     processes)`` client processes, each stream's connection first sending an untimed request unless not
     ``warm_up``; the --json document."""
-    StreamingConnection(base_url.rstrip("/") + "/completions")  # (refuses a URL it cannot speak to, first)
+    plain_http(base_url)
     model = model or served_model(base_url)
     rng = random.Random(seed)
     runs = [_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng,

@@ -11,21 +11,26 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any, AsyncIterator
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 
 class HTTPError(RuntimeError):
     """A response other than 200, with its status and the start of its body."""
 
 
+def plain_http(url: str) -> SplitResult:
+    """``url``'s parts, refused unless it is an ``http://`` URL with a host."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--base-url {url!r}: expected an http:// URL (the bench's client speaks plain HTTP/1.1)")
+    return parts
+
+
 class StreamingConnection:
     """One connection to ``url``'s host (reopened when the server closes it); ``events`` POSTs a body."""
 
     def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"--base-url {url!r}: expected an http:// URL (the bench's client speaks plain "
-                             "HTTP/1.1)")
+        parts = plain_http(url)
         self.host, self.port = parts.hostname, parts.port or 80
         self.path = parts.path or "/"
         self.head = f"POST {self.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n" \

@@ -81,3 +81,11 @@ def accepted_counts(fed: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor,
     drafts = fed[(base[:, None] + 1 + i).clamp(max=fed.numel() - 1)]
     sampled = tokens[(first[:, None] + i).clamp(max=tokens.numel() - 1)]
     return ((sampled == drafts) & (i < widths[:, None])).long().cumprod(1).sum(1)
+
+
+def resume_slots(draft_state_base: int, per_request: int, mirror: torch.Tensor, accepted: torch.Tensor,
+                 widths: torch.Tensor) -> torch.Tensor:
+    """The state slot each request resumes from after its verify row (``accepted`` of its ``widths`` draft
+    tokens kept): the draft-state slot of that count (``per_request`` of them a running request, from
+    ``draft_state_base``), or its own slot (``mirror``) when it kept its whole draft."""
+    return torch.where(accepted < widths, draft_state_base + mirror * per_request + accepted, mirror)

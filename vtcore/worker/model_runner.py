@@ -48,7 +48,7 @@ from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer, copy_states, stateful_layers
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward
-from vtcore.worker.drafting import DraftRows, draft_rows
+from vtcore.worker.drafting import DraftRows, draft_rows, resume_slots
 from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
@@ -222,11 +222,10 @@ class ModelRunner:
         chain_base = self.draft_state_base + config.max_num_seqs * self.draft_states
         # a stateful draft model's layers (drafting on the device, ``model.mtp``): one more slot a running
         # request, where its chain runs (``MTPDrafter``)
-        self.head_stateful = stateful_layers(model.mtp) if config.mtp else []
+        head = {id(m) for m in stateful_layers(model.mtp)} if config.mtp else set()
         for layer in self.stateful_layers:
-            chain = any(layer is m for m in self.head_stateful)
-            layer.allocate_state(chain_base + (config.max_num_seqs if chain else 0), self.device)
-        self.target_stateful = [m for m in self.stateful_layers if not any(m is h for h in self.head_stateful)]
+            layer.allocate_state(chain_base + (config.max_num_seqs if id(layer) in head else 0), self.device)
+        self.target_stateful = [m for m in self.stateful_layers if id(m) not in head]
         self.num_kv_blocks = config.num_kv_blocks or self._auto_blocks(config.gpu_memory_utilization,
                                                                        config.max_model_len * config.max_num_seqs)
         self._allocate_kv_cache()
@@ -627,11 +626,8 @@ class ModelRunner:
         """A floating share's stateful layers start from the state after its last accepted token: the
         draft-state slot of that count, or their own slot when every draft token was accepted."""
         mirror, widths = floats[1], floats[2]
-        kept = self.draft_state_base + mirror * self.draft_states + shift
-        src = torch.where(shift < widths, kept, mirror)
-        for layer in self.stateful_layers:
-            for t in layer.states.values():
-                t[mirror] = t[src]
+        copy_states(self.stateful_layers, mirror, resume_slots(self.draft_state_base, self.draft_states, mirror,
+                                                               shift, widths))
 
     def sample(self, out: dict[str, Any], logits: torch.Tensor, sampling: Any, fed: torch.Tensor,
                mirror_slots: torch.Tensor) -> torch.Tensor | None:

@@ -36,7 +36,7 @@ from torch import nn
 from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
 from vtcore.layers.state import copy_states, stateful_layers
-from vtcore.worker.drafting import accepted_counts
+from vtcore.worker.drafting import accepted_counts, resume_slots
 
 
 class DraftModelHead(nn.Module):
@@ -163,9 +163,8 @@ class MTPDrafter:
     def _chain_states(self, mirror: torch.Tensor, widths: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
         """Copy each sampling request's state after its last accepted token (a draft-state slot, or its own
         slot when it accepted its whole draft) into its chain slot, which it returns."""
-        kept = self.draft_state_base + mirror * self.k + accepted
         chain = self.chain_state_base + mirror
-        copy_states(self.stateful, chain, torch.where(accepted < widths, kept, mirror))
+        copy_states(self.stateful, chain, resume_slots(self.draft_state_base, self.k, mirror, accepted, widths))
         return chain
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata,
