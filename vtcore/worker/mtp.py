@@ -140,6 +140,7 @@ class MTPDrafter:
         rows = base + accepted
         h, pos = h[rows], positions[rows]
         chain = self._chain_states(row_slots[base], widths, accepted) if self.stateful else None
+        continues = None if chain is None else torch.ones_like(chain, dtype=torch.bool)
         # a draft model's chain starts one position on, at the token sampled after the last accepted one
         out = [ids[rows]] if self.reads_fed else [self._greedy(h)]
         tables = md.block_tables[table_rows]
@@ -155,7 +156,7 @@ class MTPDrafter:
                 slot_mapping=slots, block_tables=tables, context_lens=(at + 1).to(md.context_lens.dtype),
                 query_start_loc=torch.arange(n + 1, device=pos.device, dtype=md.query_start_loc.dtype),
                 max_query_len=1, max_context_len=md.max_context_len + self.k, state_index=chain,
-                state_continues=None if chain is None else torch.ones_like(chain, dtype=torch.bool))
+                state_continues=continues)
             h = self._run(out[-1], at, h, step_md, step)
             out.append(self._greedy(h))
         return torch.stack(out[self.reads_fed:], dim=1), accepted
