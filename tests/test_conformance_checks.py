@@ -32,6 +32,7 @@ FIXTURES = {
     "state_not_reset": ({"oracle-schedule"}, "were given a state slot another request had used", ("oracle-schedule",)),
     "snapshot_into_read_slot": ({"prefix-cache", "speculative"}, "state_out_slots", ("prefix-cache", "speculative")),
     "padding_into_state": ({"prefix-cache", "speculative"}, "state_tokens", ("prefix-cache", "speculative")),
+    "verify_state_only_at_end": ({"speculative"}, "state_out_index", ("speculative",)),
     "dead_tensor": ({"parameters"}, "leaves 1 oracle tensor(s) untestable: resetting 'model.unused.weight'",
                     ("parameters",)),
 }

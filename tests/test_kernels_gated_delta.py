@@ -178,6 +178,54 @@ def test_decode_steps_continue_a_sequence():
     torch.testing.assert_close(rec[2], ref_rec, **TOL)
 
 
+def _verify_ref(wt: Weights, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_states: torch.Tensor,
+                rec_states: torch.Tensor, slots: list[int], has_state: list[bool], out_slots: list[list[int]]
+                ) -> torch.Tensor:
+    """Rows of Q tokens: per row the rule over its tokens from its slot's state (or zeros), the state after
+    token t written to out_slots[row][t] (-1: not written); returns out [B*Q, Hv, Dv]."""
+    q = len(out_slots[0])
+    outs, writes = [], []
+    for row, (slot, keep, outs_of_row) in enumerate(zip(slots, has_state, out_slots)):
+        conv = conv_states[slot] if keep else torch.zeros_like(conv_states[slot])
+        rec = rec_states[slot] if keep else torch.zeros_like(rec_states[slot])
+        rows = slice(row * q, row * q + q)
+        outs.append(_sequence_ref(wt, mixed[rows], a[rows], b[rows], conv, rec)[0])
+        for t, out_slot in enumerate(outs_of_row):
+            if out_slot >= 0:
+                end = slice(row * q, row * q + t + 1)
+                writes.append((out_slot, _sequence_ref(wt, mixed[end], a[end], b[end], conv, rec)[1:]))
+    for out_slot, (conv, rec) in writes:  # (after every read: a row's last write may be its own slot)
+        conv_states[out_slot], rec_states[out_slot] = conv, rec
+    return torch.cat(outs)
+
+
+@interp
+@pytest.mark.parametrize("q", [3, 5])
+def test_verify_rows_write_the_state_after_each_token(q):
+    """Rows of q tokens (a verify row's fed token and draft): row 0 full, from its state; row 1 without state,
+    one padded token (no out slot); row 2 a padded row on slot 0 writing nothing. The state after each
+    written token lands in its out slot (the last real one in the row's own slot), exactly as the rule over
+    the tokens so far; the outputs are the rule's; every slot not written stays bit-identical."""
+    wt = Weights(2, 4, 16, 32, seed=q)
+    mixed, a, b = _tokens(wt, 3 * q, seed=q + 1)
+    conv, rec = _dirty_states(wt, 12, seed=q + 2)
+    slots, keep = [3, 5, 0], [True, False, True]
+    out_slots = [[6 + t for t in range(q - 1)] + [3], [9 + t for t in range(q - 2)] + [5, -1], [-1] * q]
+    ref_conv, ref_rec = conv.clone(), rec.clone()
+    ref = _verify_ref(wt, mixed, a, b, ref_conv, ref_rec, slots, keep, out_slots)
+    out = gdn_decode_step(mixed, a, b, conv_states=conv, rec_states=rec, slots=torch.tensor(slots),
+                          has_state=torch.tensor(keep), out_slots=torch.tensor(out_slots), **wt.args())
+    real = [t for t in range(3 * q) if t < 2 * q - 1]  # row 0's q tokens, row 1's q - 1
+    torch.testing.assert_close(out[real], ref[real], **TOL)
+    written = sorted(o for row in out_slots for o in row if o >= 0)
+    torch.testing.assert_close(conv[written], ref_conv[written], rtol=0, atol=0)
+    torch.testing.assert_close(rec[written], ref_rec[written], **TOL)
+    untouched = [s for s in range(12) if s not in written]
+    assert torch.equal(conv[untouched], ref_conv[untouched]) and torch.equal(rec[untouched], ref_rec[untouched])
+    # the states after each token differ: a write to the wrong out slot would show
+    assert (ref_rec[6] - ref_rec[7]).abs().max() > 1e-2
+
+
 @interp
 @pytest.mark.parametrize("t,chunk", [(5, 16), (64, 32), (130, 32)])
 def test_prefill_then_decode(t, chunk):
@@ -351,6 +399,26 @@ def test_cuda_decode_bf16(batch):
                           slots=torch.tensor(slots, device="cuda"), has_state=torch.tensor(keep, device="cuda"),
                           **wt.args("cuda"))
     torch.testing.assert_close(out.cpu(), ref, **CUDA_TOL)
+    torch.testing.assert_close(conv.cpu(), ref_conv, rtol=0, atol=0)
+    torch.testing.assert_close(rec.cpu(), ref_rec, **CUDA_TOL)
+
+
+@cuda
+def test_cuda_verify_rows_bf16():
+    """Verify rows of 4 tokens on Qwen3.5-like shapes: two full rows and one with a padded token."""
+    wt = Weights(HK, HV, DK, DV, seed=4, dtype=torch.bfloat16)
+    q = 4
+    mixed, a, b = _tokens(wt, 3 * q, seed=4, dtype=torch.bfloat16)
+    conv, rec = _dirty_states(wt, 16, seed=4)
+    slots, keep = [1, 2, 3], [True, True, False]
+    out_slots = [[4, 5, 6, 1], [7, 8, 9, 2], [10, 11, 3, -1]]
+    ref_conv, ref_rec = conv.clone(), rec.clone()
+    ref = _verify_ref(wt, mixed, a, b, ref_conv, ref_rec, slots, keep, out_slots)
+    conv, rec = conv.cuda(), rec.cuda()
+    out = gdn_decode_step(mixed.cuda(), a.cuda(), b.cuda(), conv_states=conv, rec_states=rec,
+                          slots=torch.tensor(slots, device="cuda"), has_state=torch.tensor(keep, device="cuda"),
+                          out_slots=torch.tensor(out_slots, device="cuda"), **wt.args("cuda"))
+    torch.testing.assert_close(out[:-1].cpu(), ref[:-1], **CUDA_TOL)
     torch.testing.assert_close(conv.cpu(), ref_conv, rtol=0, atol=0)
     torch.testing.assert_close(rec.cpu(), ref_rec, **CUDA_TOL)
 

@@ -369,7 +369,9 @@ def test_async_ngram_drafts_on_the_device_and_builds_the_sync_batches(tiny_check
 def test_a_hybrid_family_resumes_its_state_from_the_last_accepted_token(tmp_path, knobs) -> None:
     """Qwen3.5's Gated DeltaNet state after a verify row must be the state after its last accepted
     token: replayed proposals with one token changed in a cycle accept every run length; greedy
-    tokens must equal plain decoding's (they differ when the state is not rolled back)."""
+    tokens must equal plain decoding's (they differ when the state is not rolled back), on the general
+    path (eager) and on the padded verify rows CUDA graphs capture (the state after each token written to
+    its slot by the layer's device-indexed path)."""
     import json
 
     from vtcore.spec.replay import ReplayProposer
@@ -380,15 +382,17 @@ def test_a_hybrid_family_resumes_its_state_from_the_last_accepted_token(tmp_path
     arrivals = {0: [(f"r{i}", _repetitive(7 + 6 * i, seed=20 + i), greedy(15)) for i in range(3)],
                 2: [("late", _repetitive(9, seed=30), greedy(12))]}
     plain, _ = run_engine(build_engine(str(tmp_path), "sync", **knobs), arrivals)
-    engine = build_engine(str(tmp_path), "sync", **knobs, speculative_config=NGRAM)
     prompts = {rid: ids for batch in arrivals.values() for rid, ids, _ in batch}
-    engine.scheduler.proposer = ReplayProposer([prompts[r] + plain[r] for r in plain], 512, reject_every=True)
-    spec, _ = run_engine(engine, arrivals)
-    assert spec == plain
-    per_pos = engine.spec_stats.accepted_per_position
-    assert 0 < per_pos[-1] < per_pos[0] < engine.spec_stats.num_drafts  # full, partial and no acceptance
-    if preempting:
-        assert engine.scheduler.num_preemptions > 0
+    for eager in (True, False):
+        engine = build_engine(str(tmp_path), "sync", **knobs, speculative_config=NGRAM, enforce_eager=eager)
+        engine.scheduler.proposer = ReplayProposer([prompts[r] + plain[r] for r in plain], 512, reject_every=True)
+        spec, _ = run_engine(engine, arrivals)
+        assert spec == plain
+        assert (engine.runner.padded_verify_steps > 0) != eager
+        per_pos = engine.spec_stats.accepted_per_position
+        assert 0 < per_pos[-1] < per_pos[0] < engine.spec_stats.num_drafts  # full, partial and no acceptance
+        if preempting:
+            assert engine.scheduler.num_preemptions > 0
 
 
 def test_counters_reach_request_outputs_and_prometheus(tiny_checkpoint) -> None:

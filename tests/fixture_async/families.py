@@ -202,8 +202,18 @@ class _StickyStateGDN(GatedDeltaNet):
     """Its decode path always continues the slot's state ("a decode row never starts a sequence"): a
     one-token prompt arriving in a decode step on a freed slot inherits the old owner's state."""
 
-    def _decode_indexed(self, mixed, b, a, slots, continues):
-        return super()._decode_indexed(mixed, b, a, slots, torch.ones_like(continues))
+    def _decode_indexed(self, mixed, b, a, slots, continues, out_slots=None):
+        return super()._decode_indexed(mixed, b, a, slots, torch.ones_like(continues), out_slots)
+
+
+class _VerifyStateOnlyAtEndGDN(GatedDeltaNet):
+    """Declares verify graphs but keeps only a verify row's final state (in its own slot), not the state
+    after each token in the draft-state slots: a partly accepted draft resumes from a stale state."""
+
+    def _decode_indexed(self, mixed, b, a, slots, continues, out_slots=None):
+        if out_slots is not None:
+            out_slots = torch.where(out_slots == slots[:, None], out_slots, -1)
+        return super()._decode_indexed(mixed, b, a, slots, continues, out_slots)
 
 
 class _Qwen3_5WithGDN(Qwen3_5ForCausalLM):
@@ -229,6 +239,10 @@ class _SnapshotIntoReadSlotGDN(GatedDeltaNet):
     def _forward_per_sequence(self, mixed, b, a, md):
         md.state_out_slots = []
         return super()._forward_per_sequence(mixed, b, a, md)
+
+
+class VerifyStateOnlyAtEnd(_Qwen3_5WithGDN):
+    gdn = _VerifyStateOnlyAtEndGDN
 
 
 class SnapshotIntoReadSlot(_Qwen3_5WithGDN):
@@ -328,6 +342,10 @@ def state_not_reset_example() -> ConformanceExample:
     return _hybrid_example("StateNotResetForCausalLM")
 
 
+def verify_state_only_at_end_example() -> ConformanceExample:
+    return _hybrid_example("VerifyStateOnlyAtEndForCausalLM")
+
+
 def snapshot_into_read_slot_example() -> ConformanceExample:
     return _hybrid_example("SnapshotIntoReadSlotForCausalLM")
 
@@ -371,7 +389,9 @@ def vtcore_model_families() -> list[ModelFamily]:
           for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
                             ("host_context_length", "HostContextLength"),
-                            ("state_not_reset", "StateNotReset"), ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
+                            ("state_not_reset", "StateNotReset"),
+                            ("snapshot_into_read_slot", "SnapshotIntoReadSlot"),
+                            ("verify_state_only_at_end", "VerifyStateOnlyAtEnd"),
                             ("padding_into_state", "PaddingIntoState"), ("dead_tensor", "DeadTensor"),
                             ("unsharded_norm", "UnshardedNorm"), ("rank_zero_o_proj", "RankZeroOProj"),
                             ("fails_on_rank1", "FailsOnRank1"))),

@@ -435,7 +435,9 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
                                  lambda rids: f" ({name} proposals; requests {rids} decoded through verify rows: "
                                               "a verify row is a prefill chunk: a prefill chunk must attend over the "
                                               "context already cached for it, each draft token see the state of those "
-                                              "before it, and a rejection leave no trace: end each state segment in its state_out_slots entry)")
+                                              "before it, and a rejection leave no trace: end each state segment in "
+                                              "its state_out_slots entry; padded verify rows: the state after each "
+                                              "token in its state_out_index slot)")
             stats = engine.spec_stats
             report.append(f"{name}: {stats.num_drafts} verify rows, {stats.num_accepted_tokens} of "
                           f"{stats.num_draft_tokens} proposed tokens accepted")

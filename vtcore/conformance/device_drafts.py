@@ -25,7 +25,8 @@ FLOATING_HINT = (": the share after a verify row is scheduled before its accepte
                  "restored to the one after its last accepted token: a layer must take all of them from the "
                  "step's device tensors and its slot, never from host copies; these steps and a lone prompt chunk "
                  "take the padded paths, where a stateful layer must leave a chunk's rows past "
-                 "AttentionMetadata.state_tokens out of its state")
+                 "AttentionMetadata.state_tokens out of its state; a verify row's state after each token goes to "
+                 "its state_out_slots entry (general path) or state_out_index slot (padded path)")
 
 
 #: the step a last request arrives at, when the others have finished: it decodes alone (batch 1)

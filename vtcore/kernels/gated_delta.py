@@ -6,23 +6,26 @@ Per head, with the state S [Dk, Dv], decay a_t = exp(g_t) and write strength b_t
 
     S_t = a_t S_{t-1} + k_t d_t^T,   d_t = b_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t
 
-Decode (:func:`gdn_decode_step`, one token per sequence, two launches):
+Decode (:func:`gdn_decode_step`, rows of Q tokens: one for a decode step, a verify row's fed token
+and its draft under speculative decoding; two launches):
 
 * ``_decode_conv_kernel``, program (row, segment), a segment being one q head, k head or v head
-  of the pre-conv projection: the causal depthwise conv over the slot's last K-1 inputs (zeros when
-  the row has no state) and the new one, SiLU, and for q/k the l2 norm ``x * rsqrt(sum(x^2) + 1e-6)``
-  (q also times Dk^-0.5). It writes the activations to a float32 ``[B, conv_dim]`` scratch and the
-  shifted conv state (the last K-1 inputs) back to the slot. The K-1 state columns are handled as K-1
-  separate channel vectors, so the thread that reads a channel's state is the one that rewrites it
-  (no cross-thread read-after-write hazard inside the program).
-* ``_decode_recurrent_kernel``, program (row, v head, Dv tile): computes g = -exp(A_log) *
-  softplus(a + dt_bias) (torch's softplus: linear above 20) and beta = sigmoid(b), loads the
-  [Dk, BLOCK_DV] state tile of the slot (zeros without state) into registers, applies one step of the
-  rule with q/k head ``h // (Hv / Hk)`` and writes the tile back in place.
+  of the pre-conv projection: per token, the causal depthwise conv over the K-1 inputs before it (the
+  slot's conv state, zeros when the row has no state, then the row's earlier tokens) and its own,
+  SiLU, and for q/k the l2 norm ``x * rsqrt(sum(x^2) + 1e-6)`` (q also times Dk^-0.5). It writes the
+  activations to a float32 ``[B*Q, conv_dim]`` scratch and, per token, the conv state after it (the
+  last K-1 inputs) to the token's out slot (a decode row's own). The K-1 state columns are handled as
+  K-1 separate channel vectors, so the thread that reads a channel's state is the one that rewrites
+  it (no cross-thread read-after-write hazard inside the program).
+* ``_decode_recurrent_kernel``, program (row, v head, Dv tile): loads the [Dk, BLOCK_DV] state tile
+  of the slot (zeros without state) into registers; per token computes g = -exp(A_log) *
+  softplus(a + dt_bias) (torch's softplus: linear above 20) and beta = sigmoid(b), applies one step
+  of the rule with q/k head ``h // (Hv / Hk)`` and stores the tile to the token's out slot.
 
 Slots and has_state are device tensors and the launch sizes depend on host ints only (shapes and
 the SM count), so the step can be captured in a CUDA graph; padded rows of a graph batch point at a
-dummy slot (with has_state 1) and just compute garbage there. The scratch is a caching-allocator
+dummy slot (with has_state 1) and just compute garbage there, and a verify row's padded tokens have
+no out slot (-1), so they write nothing. The scratch is a caching-allocator
 ``torch.empty`` (from the graph's pool under capture).
 
 Prefill (:func:`chunk_gated_delta_rule`, a drop-in for ``gated_delta_chunked``; three launches, as
@@ -73,12 +76,13 @@ _PROGRAMS_PER_SM = 2  # the Dv tiling aims for this many programs per SM
 # ------------------------------------------------------------------------------------------ decode
 @triton.jit
 def _decode_conv_kernel(
-    x_ptr, w_ptr, conv_ptr, slots_ptr, has_state_ptr, qkv_ptr,
+    x_ptr, w_ptr, conv_ptr, slots_ptr, out_slots_ptr, has_state_ptr, qkv_ptr,
     stride_x, stride_wc, stride_wk, q_scale,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KERNEL: tl.constexpr,
-    BLOCK_D: tl.constexpr, EPS: tl.constexpr,
+    BLOCK_D: tl.constexpr, EPS: tl.constexpr, Q: tl.constexpr,
 ):
-    """Program (row, segment): segments 0..HK-1 are q heads, HK..2HK-1 k heads, then HV v heads."""
+    """Program (row, segment): segments 0..HK-1 are q heads, HK..2HK-1 k heads, then HV v heads; the
+    row's Q tokens in turn."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     CONV_DIM: tl.constexpr = 2 * HK * DK + HV * DV
@@ -92,29 +96,44 @@ def _decode_conv_kernel(
     # Without state the prior inputs are zeros: no channel of the slot is read.
     state_mask = offs < tl.where(tl.load(has_state_ptr + row) != 0, width, 0)
     state_ptrs = conv_ptr + slot * (CONV_DIM * (KERNEL - 1)) + ch * (KERNEL - 1)
-    x = tl.load(x_ptr + row * stride_x + ch, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.load(w_ptr + ch * stride_wc + (KERNEL - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
-    # Column j is read before it is overwritten (by column j + 1, or x), by the same thread.
-    for j in tl.static_range(KERNEL - 1):
-        prev = tl.load(state_ptrs + j, mask=state_mask, other=0.0)
-        y += prev * tl.load(w_ptr + ch * stride_wc + j * stride_wk, mask=mask, other=0.0).to(tl.float32)
-        if j > 0:
-            tl.store(state_ptrs + (j - 1), prev, mask=mask)
-    tl.store(state_ptrs + (KERNEL - 2), x, mask=mask)
-    y = y * tl.sigmoid(y)
-    rstd = tl.rsqrt(tl.sum(y * y, axis=0) + EPS)
-    factor = tl.where(is_qk, rstd, 1.0) * tl.where(seg < HK, q_scale, 1.0)
-    tl.store(qkv_ptr + row * CONV_DIM + ch, y * factor, mask=mask)
+    x_ptrs = x_ptr + (row * Q).to(tl.int64) * stride_x + ch
+    # Token t's window is inputs t-K+1..t: input i < 0 is the slot's state column K-1+i.
+    for t in tl.static_range(Q):
+        y = tl.load(x_ptrs + t * stride_x, mask=mask, other=0.0).to(tl.float32) * tl.load(
+            w_ptr + ch * stride_wc + (KERNEL - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(KERNEL - 1):
+            if t + j < KERNEL - 1:
+                v = tl.load(state_ptrs + (t + j), mask=state_mask, other=0.0)
+            else:
+                v = tl.load(x_ptrs + (t + j - (KERNEL - 1)) * stride_x, mask=mask, other=0.0).to(tl.float32)
+            y += v * tl.load(w_ptr + ch * stride_wc + j * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.sigmoid(y)
+        rstd = tl.rsqrt(tl.sum(y * y, axis=0) + EPS)
+        factor = tl.where(is_qk, rstd, 1.0) * tl.where(seg < HK, q_scale, 1.0)
+        tl.store(qkv_ptr + (row * Q + t) * CONV_DIM + ch, y * factor, mask=mask)
+    # The state after token t (inputs t-K+2..t) goes to its out slot (-1: none). Only the row's last real
+    # token's out slot may be its own slot, and no later token writes: column c is written after every
+    # read of it (reads go to columns past c, by the same thread).
+    for t in tl.static_range(Q):
+        out_slot = tl.load(out_slots_ptr + row * Q + t)
+        out_ptrs = conv_ptr + out_slot * (CONV_DIM * (KERNEL - 1)) + ch * (KERNEL - 1)
+        for c in tl.static_range(KERNEL - 1):
+            if t + c + 1 < KERNEL - 1:
+                v = tl.load(state_ptrs + (t + c + 1), mask=state_mask, other=0.0)
+            else:
+                v = tl.load(x_ptrs + (t + c + 2 - KERNEL) * stride_x, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptrs + c, v, mask=offs < tl.where(out_slot >= 0, width, 0))
 
 
 @triton.jit
 def _decode_recurrent_kernel(
-    qkv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, has_state_ptr, out_ptr,
+    qkv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_slots_ptr, has_state_ptr, out_ptr,
     stride_a, stride_b,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, THRESHOLD: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, THRESHOLD: tl.constexpr, Q: tl.constexpr,
 ):
-    """Program (row, v head, Dv tile): one step of the rule on the slot's [Dk, BLOCK_DV] state tile."""
+    """Program (row, v head, Dv tile): the row's Q tokens in turn on the slot's [Dk, BLOCK_DV] state tile,
+    held in registers; the tile after token t is stored to its out slot (-1: none)."""
     row = tl.program_id(0)
     h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -124,25 +143,31 @@ def _decode_recurrent_kernel(
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     k_mask = offs_k < DK
     v_mask = offs_v < DV
-    qkv_row = qkv_ptr + row * CONV_DIM
-    q = tl.load(qkv_row + kh * DK + offs_k, mask=k_mask, other=0.0)
-    k = tl.load(qkv_row + HK * DK + kh * DK + offs_k, mask=k_mask, other=0.0)
-    v = tl.load(qkv_row + 2 * HK * DK + h * DV + offs_v, mask=v_mask, other=0.0)
-    x = tl.load(a_ptr + row * stride_a + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(x > THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, THRESHOLD))))
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
-    beta = tl.sigmoid(tl.load(b_ptr + row * stride_b + h).to(tl.float32))
+    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     slot = tl.load(slots_ptr + row)
     tile = offs_k[:, None] * DV + offs_v[None, :]
-    tile_mask = k_mask[:, None] & v_mask[None, :]
-    state_ptrs = state_ptr + slot * (HV * DK * DV) + h * (DK * DV) + tile
     # Without state the prior state is zeros: no row of the slot's tile is read.
     keep_rows = offs_k < tl.where(tl.load(has_state_ptr + row) != 0, DK, 0)
-    s = tl.load(state_ptrs, mask=keep_rows[:, None] & v_mask[None, :], other=0.0) * decay
-    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-    s += k[:, None] * delta[None, :]
-    tl.store(state_ptrs, s, mask=tile_mask)
-    tl.store(out_ptr + (row * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0), mask=v_mask)
+    s = tl.load(state_ptr + slot * (HV * DK * DV) + h * (DK * DV) + tile, mask=keep_rows[:, None] & v_mask[None, :],
+                other=0.0)
+    for t in tl.static_range(Q):
+        r = row * Q + t
+        qkv_row = qkv_ptr + r * CONV_DIM
+        q = tl.load(qkv_row + kh * DK + offs_k, mask=k_mask, other=0.0)
+        k = tl.load(qkv_row + HK * DK + kh * DK + offs_k, mask=k_mask, other=0.0)
+        v = tl.load(qkv_row + 2 * HK * DK + h * DV + offs_v, mask=v_mask, other=0.0)
+        x = tl.load(a_ptr + r * stride_a + h).to(tl.float32) + dt_bias
+        softplus = tl.where(x > THRESHOLD, x, tl.log(1.0 + tl.exp(tl.minimum(x, THRESHOLD))))
+        beta = tl.sigmoid(tl.load(b_ptr + r * stride_b + h).to(tl.float32))
+        s = s * tl.exp(neg_a * softplus)
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s += k[:, None] * delta[None, :]
+        out_slot = tl.load(out_slots_ptr + r)
+        written = offs_k < tl.where(out_slot >= 0, DK, 0)
+        tl.store(state_ptr + out_slot * (HV * DK * DV) + h * (DK * DV) + tile, s,
+                 mask=written[:, None] & v_mask[None, :])
+        tl.store(out_ptr + (r * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0), mask=v_mask)
 
 
 # ----------------------------------------------------------------------------------------- prefill
@@ -324,15 +349,21 @@ def _expect_device(fn: str, tensors: dict[str, torch.Tensor]) -> torch.device:
 def gdn_decode_step(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
                     A_log: torch.Tensor, dt_bias: torch.Tensor, conv_states: torch.Tensor, rec_states: torch.Tensor,
                     slots: torch.Tensor, has_state: torch.Tensor, num_k_heads: int, num_v_heads: int,
-                    head_k_dim: int, head_v_dim: int, *, block_dv: int | None = None) -> torch.Tensor:
-    """One Gated DeltaNet token per row, from the pre-conv projection to the rule's output.
+                    head_k_dim: int, head_v_dim: int, *, out_slots: torch.Tensor | None = None,
+                    block_dv: int | None = None) -> torch.Tensor:
+    """Gated DeltaNet decode rows of Q tokens each (Q = 1 without ``out_slots``), from the pre-conv
+    projection to the rule's output.
 
-    ``mixed_qkv`` [B, conv_dim] (in_proj_qkv's output; rows may be strided), ``a``/``b`` [B, Hv]
-    (in_proj_a / in_proj_b outputs), ``conv_weight`` [conv_dim, K], ``A_log``/``dt_bias`` [Hv]:
-    bf16/fp16/fp32. ``conv_states`` [num_slots, conv_dim, K-1] and ``rec_states`` [num_slots, Hv, Dk,
-    Dv]: float32, contiguous, updated in place at ``slots`` [B] (int64); rows whose ``has_state`` [B]
-    (int32 or bool) is 0 start from zero conv and recurrent state. Returns the rule's output
-    [B, Hv, Dv] float32 (before the gated norm). ``block_dv`` forces the recurrent kernel's Dv tile.
+    ``mixed_qkv`` [B*Q, conv_dim] (in_proj_qkv's output, row r's tokens at r*Q..r*Q+Q-1; rows may be
+    strided), ``a``/``b`` [B*Q, Hv] (in_proj_a / in_proj_b outputs), ``conv_weight`` [conv_dim, K],
+    ``A_log``/``dt_bias`` [Hv]: bf16/fp16/fp32. ``conv_states`` [num_slots, conv_dim, K-1] and
+    ``rec_states`` [num_slots, Hv, Dk, Dv]: float32, contiguous; row r starts from slot ``slots[r]``
+    [B] (int64), from zero conv and recurrent state where ``has_state[r]`` [B] (int32 or bool) is 0.
+    The state after each token is written to ``out_slots`` [B, Q] (int64; -1: not written; a verify
+    row's tokens after its last real one), which may name the row's own slot only at its last written
+    token; without ``out_slots`` the state after a row's one token replaces its slot's. Returns the
+    rule's output [B*Q, Hv, Dv] float32 (before the gated norm). ``block_dv`` forces the recurrent
+    kernel's Dv tile.
     """
     fn = "gdn_decode_step"
     _check_block_dv(fn, block_dv, 1)
@@ -354,25 +385,33 @@ def gdn_decode_step(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c
                                              ("K-1", kernel - 1)), _F32, "contiguous")
     _expect(fn, "rec_states", rec_states, (("num_slots", conv_states.shape[0]), ("Hv", hv), ("Dk", dk), ("Dv", dv)),
             _F32, "contiguous")
-    _expect(fn, "slots", slots, (("B", rows),), (torch.int64,), "contiguous")
-    _expect(fn, "has_state", has_state, (("B", rows),), (torch.int32, torch.bool), "contiguous")
+    seqs, per_row = rows, 1
+    if out_slots is not None:
+        _expect(fn, "out_slots", out_slots, (("B", None), ("Q", None)), (torch.int64,), "contiguous")
+        seqs, per_row = out_slots.shape
+        if seqs * per_row != rows:
+            raise ValueError(f"{fn}: out_slots {tuple(out_slots.shape)}: expected [B, Q] with B*Q = {rows}, the "
+                             "rows of mixed_qkv")
+    _expect(fn, "slots", slots, (("B", seqs),), (torch.int64,), "contiguous")
+    _expect(fn, "has_state", has_state, (("B", seqs),), (torch.int32, torch.bool), "contiguous")
     device = _expect_device(fn, dict(mixed_qkv=mixed_qkv, a=a, b=b, conv_weight=conv_weight, A_log=A_log,
                                      dt_bias=dt_bias, conv_states=conv_states, rec_states=rec_states, slots=slots,
-                                     has_state=has_state))
+                                     has_state=has_state, **({} if out_slots is None else dict(out_slots=out_slots))))
     out = torch.empty((rows, hv, dv), dtype=torch.float32, device=device)
     if rows == 0:
         return out
     qkv = torch.empty((rows, conv_dim), dtype=torch.float32, device=device)
-    _decode_conv_kernel[(rows, 2 * hk + hv)](
-        mixed_qkv, conv_weight, conv_states, slots, has_state, qkv,
+    out_slots = slots if out_slots is None else out_slots
+    _decode_conv_kernel[(seqs, 2 * hk + hv)](
+        mixed_qkv, conv_weight, conv_states, slots, out_slots, has_state, qkv,
         mixed_qkv.stride(0), conv_weight.stride(0), conv_weight.stride(1), dk ** -0.5,
         HK=hk, HV=hv, DK=dk, DV=dv, KERNEL=kernel, BLOCK_D=triton.next_power_of_2(max(dk, dv)), EPS=_L2_EPS,
-        num_warps=4)
-    bdv = block_dv or _decode_block_dv(rows, hv, dv, num_sms(device))
-    _decode_recurrent_kernel[(rows, hv, triton.cdiv(dv, bdv))](
-        qkv, a, b, A_log, dt_bias, rec_states, slots, has_state, out, a.stride(0), b.stride(0),
+        Q=per_row, num_warps=4)
+    bdv = block_dv or _decode_block_dv(seqs, hv, dv, num_sms(device))
+    _decode_recurrent_kernel[(seqs, hv, triton.cdiv(dv, bdv))](
+        qkv, a, b, A_log, dt_bias, rec_states, slots, out_slots, has_state, out, a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_DK=triton.next_power_of_2(dk), BLOCK_DV=bdv,
-        THRESHOLD=_SOFTPLUS_THRESHOLD, num_warps=4)
+        THRESHOLD=_SOFTPLUS_THRESHOLD, Q=per_row, num_warps=4)
     return out
 
 

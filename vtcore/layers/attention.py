@@ -40,7 +40,10 @@ class AttentionMetadata:
     (padded rows: the runner's dummy slot) and ``state_continues`` [rows] bool. On the padded path
     of a lone prefill chunk (one sequence of up to ``max_query_len`` rows, the rest padding) also
     ``state_tokens`` [1] int64: the chunk's real rows; its state ends after them, in its
-    ``state_index`` slot.
+    ``state_index`` slot. On the padded path of verify rows (speculative decoding: each row's fed
+    token and its draft, ``max_query_len`` rows a sequence) ``state_index`` / ``state_continues``
+    [seqs] and ``state_out_index`` [seqs, max_query_len] int64: the slot the state after each row is
+    written to (-1: not written, a shorter draft's padding; a sequence's last real row: its own slot).
     """
 
     slot_mapping: torch.Tensor
@@ -56,6 +59,7 @@ class AttentionMetadata:
     state_index: torch.Tensor | None = None
     state_continues: torch.Tensor | None = None
     state_tokens: torch.Tensor | None = None
+    state_out_index: torch.Tensor | None = None
 
     @property
     def decode(self) -> bool:

@@ -96,6 +96,7 @@ class GatedDeltaNet(StatefulLayer):
     chunk_size = 64
     supports_decode_graphs = True
     supports_chunk_graphs = True
+    supports_verify_graphs = True
     supports_state_snapshots = True
     tp_sharded = True
 
@@ -141,7 +142,7 @@ class GatedDeltaNet(StatefulLayer):
         if md.state_tokens is not None:
             out = self._chunk_indexed(mixed, b, a, md.state_index, md.state_continues, md.state_tokens)
         elif md.state_index is not None:
-            out = self._decode_indexed(mixed, b, a, md.state_index, md.state_continues)
+            out = self._decode_indexed(mixed, b, a, md.state_index, md.state_continues, md.state_out_index)
         else:
             out = self._forward_per_sequence(mixed, b, a, md)
         y = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.hv, self.dv))
@@ -159,27 +160,36 @@ class GatedDeltaNet(StatefulLayer):
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
     def _decode_indexed(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-                        continues: torch.Tensor) -> torch.Tensor:
-        """One token a row, states addressed by the device tensors ``slots`` / ``continues`` (no host
-        value read: capturable in a CUDA graph). CUDA: the Triton decode step; elsewhere the same
-        math vectorised in torch."""
+                        continues: torch.Tensor, out_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of one token, or (``out_slots`` [rows, Q]) verify rows of Q tokens each, their states
+        addressed by the device tensors ``slots`` / ``continues`` / ``out_slots`` (no host value read:
+        capturable in a CUDA graph). CUDA: the Triton decode step; elsewhere the same math vectorised in
+        torch, token by token."""
         conv_states, rec_states = self.states["conv"], self.states["recurrent"]
         weight = self.conv1d.weight.reshape(self.conv_dim, self.kernel)
         if mixed.is_cuda:
             from vtcore.kernels.gated_delta import gdn_decode_step
             return gdn_decode_step(mixed, a, b, weight, self.A_log, self.dt_bias, conv_states, rec_states, slots,
-                                   continues, self.hk, self.hv, self.dk, self.dv)
+                                   continues, self.hk, self.hv, self.dk, self.dv, out_slots=out_slots)
+        rows, dk, dv = slots.shape[0], self.dk, self.dv
+        out_slots = slots[:, None] if out_slots is None else out_slots
         keep = continues.float()
-        window = torch.cat((conv_states[slots] * keep[:, None, None], mixed.float()[:, :, None]), dim=-1)
-        conv_states[slots] = window[:, :, 1:]
-        q, k, v = self._heads(F.silu((window * weight.float()).sum(-1)))  # [rows, heads, dim] each
-        # every (row, head) pair as one head of a one-token sequence: the torch reference rule
-        rows, dk, dv = q.shape[0], self.dk, self.dv
-        out, state = gated_delta_recurrent(
-            q.reshape(1, -1, dk), k.reshape(1, -1, dk), v.reshape(1, -1, dv), self._decay(a).reshape(1, -1),
-            b.float().sigmoid().reshape(1, -1), (rec_states[slots] * keep[:, None, None, None]).reshape(-1, dk, dv))
-        rec_states[slots] = state.reshape(rows, self.hv, dk, dv)
-        return out.reshape(rows, self.hv, dv)
+        conv, rec = conv_states[slots] * keep[:, None, None], rec_states[slots] * keep[:, None, None, None]
+        mixed, g, beta = (t.reshape(rows, out_slots.shape[1], -1) for t in (mixed.float(), self._decay(a), b.float()))
+        outs = []
+        for t, written in enumerate(out_slots.unbind(1)):
+            window = torch.cat((conv, mixed[:, t, :, None]), dim=-1)
+            conv = window[:, :, 1:]
+            q, k, v = self._heads(F.silu((window * weight.float()).sum(-1)))  # [rows, heads, dim] each
+            # every (row, head) pair as one head of a one-token sequence: the torch reference rule
+            out, state = gated_delta_recurrent(
+                q.reshape(1, -1, dk), k.reshape(1, -1, dk), v.reshape(1, -1, dv), g[:, t].reshape(1, -1),
+                beta[:, t].sigmoid().reshape(1, -1), rec.reshape(-1, dk, dv))
+            rec = state.reshape(rows, self.hv, dk, dv)
+            outs.append(out.reshape(rows, self.hv, dv))
+            kept = written >= 0
+            conv_states[written[kept]], rec_states[written[kept]] = conv[kept], rec[kept]
+        return torch.stack(outs, 1).reshape(-1, self.hv, dv)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv ``qkv`` [n, conv_dim] -> q, k [n, Hv, Dk] (l2-normalised, q scaled by Dk^-0.5, each

@@ -31,12 +31,16 @@ class StatefulLayer(nn.Module):
     ``supports_chunk_graphs``: the layer also runs a lone prefill chunk from those device tensors and
     ``AttentionMetadata.state_tokens`` (rows past that count are padding, which must neither read nor
     change the state), so the runner may pad and capture such steps too.
+    ``supports_verify_graphs``: the layer also runs verify rows (speculative decoding) from those device
+    tensors and ``AttentionMetadata.state_out_index`` (the state after each row to its slot), so the
+    runner may pad and capture verify steps too.
     ``supports_state_snapshots``: the layer keeps the snapshot contract above, so its family can
     cache prefixes.
     """
 
     supports_decode_graphs = False
     supports_chunk_graphs = False
+    supports_verify_graphs = False
     supports_state_snapshots = False
 
     def __init__(self) -> None:

@@ -13,7 +13,9 @@ inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), con
 the dummy mirror slot; their samples are never written to the mirror. A verify row's (or a chunk's)
 padded tokens: id 0, the row's first position, KV slot -1; its context length counts them, so each
 real token sees exactly the keys before it (the causal rule reads the query length from the uniform
-query starts), and no real token sees a padded one. On CPU the same padded forward runs eagerly.
+query starts), and no real token sees a padded one. Verify rows of a model with stateful layers have
+a seventh section, per token the slot its state is written to (padding: -1, none). On CPU the same
+padded forward runs eagerly.
 
 Drafts made on the device (``vtcore.worker.drafting``) take these paths too: a draft token the device
 holds is combined in like an in-flight token (its combine index points past the mirror, into the
@@ -37,9 +39,9 @@ VERIFY_MAX_TOKENS = 512  # verify steps of more padded tokens run on the general
 CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # padded lengths of a lone prefill chunk
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
 
-#: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, [chunk: last rows,]
-#: block tables, query starts, query len, max_context_len) -> (fed ids, float32 logits (chunk: of the
-#: last rows), whether EmbedInto consumed the override)
+#: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, block tables, query starts,
+#: query len, max_context_len, chunk: last rows or None, verify rows' state out slots or None) -> (fed ids,
+#: float32 logits (chunk: of the last rows), whether EmbedInto consumed the override)
 DecodeForward = Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
 
 
@@ -61,16 +63,19 @@ class DecodeGraphs:
 
     def __init__(self, forward: DecodeForward, device: torch.device, block_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_slot: int, query_len: int = 1, chunk: bool = False,
-                 drafts: tuple[int, int] = (0, 0)) -> None:
+                 drafts: tuple[int, int] = (0, 0), state_out: Callable[[int, int], list[int]] | None = None) -> None:
         self.forward, self.device, self.block_size, self.q = forward, device, block_size, query_len
         self.chunk = chunk
+        #: verify rows of a model with stateful layers: (mirror slot, real tokens) -> the slot the state after
+        #: each real token is written to (``AttentionMetadata.state_out_index``)
+        self.state_out = state_out
         #: (where the device drafts start in the tokens the combine reads, drafts per mirror slot)
         self.drafts = drafts
         q = query_len
-        self.per_token = (True, True, True, False, True, False) + ((False,) if chunk else ())
+        self.per_token = (True, True, True, False, True, False) + ((False,) if chunk else (True,) if state_out else ())
         # a padded row's context counts its q tokens: a context shorter than the query would put the
         # attention's causal range at negative positions (block-table reads before the table)
-        self.padding = [0, 0, -1, q, -1, dummy_slot] + ([0] if chunk else [])
+        self.padding = [0, 0, -1, q, -1, dummy_slot] + ([0] if chunk else [-1] if state_out else [])
         largest = 1 if chunk else min(max_num_seqs, GRAPH_MAX if q == 1 else VERIFY_MAX_TOKENS // q)
         self.sizes = [p for p in GRAPH_SIZES if p < largest] + [largest] if largest else []
         # wide enough for a verify row's padded positions past max_model_len
@@ -122,7 +127,7 @@ class DecodeGraphs:
     def _run(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         views = self.views[p]
         return self.forward(*views[:6], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len,
-                            views[6] if self.chunk else None)
+                            views[6] if self.chunk else None, views[6] if self.state_out else None)
 
     def capture(self, pool: Any = None) -> Any:
         """Capture one CUDA graph per padded size into the memory pool ``pool`` (None: a new one), largest
@@ -179,6 +184,8 @@ class DecodeGraphs:
             else:
                 sample_rows += range(r * q, r * q + real)
                 mirror += [req.mirror_slot] * real
+            if self.state_out is not None:
+                cols[6] += self.state_out(req.mirror_slot, real) + [-1] * (q - real)
             table += req.block_ids + [0] * (width - len(req.block_ids))
         for col, v, per_token in zip(cols, self.padding, self.per_token):
             col += [v] * ((p - n) * (q if per_token else 1))

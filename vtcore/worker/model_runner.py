@@ -22,8 +22,9 @@ The async device mirror:
 5. host staging (:mod:`vtcore.worker.staging`): each in-flight step owns one of ``depth`` pinned
    buffers, refilled only after its step retired.
 Pure-decode steps, steps of one prefill chunk alone (up to 2048 tokens, no state snapshot inside it;
-for models whose stateful layers all declare ``supports_chunk_graphs``) and, for models without
-stateful layers, the verify steps of speculative decoding take the padded path of
+for models whose stateful layers all declare ``supports_chunk_graphs``) and the verify steps of
+speculative decoding (for models whose stateful layers all declare ``supports_verify_graphs``) take the
+padded path of
 :mod:`vtcore.worker.decode_graphs` (CUDA graphs on CUDA).
 
 ``on_submit`` callbacks see every batch before its preparation and after its enqueue (host time
@@ -271,12 +272,14 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
                                               drafts=drafts)
-        # verify rows padded to k + 1 tokens; a stateful layer's per-token state segments stay eager
+        # verify rows padded to k + 1 tokens (stateful layers that can: the state after each token to its slot)
         self.verify_graphs: DecodeGraphs | None = None
-        if self.decode_graphs is not None and config.num_speculative_tokens and not self.stateful_layers:
+        if self.decode_graphs is not None and config.num_speculative_tokens and all(
+                m.supports_verify_graphs for m in self.stateful_layers):
             self.verify_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
-                                              query_len=config.num_speculative_tokens + 1, drafts=drafts)
+                                              query_len=config.num_speculative_tokens + 1, drafts=drafts,
+                                              state_out=self._verify_state_slots if self.stateful_layers else None)
         # a step that is one prefill chunk alone, padded to the next bucket (stateful layers that can: their
         # state from device tensors too); the smallest bucket is asked first
         self.chunk_graphs: list[DecodeGraphs] = []
@@ -537,6 +540,11 @@ class ModelRunner:
                           max(s.num_tokens for s in batch), max_ctx, len(batch), state,
                           bool(combine_rows or device_rows), drafting)
 
+    def _verify_state_slots(self, mirror_slot: int, tokens: int) -> list[int]:
+        """Where a verify row of ``tokens`` tokens leaves the state after each: the request's draft-state
+        slots, the last in its own slot (as ``_state_rows`` lays the general step's segments out)."""
+        return [self.draft_state_slot(mirror_slot, i) for i in range(tokens - 1)] + [mirror_slot]
+
     def draft_state_slot(self, mirror_slot: int, accepted: int) -> int:
         """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens
         (fewer than its draft's length)."""
@@ -724,22 +732,23 @@ class ModelRunner:
     # ------------------------------------------------------------------ padded decode
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                         combine: torch.Tensor, mirror: torch.Tensor, tables: torch.Tensor, qstart: torch.Tensor,
-                        query_len: int, max_context_len: int, last: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                        query_len: int, max_context_len: int, last: torch.Tensor | None = None,
+                        state_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
-        graph on CUDA)."""
+        graph on CUDA). Stateful layers: one state a row from its mirror slot; a lone chunk's continues where
+        its first position is past 0 and ends after its last real row; a verify row's continues where its
+        first position is past 0, the state after each token written to its ``state_out`` slot."""
         fed = torch.where(combine >= 0, self.device_tokens[combine.clamp(min=0)], ids)
         if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(fed, self.tp_group)
-        # stateful layers: one state a row (verify graphs exist only for models without them); a lone
-        # chunk's state continues where its first position is past 0 and ends after its last real row
-        decode, chunk = query_len == 1, last is not None
+        decode, chunk, verify = query_len == 1, last is not None, state_out is not None
         set_attention_metadata(AttentionMetadata(
             slot_mapping=slots, block_tables=tables, context_lens=ctx, query_start_loc=qstart,
             max_query_len=query_len, max_context_len=max_context_len,
-            state_index=mirror if decode or chunk else None,
-            state_continues=pos > 0 if decode else pos[:1] > 0 if chunk else None,
-            state_tokens=last + 1 if chunk else None))
+            state_index=mirror if decode or chunk or verify else None,
+            state_continues=pos > 0 if decode else pos[:1] > 0 if chunk else pos[::query_len] > 0 if verify else None,
+            state_tokens=last + 1 if chunk else None,
+            state_out_index=state_out.view(-1, query_len) if verify else None))
         try:
             with self.scope(fed, True) as override:
                 hidden = self.model(ids, pos)
