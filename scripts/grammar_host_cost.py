@@ -1,5 +1,5 @@
 """The host cost of structured outputs a decode step (docs/BENCHMARKS.md): for R constrained rows held to
-the bench's JSON schema (``vtcore.bench.serving.BENCH_SCHEMA``, the embedded default model's tokenizer,
+the bench's JSON schema (``vtcore.bench.serving.bench_schema(128)``, the embedded default model's tokenizer,
 logits as wide as the Qwen3 vocabulary), the medians over a walk through the grammar of accepting one
 token a row and filling the rows' bitmasks, one matcher at a time (what the engine does) and through
 xgrammar's ``BatchGrammarMatcher`` (C++ threads).
@@ -18,7 +18,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from vtcore.bench.serving import BENCH_SCHEMA
+from vtcore.bench.serving import bench_schema
 from vtcore.config import DEFAULT_MODEL
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     vocab = int(sys.argv[2]) if len(sys.argv) > 2 else 151936
     info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(DEFAULT_MODEL), vocab_size=vocab)
-    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(BENCH_SCHEMA))
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(bench_schema(128)))
     mask = xgr.allocate_token_bitmask(rows, vocab)
     rng = random.Random(0)
     times: dict[str, list[float]] = {k: [] for k in ("accept", "fill", "batch_accept", "batch_fill")}

@@ -181,6 +181,25 @@ async def _collect(llm, rid, ids, params):
     return [o async for o in llm.generate({"prompt_token_ids": ids}, params, rid)]
 
 
+def test_an_in_process_engine_loop_caps_its_wait_for_the_gil(tiny_checkpoint, monkeypatch) -> None:
+    """The engine thread shares the GIL with the caller's event loop: AsyncLLM lowers the switch interval
+    (vtcore.engine.gil), and keeps one already shorter."""
+    import sys
+
+    from vtcore.engine.gil import ENGINE_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    try:
+        shorter = ENGINE_SWITCH_INTERVAL_S / 2
+        for start, want in ((5e-3, ENGINE_SWITCH_INTERVAL_S), (shorter, shorter)):
+            sys.setswitchinterval(start)
+            llm = AsyncLLM(tiny_checkpoint[0], **KNOBS)
+            llm.shutdown()
+            assert sys.getswitchinterval() == pytest.approx(want)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_async_llm_streams_and_equals_offline(tiny_checkpoint, async_llm) -> None:
     prompts = [[i + 1, 2 * i + 5, 7] for i in range(6)]
 

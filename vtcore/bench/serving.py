@@ -83,9 +83,17 @@ DEFAULT_OUTPUT_LEN = 128
 DEFAULT_OFFLINE_PROMPTS = 256
 DEFAULT_OFFLINE_MIN_LEN, DEFAULT_OFFLINE_MAX_LEN = 100, 1024
 DEFAULT_OFFLINE_MAX_NUM_SEQS = 256
-#: what --structured-share constrains requests to: long enough to decode for a while, always finishable
-BENCH_SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "maxItems": 64, "items": {
-    "type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["values"]}
+
+
+def bench_schema(output_len: int) -> dict[str, Any]:
+    """What --structured-share constrains requests to: an object of exactly ``output_len`` integers, finite
+    but with at least a token an item, so a constrained request runs to ``max_tokens`` as the unconstrained
+    ones do (with ``ignore_eos``). A grammar finished early would end its request early, and the closed loop's
+    next arrivals would then prefill between the others' decode steps: a cost of the workload's shape, not of
+    the constraint, in both groups' TPOT."""
+    return {"type": "object", "properties": {"values": {
+        "type": "array", "minItems": output_len, "maxItems": output_len,
+        "items": {"type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["values"]}
 #: how the header records ``async_scheduling``: not given (the family decides), ``--async-scheduling``,
 #: ``--no-async-scheduling``
 ASYNC_SCHEDULING_LABELS = {None: "auto", True: "on", False: "off"}
@@ -136,7 +144,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "tokens (default: 1)")
     p.add_argument("--structured-share", type=float, default=0.0, metavar="F",
                    help="constrain this share of the requests (evenly interleaved) to a JSON schema "
-                        "(BENCH_SCHEMA: an object of up to 64 integers; xgrammar); each run then reports the "
+                        "(bench_schema: an object of --output-len integers; xgrammar); each run then reports the "
                         "constrained and the unconstrained requests' output throughput and TPOT apart "
                         "(default: 0)")
     p.add_argument("--compare-prefix-caching", action="store_true",
@@ -232,7 +240,7 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
     fresh = [[[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(turns)] for _ in range(num_prompts)]
     prompts = [prefix + f[0] for f in fresh]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    constrained = attrs.evolve(params, structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
+    constrained = attrs.evolve(params, structured_outputs=StructuredOutputsParams(json=bench_schema(output_len)))
     # request i is constrained when the share's running count steps up at it: evenly interleaved
     is_constrained = [int((i + 1) * structured_share) > int(i * structured_share) for i in range(num_prompts)]
     inner = engine.engine
@@ -460,7 +468,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         size-specialised kernel variants happen before the clock starts (own rng: prompts unchanged);
         with --structured-share, every other one constrained: the bench schema is compiled by then."""
         wr, warm = random.Random(-1 - c), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        held = attrs.evolve(warm, structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
+        held = attrs.evolve(warm, structured_outputs=StructuredOutputsParams(json=bench_schema(args.output_len)))
 
         async def one(i: int) -> None:
             ids = [wr.randrange(inner.vocab_size) for _ in range(input_len)]

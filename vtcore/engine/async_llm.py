@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from vtcore.engine.arg_utils import engine_config
 from vtcore.engine.core_process import CoreClient
 from vtcore.engine.front_end import EngineFrontEnd
+from vtcore.engine.gil import favour_engine_thread
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.errors import EngineDeadError
 from vtcore.outputs import RequestOutput
@@ -47,6 +48,8 @@ class AsyncLLM(EngineFrontEnd):
         self._adds: dict[str, collections.deque[concurrent.futures.Future]] = {}
         self._stopping = False
         self.dead: BaseException | None = None
+        if self.core is None:  # the engine loop shares this process's GIL with the caller's event loop
+            favour_engine_thread()
         self._thread = threading.Thread(target=self._loop if self.core is None else self._receive,
                                         name="vtcore-engine", daemon=True)
         self._thread.start()

@@ -34,6 +34,7 @@ import attrs
 from vtcore.config import EngineConfig
 from vtcore.engine.capacity import EngineLimits, EngineStats
 from vtcore.engine.front_end_text import FrontEndText
+from vtcore.engine.gil import favour_engine_thread
 from vtcore.engine.prompt_text import PromptText
 from vtcore.errors import EngineDeadError
 from vtcore.family import ModelFamily
@@ -139,6 +140,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     from vtcore.worker.tensor_parallel import thread_lock_for_progress
 
     thread_lock_for_progress()
+    favour_engine_thread()  # (the sender thread pickles outputs beside the engine loop)
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - the front end raises it from the constructor
