@@ -37,6 +37,7 @@ def test_replay_accepts_everything_and_equals_plain(spec_doc) -> None:
             # max_tokens leaves, and with one left that step is a plain decode step
             full, rest = divmod(OUTPUT_LEN - 1, k + 1)
             assert e["verify_steps"] == full + (rest > 1)
+            assert e["padded_verify_steps"] == e["verify_steps"]  # every verify batch fits the padded path
             assert e["accepted_per_position"][0] == e["verify_steps"] * r["concurrency"]  # a draft a row
             assert e["speedup"] == pytest.approx(r["plain_tpot_ms"] / e["tpot_ms"])
         assert r["method"]["k"] == 2 and r["method"]["outputs_equal"]

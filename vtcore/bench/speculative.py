@@ -16,7 +16,8 @@ work; ``time.perf_counter``):
   whose logits are nearly flat, flip near-ties between the two within a few tokens; after a flip
   the recorded continuation is no longer the request's. ``target_agreement``: the share of sampled
   positions where the target's own token was the recorded one. Its verify steps' median time beside
-  the plain step's (``verify_over_plain``), its TPOT and ``speedup`` (plain TPOT / its TPOT): the
+  the plain step's (``verify_over_plain``; ``padded_verify_steps``: how many ran on the padded path CUDA graphs
+  capture), its TPOT and ``speedup`` (plain TPOT / its TPOT): the
   bound on what speculation at that k can gain. Where the configured method drafts on the device (the
   n-gram with ``--async-scheduling``) the replay does too (:mod:`vtcore.bench.device_replay`: forced and
   drafted on the device, at async depth 2, in the padded paths), so the bound is the device path's;
@@ -57,6 +58,7 @@ class TimedRun:
     tokens: list[list[int]]
     decode_steps: list[float]  # every row decodes (one fed token; a verify row with its draft)
     verify_steps: list[float]  # of those, the steps in which some row verified a draft
+    padded_verify_steps: int = 0  # verify steps the runner ran on the padded path (CUDA graphs on CUDA)
 
     def tpot(self, output_len: int) -> float | None:
         return sum(self.decode_steps) / (output_len - 1) if output_len > 1 else None
@@ -85,6 +87,7 @@ def timed_run(engine: Any, prompts: Sequence[list[int]], output_len: int, tag: s
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": ids}, params)
     engine.runner.on_submit.append(observe)
+    padded0 = engine.runner.padded_verify_steps
     tokens: dict[str, list[int]] = {}
     decode: list[float] = []
     verify: list[float] = []
@@ -105,7 +108,8 @@ def timed_run(engine: Any, prompts: Sequence[list[int]], output_len: int, tag: s
                     verify.append(dt)
     finally:
         engine.runner.on_submit.remove(observe)
-    return TimedRun([tokens[f"{tag}-{i}"] for i in range(len(prompts))], decode, verify)
+    return TimedRun([tokens[f"{tag}-{i}"] for i in range(len(prompts))], decode, verify,
+                    engine.runner.padded_verify_steps - padded0)
 
 
 @attrs.define
@@ -239,7 +243,8 @@ def run_speculative(config: EngineConfig, concurrency: Sequence[int], ks: Sequen
                   ) -> dict[str, Any]:
             step = _median_ms(run.verify_steps)
             tpot = run.tpot(output_len)
-            return {"k": k, "verify_steps": len(run.verify_steps), "verify_step_ms": step,
+            return {"k": k, "verify_steps": len(run.verify_steps), "padded_verify_steps": run.padded_verify_steps,
+                    "verify_step_ms": step,
                     "verify_over_plain": step / plain_step if step and plain_step else None,
                     "tpot_ms": tpot * 1e3 if tpot else None,
                     "speedup": plain_tpot / tpot if tpot and plain_tpot else None,
@@ -285,7 +290,8 @@ def format_speculative(doc: dict[str, Any]) -> str:
             name = "replay" if e is not r["method"] else doc["method"]
             rate, length = e["acceptance_rate"], e["mean_acceptance_length"]
             lines.append(f"  {name:>6} k={e['k']}: verify step {ms(e['verify_step_ms'])} ms "
-                         f"({ratio(e['verify_over_plain'])} plain), TPOT {ms(e['tpot_ms'])} ms, speedup "
+                         f"({ratio(e['verify_over_plain'])} plain; {e['padded_verify_steps']} of {e['verify_steps']} "
+                         "padded), TPOT {ms(e['tpot_ms'])} ms, speedup "
                          f"{ratio(e['speedup'])}, acceptance {'-' if rate is None else f'{100 * rate:.1f}%'}, "
                          f"mean length {'-' if length is None else f'{length:.2f}'}, " + (
                              f"target's own tokens as recorded {100 * e['target_agreement']:.1f}%"
