@@ -3,6 +3,7 @@ self-consistent (no performance thresholds)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -42,6 +43,8 @@ def test_replay_accepts_everything_and_equals_plain(spec_doc) -> None:
             assert e["speedup"] == pytest.approx(r["plain_tpot_ms"] / e["tpot_ms"])
         assert r["method"]["k"] == 2 and r["method"]["outputs_equal"]
     assert "replay k=3" in table and "ngram k=2" in table and "NOT equal" not in table
+    assert "{" not in table and re.search(r"replay k=3: verify step [\d.]+ ms \([\d.]+x plain; \d+ of \d+ padded\), "
+                                          r"TPOT [\d.]+ ms", table)
     assert "target's own tokens as recorded 100.0%" in table
 
 

@@ -291,7 +291,7 @@ def format_speculative(doc: dict[str, Any]) -> str:
             rate, length = e["acceptance_rate"], e["mean_acceptance_length"]
             lines.append(f"  {name:>6} k={e['k']}: verify step {ms(e['verify_step_ms'])} ms "
                          f"({ratio(e['verify_over_plain'])} plain; {e['padded_verify_steps']} of {e['verify_steps']} "
-                         "padded), TPOT {ms(e['tpot_ms'])} ms, speedup "
+                         f"padded), TPOT {ms(e['tpot_ms'])} ms, speedup "
                          f"{ratio(e['speedup'])}, acceptance {'-' if rate is None else f'{100 * rate:.1f}%'}, "
                          f"mean length {'-' if length is None else f'{length:.2f}'}, " + (
                              f"target's own tokens as recorded {100 * e['target_agreement']:.1f}%"
