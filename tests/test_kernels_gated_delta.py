@@ -357,10 +357,13 @@ def test_bad_operands_are_named():
         "conv_states": (conv[:, :, :2], r"conv_states \(3, 128, 2\) .*expected \[num_slots, conv_dim=128, K-1=3\]"),
         "slots": (slots.int(), r"slots \(2,\) int32 .*expected \[B=2\] int64"),
         "has_state": (keep.float(), r"has_state \(2,\) float32 .*expected \[B=2\] int32/bool"),
+        "out_slots": (torch.tensor([[0, 1, 2]]), r"out_slots \(1, 3\): expected \[B, Q\] with B\*Q = 2, the rows"),
     }
     for name, (value, message) in bad.items():
         with pytest.raises(ValueError, match=rf"gdn_decode_step: {message}"):
             gdn_decode_step(**{**args, name: value})
+    with pytest.raises(ValueError, match=r"gdn_decode_step: slots \(2,\) int64 .*expected \[B=1\] int64"):
+        gdn_decode_step(**args, out_slots=torch.tensor([[0, 1]]))  # one row of two tokens: one start slot
     with pytest.raises(ValueError, match="num_v_heads a multiple of num_k_heads"):
         gdn_decode_step(**{**args, "num_k_heads": 3})
     with pytest.raises(ValueError, match="gdn_decode_step: block_dv=24: expected a power of two >= 1"):
