@@ -24,8 +24,8 @@ and its draft under speculative decoding; two launches):
 
 Slots and has_state are device tensors and the launch sizes depend on host ints only (shapes and
 the SM count), so the step can be captured in a CUDA graph; padded rows of a graph batch point at a
-dummy slot (with has_state 1) and just compute garbage there, and a verify row's padded tokens have
-no out slot (-1), so they write nothing. The scratch is a caching-allocator
+dummy slot and just compute garbage there (a padded decode row writes it; a padded verify row has no
+out slots), and a verify row's padded tokens have no out slot (-1), so they write nothing. The scratch is a caching-allocator
 ``torch.empty`` (from the graph's pool under capture).
 
 Prefill (:func:`chunk_gated_delta_rule`, a drop-in for ``gated_delta_chunked``; three launches, as
