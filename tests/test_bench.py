@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from vtcore.bench.serving import add_bench_parser, parse_concurrency, resolve_lengths, resolve_offline_lengths
+from vtcore.bench.serving import add_bench_parser, bench_schema, parse_concurrency, resolve_lengths, resolve_offline_lengths
 from vtcore.config import DEFAULT_MODEL
 
 INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS = 16, 8, 4
@@ -583,6 +583,10 @@ def test_a_structured_share_is_reported_apart(tmp_path) -> None:
     assert groups["constrained"]["requests"] == groups["unconstrained"]["requests"] == 2
     # ignore_eos: the plain ones run to max_tokens; the schema's 40 items outlast 40 tokens: so do the held ones
     assert groups["unconstrained"]["output_tokens"] == groups["constrained"]["output_tokens"] == 2 * 40
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate({"values": [7] * 40}, bench_schema(40))
+    with pytest.raises(jsonschema.ValidationError):  # a shorter object would end a request before max_tokens
+        jsonschema.validate({"values": [7] * 39}, bench_schema(40))
     assert sum(g["output_tokens"] for g in groups.values()) == run["output_tokens"]
     assert [r["constrained"] for r in run["requests"]] == [False, True, False, True]
     assert "c=2 constrained: 2 requests" in table
