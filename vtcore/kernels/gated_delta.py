@@ -25,8 +25,8 @@ and its draft under speculative decoding; two launches):
 Slots and has_state are device tensors and the launch sizes depend on host ints only (shapes and
 the SM count), so the step can be captured in a CUDA graph; padded rows of a graph batch point at a
 dummy slot and just compute garbage there (a padded decode row writes it; a padded verify row has no
-out slots), and a verify row's padded tokens have no out slot (-1), so they write nothing. The scratch is a caching-allocator
-``torch.empty`` (from the graph's pool under capture).
+out slots), and a verify row's padded tokens have no out slot (-1), so they write nothing. The
+scratch is a caching-allocator ``torch.empty`` (from the graph's pool under capture).
 
 Prefill (:func:`chunk_gated_delta_rule`, a drop-in for ``gated_delta_chunked``; three launches, as
 in flash-linear-attention's ``chunk_gated_delta_rule``). Tokens are cut into chunks of C; the tail
@@ -97,32 +97,29 @@ def _decode_conv_kernel(
     state_mask = offs < tl.where(tl.load(has_state_ptr + row) != 0, width, 0)
     state_ptrs = conv_ptr + slot * (CONV_DIM * (KERNEL - 1)) + ch * (KERNEL - 1)
     x_ptrs = x_ptr + (row * Q).to(tl.int64) * stride_x + ch
-    # Token t's window is inputs t-K+1..t: input i < 0 is the slot's state column K-1+i.
+    # Token t's window is inputs t-K+1..t (input i < 0: the slot's state column K-1+i); the state after it,
+    # inputs t-K+2..t, goes to its out slot (-1: none) as they are read. Only the row's last real token's out
+    # slot may be its own slot, and the tokens after it are padding: column c is written after every read of
+    # it that a real token makes (its own reads go to columns past c, by the same thread).
     for t in tl.static_range(Q):
-        y = tl.load(x_ptrs + t * stride_x, mask=mask, other=0.0).to(tl.float32) * tl.load(
-            w_ptr + ch * stride_wc + (KERNEL - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
+        out_slot = tl.load(out_slots_ptr + row * Q + t)
+        out_ptrs = conv_ptr + out_slot * (CONV_DIM * (KERNEL - 1)) + ch * (KERNEL - 1)
+        written = offs < tl.where(out_slot >= 0, width, 0)
+        x = tl.load(x_ptrs + t * stride_x, mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.load(w_ptr + ch * stride_wc + (KERNEL - 1) * stride_wk, mask=mask, other=0.0).to(tl.float32)
         for j in tl.static_range(KERNEL - 1):
             if t + j < KERNEL - 1:
                 v = tl.load(state_ptrs + (t + j), mask=state_mask, other=0.0)
             else:
                 v = tl.load(x_ptrs + (t + j - (KERNEL - 1)) * stride_x, mask=mask, other=0.0).to(tl.float32)
             y += v * tl.load(w_ptr + ch * stride_wc + j * stride_wk, mask=mask, other=0.0).to(tl.float32)
+            if j > 0:
+                tl.store(out_ptrs + (j - 1), v, mask=written)
+        tl.store(out_ptrs + (KERNEL - 2), x, mask=written)
         y = y * tl.sigmoid(y)
         rstd = tl.rsqrt(tl.sum(y * y, axis=0) + EPS)
         factor = tl.where(is_qk, rstd, 1.0) * tl.where(seg < HK, q_scale, 1.0)
         tl.store(qkv_ptr + (row * Q + t) * CONV_DIM + ch, y * factor, mask=mask)
-    # The state after token t (inputs t-K+2..t) goes to its out slot (-1: none). Only the row's last real
-    # token's out slot may be its own slot, and no later token writes: column c is written after every
-    # read of it (reads go to columns past c, by the same thread).
-    for t in tl.static_range(Q):
-        out_slot = tl.load(out_slots_ptr + row * Q + t)
-        out_ptrs = conv_ptr + out_slot * (CONV_DIM * (KERNEL - 1)) + ch * (KERNEL - 1)
-        for c in tl.static_range(KERNEL - 1):
-            if t + c + 1 < KERNEL - 1:
-                v = tl.load(state_ptrs + (t + c + 1), mask=state_mask, other=0.0)
-            else:
-                v = tl.load(x_ptrs + (t + c + 2 - KERNEL) * stride_x, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptrs + c, v, mask=offs < tl.where(out_slot >= 0, width, 0))
 
 
 @triton.jit

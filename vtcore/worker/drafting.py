@@ -7,6 +7,8 @@ step, whose shares of those requests float over that count (``vtcore.worker.step
 """
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -83,9 +85,16 @@ def accepted_counts(fed: torch.Tensor, tokens: torch.Tensor, base: torch.Tensor,
     return ((sampled == drafts) & (i < widths[:, None])).long().cumprod(1).sum(1)
 
 
+def draft_state_slot(draft_state_base: int, per_request: int, mirror: Any, accepted: Any) -> Any:
+    """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens (fewer
+    than its draft's length): ``per_request`` such slots a running request (by its mirror slot), from
+    ``draft_state_base``. Host ints or device tensors alike."""
+    return draft_state_base + mirror * per_request + accepted
+
+
 def resume_slots(draft_state_base: int, per_request: int, mirror: torch.Tensor, accepted: torch.Tensor,
                  widths: torch.Tensor) -> torch.Tensor:
     """The state slot each request resumes from after its verify row (``accepted`` of its ``widths`` draft
-    tokens kept): the draft-state slot of that count (``per_request`` of them a running request, from
-    ``draft_state_base``), or its own slot (``mirror``) when it kept its whole draft."""
-    return torch.where(accepted < widths, draft_state_base + mirror * per_request + accepted, mirror)
+    tokens kept): the draft-state slot of that count, or its own slot (``mirror``) when it kept its whole
+    draft."""
+    return torch.where(accepted < widths, draft_state_slot(draft_state_base, per_request, mirror, accepted), mirror)

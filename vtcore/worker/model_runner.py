@@ -49,7 +49,7 @@ from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer, copy_states, stateful_layers
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward
-from vtcore.worker.drafting import DraftRows, draft_rows, resume_slots
+from vtcore.worker.drafting import DraftRows, draft_rows, draft_state_slot, resume_slots
 from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
@@ -548,7 +548,7 @@ class ModelRunner:
     def draft_state_slot(self, mirror_slot: int, accepted: int) -> int:
         """The state slot holding a verify row's state after its fed token and ``accepted`` draft tokens
         (fewer than its draft's length)."""
-        return self.draft_state_base + mirror_slot * self.draft_states + accepted
+        return draft_state_slot(self.draft_state_base, self.draft_states, mirror_slot, accepted)
 
     def _state_rows(self, state: StateRows, s: Scheduled, row0: int) -> None:
         """``s``'s rows for stateful layers: one segment, split after each snapshot inside it (the first
