@@ -305,6 +305,46 @@ def test_roofline_bytes_and_bandwidth(bench_doc):
         assert float(row[-3]) == pytest.approx(r["roofline_ms"], abs=1e-3)
 
 
+def test_prefill_floor_counts_the_default_models_operations(bench_doc):
+    """The floor's operation count equals one made from the config alone (q, k, v, o, gate, up, down per
+    layer, the tied LM head once, causal attention), and TTFT / floor is the c=1 run's median over it."""
+    doc, table = bench_doc
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    h, i, nq, nkv, hd = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim"))
+    layers, n = cfg["num_hidden_layers"], INPUT_LEN
+    per_token = 2 * layers * (h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * i)
+    expected = per_token * n + 2 * cfg["vocab_size"] * h + layers * 2 * nq * hd * n * (n + 1)
+    pf = doc["prefill_floor"]
+    assert pf["prompt_tokens"] == n and pf["flops"] == expected
+    mm = pf["matmul"]
+    assert mm["dtype"] == "float32" and mm["flop_s"] == pytest.approx(2 * mm["side"] ** 3 / mm["median_s"])
+    assert pf["floor_ms"] == pytest.approx(expected / mm["flop_s"] * 1e3)
+    lone = next(r for r in doc["runs"] if r["concurrency"] == 1)
+    assert pf["ttft_median_over_floor"] == pytest.approx(lone["ttft_s"]["median"] * 1e3 / pf["floor_ms"])
+    assert f"prefill floor: {n}-token prompt, {expected / 1e12:.3f} TFLOP" in table
+
+
+def test_prefill_flops_counts_a_tokens_share_of_routed_experts_and_refuses_packed_weights():
+    import torch
+
+    from vtcore.bench.roofline import prefill_flops
+
+    class Routed(torch.nn.Module):
+        def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(64, 16, dtype=dtype), requires_grad=False)
+            self.norm = torch.nn.Parameter(torch.zeros(16))  # one dimension: no operands
+
+        def active_fraction(self, batch: int) -> float:
+            return 1 - (1 - 0.25) ** batch
+
+    model = torch.nn.Sequential(Routed(), torch.nn.Linear(8, 8, bias=False))
+    assert prefill_flops(model, [], 3) == 3 * (2 * 1024 * 0.25 + 2 * 64)
+    assert prefill_flops(torch.nn.Sequential(Routed(torch.uint8)), [], 3) is None
+
+
 # ---------------------------------------------------------------------------------------- --offline
 def test_offline_counts_tokens(tmp_path):
     doc, table = _run(tmp_path, ["--offline", "--offline-min-len", "4", "--offline-max-len", "12",

@@ -14,6 +14,11 @@ The device's copy bandwidth is measured: a ~256 MiB tensor copied on the device 
 warm-up copy), ``2 * nbytes`` (read + write) over the median wall time of several timed copies, each
 bracketed by ``torch.cuda.synchronize`` on CUDA. ``roofline_ms = bytes / bandwidth``; the benchmark
 reports ``TPOT / roofline`` (1.0 would be a decode step running at copy bandwidth).
+
+A prefill has a compute floor beside it: :func:`prefill_flops` counts the operations a prompt computed
+from scratch needs at least, and :func:`measure_matmul_rate` times a square matmul of the model's dtype
+on the device (CUDA: 8192 on a side, the rate a large prefill GEMM can reach; CPU: 256); the floor is
+``flops / rate``, and the benchmark reports ``TTFT / floor`` for a lone prompt (concurrency 1).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 
 DEFAULT_COPY_MIB = 256
 COPY_REPEATS = 5
+MATMUL_SIDE = {"cuda": 8192, "cpu": 256}  # the timed matmul's side per device type
 
 
 def parameter_bytes(model: torch.nn.Module, batch: int | None = None) -> int:
@@ -70,32 +76,47 @@ def decode_step_bytes(param_bytes: int, kv_per_token: int, concurrency: int, inp
     return {"param_bytes": param_bytes, "kv_bytes": kv, "bytes": param_bytes + kv}
 
 
+def _timed_runs(run: Any, device: torch.device, repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` calls of ``run`` after one untimed warm-up (page faults, lazy init),
+    each bracketed by a synchronize on CUDA."""
+    import torch
+
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _release(device: torch.device) -> None:
+    """Hand a measurement's buffers back to the device (the engine's KV cache sizes itself after)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure_copy_bandwidth(device: torch.device | str, mib: int = DEFAULT_COPY_MIB,
                            repeats: int = COPY_REPEATS) -> dict[str, Any]:
     """Copy a ``mib`` MiB tensor on ``device``: bandwidth = 2 * nbytes / median(timed copies)."""
     import torch
 
     device = torch.device(device)
-    cuda = device.type == "cuda"
     n = mib * 2**20
     src = torch.ones(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
     try:
-        for i in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            if cuda:
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            if i:  # the first copy is an untimed warm-up (page faults, lazy init)
-                times.append(dt)
+        times = _timed_runs(lambda: dst.copy_(src), device, repeats)
     finally:
         del src, dst
-        if cuda:
-            torch.cuda.empty_cache()
+        _release(device)
     median = statistics.median(times)
     moved = 2 * n
     return {"device": str(device), "nbytes": n, "bytes_moved_per_copy": moved, "times_s": times,
@@ -107,3 +128,62 @@ def roofline_for_run(step: dict[str, int], bandwidth_bytes_s: float, tpot_s: flo
     roof_s = step["bytes"] / bandwidth_bytes_s
     return {**step, "roofline_ms": roof_s * 1e3,
             "tpot_over_roofline": (tpot_s / roof_s) if tpot_s is not None else None}
+
+
+def prefill_flops(model: torch.nn.Module, attention_layers: list[Any], prompt_len: int) -> int | None:
+    """The floating-point operations a prompt of ``prompt_len`` tokens computed from scratch needs at least.
+
+    Per token, 2 per element of every matrix parameter (two or more dimensions) of the decoder; a module
+    with ``active_fraction`` (routed experts) counts its own at ``active_fraction(1)``, the share one token
+    uses. The LM head counts once (only the last token's logits are computed); embedding lookups
+    (``EmbedInto``), norms, biases and element-wise work count nothing, nor does a draft head
+    (``model.mtp``). Causal attention adds its two products, ``2 * 2 * heads * head_dim * n * (n + 1) / 2``
+    a layer. Stateful layers' recurrences (linear attention) are not counted, so a hybrid model's floor
+    lies below its true work. None for a model with packed (non-floating) weights, whose stored elements
+    are not its operands.
+    """
+    from vtcore.layers.embedding import EmbedInto
+
+    head = getattr(model, "lm_head", None)
+    skip = {id(p) for m in model.modules() if isinstance(m, EmbedInto) for p in m.parameters()}
+    for sub in (head, getattr(model, "mtp", None)):
+        if sub is not None:
+            skip |= {id(p) for p in sub.parameters()}
+    share = {id(p): m.active_fraction(1) for m in model.modules() if hasattr(m, "active_fraction")
+             for p in m.parameters(recurse=False)}
+    per_token = 0.0
+    for p in model.parameters():
+        if id(p) in skip or p.dim() < 2:
+            continue
+        if not p.is_floating_point():
+            return None
+        per_token += 2 * p.numel() * share.get(id(p), 1.0)
+    lm_head = 2 * head.weight.numel() if head is not None else 0
+    attention = sum(2 * a.num_heads * a.head_dim * prompt_len * (prompt_len + 1) for a in attention_layers)
+    return round(per_token * prompt_len) + lm_head + attention
+
+
+def measure_matmul_rate(device: torch.device | str, dtype: torch.dtype, side: int | None = None,
+                        repeats: int = COPY_REPEATS) -> dict[str, Any]:
+    """Time ``side`` x ``side`` by ``side`` x ``side`` matmuls of ``dtype`` on ``device`` (after one untimed
+    warm-up): rate = ``2 * side**3`` over the median wall time, each bracketed by a synchronize on CUDA."""
+    import torch
+
+    device = torch.device(device)
+    n = side or MATMUL_SIDE.get(device.type, MATMUL_SIDE["cpu"])
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    try:
+        times = _timed_runs(lambda: torch.mm(a, b), device, repeats)
+    finally:
+        del a, b
+        _release(device)
+    median = statistics.median(times)
+    return {"side": n, "dtype": str(dtype).replace("torch.", ""), "times_s": times, "median_s": median,
+            "flop_s": 2 * n**3 / median}
+
+
+def prefill_floor(flops: int | None, rate: dict[str, Any], prompt_len: int) -> dict[str, Any]:
+    """A prompt's compute floor: ``floor_ms = flops / matmul rate`` (None without a flop count)."""
+    return {"prompt_tokens": prompt_len, "flops": flops, "matmul": rate,
+            "floor_ms": None if flops is None else flops / rate["flop_s"] * 1e3}

@@ -25,6 +25,10 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
 * ``roofline`` (always): the device copy bandwidth, measured before the engine is built, and per
   concurrency the bytes one decode step must move (parameters + KV read) with ``roofline_ms`` and
   ``TPOT / roofline``; see :mod:`vtcore.bench.roofline`.
+* ``prefill_floor`` (always): the compute floor of one prompt of ``--prefix-len + --input-len`` tokens
+  computed from scratch (its operations at the rate of a square matmul of the model's dtype timed on the
+  device after the engine is built) and the concurrency-1 run's median TTFT over it (a cached prefix
+  can put that TTFT below the floor); see :mod:`vtcore.bench.roofline`.
 * ``peer`` (``--peer hf``): HF transformers' ``generate`` (from the checkpoint, or with
   ``--load-format dummy`` random weights of the same shapes) after the engine is shut down: at batch 1
   on the first ``min(num_prompts, 4)`` prompts of the concurrency-1 run, its TPOT, tokens/s and
@@ -415,7 +419,8 @@ def _resolved_config(args: argparse.Namespace) -> tuple[EngineConfig, Any, dict[
 def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
     """Build the engine, run every concurrency, return every number (the --json document)."""
     from vtcore.bench.roofline import (decode_step_bytes, kv_bytes_per_token, measure_copy_bandwidth,
-                                       parameter_bytes, roofline_for_run)
+                                       measure_matmul_rate, parameter_bytes, prefill_flops, prefill_floor,
+                                       roofline_for_run)
     from vtcore.engine.async_llm import AsyncLLM
     from vtcore.engine.llm_engine import resolve_device
     from vtcore.sampling_params import SamplingParams
@@ -491,6 +496,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         return runs
 
     try:
+        floor = prefill_floor(prefill_flops(model_obj, inner.runner.attention_layers, prefix_len + input_len),
+                              measure_matmul_rate(device, dtype), prefix_len + input_len)
         runs = asyncio.run(main())
     finally:
         engine.shutdown()
@@ -507,6 +514,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         "roofline": {"param_bytes": param_bytes, "kv_bytes_per_token": kv_per_token,
                      "kv_context_tokens_per_seq": prefix_len + input_len + args.output_len / 2,
                      "copy_bandwidth_bytes_s": copy["bandwidth_bytes_s"], "copy": copy},
+        "prefill_floor": {**floor, "ttft_median_over_floor": _ttft_over_floor(runs, floor)},
     }
     if peer:
         pad = hf.get("pad_token_id", None)
@@ -519,6 +527,14 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         doc["peer"] = peer_section(peer, config, device, dtype, args, runs, prompts_by_c, input_len, vocab_size,
                                    rng, pad)
     return doc
+
+
+def _ttft_over_floor(runs: list[dict[str, Any]], floor: dict[str, Any]) -> float | None:
+    """The concurrency-1 run's median TTFT over the prompt's compute floor (None without either)."""
+    lone = next((r for r in runs if r["concurrency"] == 1), None)
+    if lone is None or floor["floor_ms"] is None:
+        return None
+    return lone["ttft_s"]["median"] * 1e3 / floor["floor_ms"]
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -576,6 +592,14 @@ def format_table(doc: dict[str, Any]) -> str:
                   f"{rl['copy']['nbytes'] / 2**20:.0f} MiB, median of {len(rl['copy']['times_s'])} copies); "
                   f"params {rl['param_bytes'] / 1e6:.2f} MB; KV {rl['kv_bytes_per_token']} B/token x "
                   f"{rl['kv_context_tokens_per_seq']:g} tokens/seq; TPOT/roof uses the mean TPOT"]
+    pf = doc.get("prefill_floor")
+    if pf is not None:
+        mm = pf["matmul"]
+        lines.append(f"prefill floor: {pf['prompt_tokens']}-token prompt, " + (
+            "not counted (packed weights)" if pf["flops"] is None else
+            f"{pf['flops'] / 1e12:.3f} TFLOP at {mm['flop_s'] / 1e12:.1f} TFLOP/s ({mm['dtype']} {mm['side']}^3 "
+            f"matmul, median of {len(mm['times_s'])}): {pf['floor_ms']:.3f} ms; TTFT median at c=1 / floor: "
+            f"{_num(pf['ttft_median_over_floor'], '.2f')}"))
     for r in doc["runs"]:
         d = r["decode_device"]
         lines.append(f"decode step c={r['concurrency']}: host {_ms(r['step_host_s']['decode']['median'])} ms median"

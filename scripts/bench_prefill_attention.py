@@ -1,0 +1,111 @@
+"""Prefill attention on one GPU: vtcore's paged Triton kernel beside torch's SDPA (flash) on the same shapes.
+
+    python scripts/bench_prefill_attention.py [--sweep] [--out DIR]
+Qwen3-4B heads (32 query, 8 kv, head_dim 128), bf16, paged cache of 16-token blocks in shuffled order.
+Cases: a whole prompt of 1024 and of 8192 tokens (causal), and a 128-token chunk after a 2048-token cached
+prefix (issue 21's hit). One call per "layer" over separate caches (36, or 8 for the 8192 prompt), captured
+in a CUDA graph, median of 5 replays; microseconds per call and the causal attention's TFLOP/s
+(``4 * heads * head_dim * sum of visible keys``). The peer: ``torch.nn.functional.scaled_dot_product_attention``
+with ``is_causal`` on contiguous [1, heads, tokens, head_dim] tensors (whole prompts only; its causal mask
+is top-left aligned, which a chunk after a prefix is not). ``--sweep`` forces (block_m, block_n, num_warps,
+num_stages, num_splits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from vtcore.kernels.paged_attention import paged_prefill_attention, prefill_num_splits
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemv import replay_us  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+CASES = ((1024, 1024, 36), (128, 2176, 36), (8192, 8192, 8))  # (query tokens, context, layers)
+SWEEP = [(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)
+         if not (bm == 128 and bn == 128 and s == 3)]
+
+
+def case(qlen: int, ctx: int, layers: int) -> tuple:
+    blocks = -(-ctx // BLOCK)
+    g = torch.Generator().manual_seed(qlen * 100003 + ctx)
+    caches = [(torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g).to("cuda", torch.bfloat16),
+               torch.randn(blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g).to("cuda", torch.bfloat16))
+              for _ in range(layers)]
+    table = torch.randperm(blocks, generator=g).view(1, blocks).to("cuda", torch.int32)
+    qsl = torch.tensor([0, qlen], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    q = torch.randn(qlen, HEADS, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)
+    return caches, table, qsl, lens, q
+
+
+def flops(qlen: int, ctx: int) -> int:
+    visible = sum(ctx - qlen + i + 1 for i in range(qlen))
+    return 4 * HEADS * HEAD_DIM * visible
+
+
+def timed(c: tuple, qlen: int, ctx: int, **kw) -> float:
+    caches, table, qsl, lens, q = c
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        for k, v in caches:
+            paged_prefill_attention(q, k, v, table, qsl, lens, HEAD_DIM ** -0.5, BLOCK, qlen, ctx, out, **kw)
+    return replay_us(run, len(caches))
+
+
+def sdpa_us(qlen: int, layers: int) -> float:
+    g = torch.Generator().manual_seed(7)
+    qs = torch.randn(1, HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)
+    kvs = [(torch.randn(1, KV_HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16),
+            torch.randn(1, KV_HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)) for _ in range(layers)]
+
+    def run() -> None:
+        for k, v in kvs:
+            torch.nn.functional.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
+    return replay_us(run, layers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for qlen, ctx, layers in CASES:
+        c = case(qlen, ctx, layers)
+        f = flops(qlen, ctx)
+        us = timed(c, qlen, ctx)
+        splits = prefill_num_splits(qlen, HEADS, 1, ctx, torch.device("cuda"))
+        peer = sdpa_us(qlen, layers) if qlen == ctx else None
+        rows.append({"qlen": qlen, "ctx": ctx, "config": "default", "splits": splits, "us": us,
+                     "tflops": f / us / 1e6, "sdpa_us": peer})
+        print(f"q {qlen:5d} over {ctx:5d}: {us:8.2f} us ({f / us / 1e6:6.1f} TFLOP/s, splits {splits})"
+              + ("" if peer is None else f"; SDPA {peer:8.2f} us ({f / peer / 1e6:6.1f} TFLOP/s)"), flush=True)
+        if args.sweep:
+            split_choices = (1,) if qlen == ctx else (1, 4)
+            for bm, bn, w, s in SWEEP:
+                for sp in split_choices:
+                    try:
+                        t = timed(c, qlen, ctx, block_m=bm, block_n=bn, num_warps=w, num_stages=s, num_splits=sp)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory)
+                        print(f"    {bm, bn, w, s, sp}: {type(exc).__name__}", flush=True)
+                        continue
+                    rows.append({"qlen": qlen, "ctx": ctx, "config": [bm, bn, w, s, sp], "us": t,
+                                 "tflops": f / t / 1e6})
+            best = sorted((r for r in rows if r["qlen"] == qlen and r["config"] != "default"),
+                          key=lambda r: r["us"])[:5]
+            for r in best:
+                print(f"    block_m, block_n, warps, stages, splits {r['config']}: {r['us']:.2f} us "
+                      f"({r['tflops']:.1f} TFLOP/s)", flush=True)
+    if args.out:
+        with open(os.path.join(args.out, "bench_prefill_attention.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
