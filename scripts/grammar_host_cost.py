@@ -1,8 +1,8 @@
 """The host cost of structured outputs a decode step (docs/BENCHMARKS.md): for R constrained rows held to
 the bench's JSON schema (``vtcore.bench.serving.bench_schema(128)``, the embedded default model's tokenizer,
-logits as wide as the Qwen3 vocabulary), the medians over a walk through the grammar of accepting one
-token a row and filling the rows' bitmasks, one matcher at a time (what the engine does) and through
-xgrammar's ``BatchGrammarMatcher`` (C++ threads).
+logits as wide as the Qwen3 vocabulary, compiled as the engine compiles it: ``GrammarCache``), the medians
+over a walk through the grammar of accepting one token a row and filling the rows' bitmasks, one matcher
+at a time (what the engine does) and through xgrammar's ``BatchGrammarMatcher`` (C++ threads).
 
     python3 scripts/grammar_host_cost.py [ROWS] [VOCAB]
 """
@@ -20,14 +20,17 @@ from transformers import AutoTokenizer
 
 from vtcore.bench.serving import bench_schema
 from vtcore.config import DEFAULT_MODEL
+from vtcore.structured import StructuredOutputsParams
+from vtcore.structured.grammar import GrammarCache
 
 
 def main() -> None:
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 16
     vocab = int(sys.argv[2]) if len(sys.argv) > 2 else 151936
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(DEFAULT_MODEL), vocab_size=vocab)
-    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(bench_schema(128)))
-    mask = xgr.allocate_token_bitmask(rows, vocab)
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    cache = GrammarCache(tokenizer, vocab, [tokenizer.eos_token_id])
+    grammar = cache.compile(StructuredOutputsParams(json=bench_schema(128)))
+    mask = xgr.allocate_token_bitmask(rows, cache.tokens)
     rng = random.Random(0)
     times: dict[str, list[float]] = {k: [] for k in ("accept", "fill", "batch_accept", "batch_fill")}
     for batch in (False, True):

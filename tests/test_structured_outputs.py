@@ -169,3 +169,37 @@ def test_async_gives_a_constrained_request_the_tokens_sync_gives() -> None:
         steps = [i for i, batch in enumerate(batches) if any(row[0] == rid for row in batch)]
         assert len(sync[rid]) > 5 and len(steps) == len(sync[rid])  # one step a token: the prefill, then decodes
         assert steps == list(range(steps[0], steps[0] + len(steps)))  # in consecutive steps, none skipped
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_keeps_its_padding_out_of_constrained_draws(tmp_path) -> None:
+    """A model whose logits are wider than its tokenizer (vocab_size padded, as Qwen checkpoints are):
+    the matchers hold the tokenizer's tokens only, and the padding ids stay disallowed under a grammar
+    even when a logit bias makes one the unconstrained argmax (the control request takes it)."""
+    import os
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for name in os.listdir(DEFAULT_MODEL):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(DEFAULT_MODEL, name), tmp_path)
+    weights = load_file(os.path.join(DEFAULT_MODEL, "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]  # tied: the LM head too
+    tokens = embed.shape[0]
+    weights["model.embed_tokens.weight"] = torch.cat([embed, torch.zeros(64, embed.shape[1], dtype=embed.dtype)])
+    save_file(weights, os.path.join(tmp_path, "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vocab_size"] = tokens + 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    padded = LLM(str(tmp_path), device="cpu")
+    bias = {tokens + 52: 50.0}
+    so = StructuredOutputsParams(json=SCHEMAS[7])
+    held, free = padded.generate(["Answer: "] * 2, [
+        SamplingParams(temperature=0, max_tokens=40, logit_bias=bias, structured_outputs=so),
+        SamplingParams(temperature=0, max_tokens=3, logit_bias=bias)], use_tqdm=False)
+    assert free.outputs[0].token_ids == [tokens + 52] * 3
+    ids = held.outputs[0].token_ids
+    assert ids and max(ids) < tokens
+    cache = padded.engine._grammar_cache
+    assert (cache.tokens, cache.words, cache.vocab_size) == (tokens, -(-tokens // 32), tokens + 64)

@@ -78,7 +78,7 @@ class StructuredChecks:
             return "no token generated"
         matcher = grammars.matcher(constraint).matcher
         lp = torch.log_softmax(teacher_forced_logits(hf, prompt + ids[:-1])[len(prompt) - 1:].double(), -1)
-        mask = xgr.allocate_token_bitmask(1, grammars.vocab_size)
+        mask = xgr.allocate_token_bitmask(1, grammars.tokens)
         for pos, tok in enumerate(ids):
             matcher.fill_next_token_bitmask(mask)
             allowed = unpack_bitmask(mask, lp.shape[1])[0]

@@ -20,14 +20,21 @@ from vtcore.structured.params import StructuredOutputsParams
 
 
 class GrammarCache:
-    """Compiles constraints for one tokenizer and model vocabulary (logits width); thread-safe."""
+    """Compiles constraints for one tokenizer and model vocabulary (logits width); thread-safe.
+
+    The matchers' vocabulary is the tokenizer's own ``tokens`` (its bitmasks ``words`` 32-token words
+    wide), not a model vocabulary padded past them: xgrammar takes padding ids for special tokens and
+    scans them on every accepted token, which costs a constrained row tens of microseconds a step at a
+    padding of 150k ids (docs/BENCHMARKS.md); :func:`unpack_bitmask` disallows the padding ids instead."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(stop_token_ids))
+        self.tokens = min(vocab_size, len(tokenizer))
+        self.words = -(-self.tokens // 32)
+        stops = [t for t in stop_token_ids if t < self.tokens] or None  # (None: xgrammar finds the tokenizer's)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.tokens, stop_token_ids=stops)
         self.compiler = xgr.GrammarCompiler(self.info)
         self.vocab_size = vocab_size
         self._compiled: dict[tuple[str, str], Any] = {}
@@ -82,9 +89,9 @@ class RequestGrammar:
 
 
 def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], out: torch.Tensor) -> torch.Tensor:
-    """Fill ``out`` (int32 [>= len(rows), ceil(vocab / 32)], host memory) with the masks of ``(grammar, output
-    position)`` rows whose grammars stand at their positions, 32 tokens a word; each position is then
-    ``masked``. Returns the filled rows of ``out``."""
+    """Fill ``out`` (int32 [>= len(rows), the grammars' ``GrammarCache.words``], host memory) with the masks
+    of ``(grammar, output position)`` rows whose grammars stand at their positions, 32 tokens a word; each
+    position is then ``masked``. Returns the filled rows of ``out``."""
     for i, (grammar, position) in enumerate(rows):
         grammar.matcher.fill_next_token_bitmask(out, i)
         grammar.masked = position + 1
@@ -141,7 +148,10 @@ def _regex_literal(text: str) -> str:
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 words [rows, W] (bit j of word i: token 32 i + j allowed) -> bool [rows, vocab_size]."""
+    """int32 words [rows, W] (bit j of word i: token 32 i + j allowed) -> bool [rows, vocab_size]; ids past
+    the words' 32 W tokens (a model vocabulary padded past its tokenizer's) are not allowed."""
     bits = torch.arange(32, device=words.device, dtype=torch.int32)
-    allowed = (words[:, :, None] >> bits) & 1
-    return allowed.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+    allowed = ((words[:, :, None] >> bits) & 1).reshape(words.shape[0], -1)[:, :vocab_size].bool()
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.cat([allowed, allowed.new_zeros(words.shape[0], vocab_size - allowed.shape[1])], dim=1)
+    return allowed

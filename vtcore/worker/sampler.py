@@ -95,14 +95,13 @@ class Sampler:
         self._mask_ring: list[torch.Tensor] = []
         self._mask_turn = 0
 
-    def _mask_buffer(self, rows: int) -> torch.Tensor:
-        words = -(-self.vocab_size // 32)
+    def _mask_buffer(self, rows: int, words: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.empty((rows, words), dtype=torch.int32)
         if not self._mask_ring:
             self._mask_ring = [torch.empty((0, words), dtype=torch.int32).pin_memory() for _ in range(MASK_BUFFERS)]
         turn, self._mask_turn = self._mask_turn % MASK_BUFFERS, self._mask_turn + 1
-        if self._mask_ring[turn].shape[0] < rows:
+        if self._mask_ring[turn].shape[0] < rows or self._mask_ring[turn].shape[1] != words:
             self._mask_ring[turn] = torch.empty((rows, words), dtype=torch.int32).pin_memory()
         return self._mask_ring[turn]
 
@@ -149,7 +148,8 @@ class Sampler:
             max_logprobs=max(wanted) if wanted else None,
             masked_rows=self._up([row for row, _ in masked]) if masked else None,
             bitmasks=to_device(fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked],
-                                             self._mask_buffer(len(masked))), torch.int32, self.device)
+                                             self._mask_buffer(len(masked), masked[0][1].cache.words)),
+                               torch.int32, self.device)
             if masked else None,
             late=late)
 
