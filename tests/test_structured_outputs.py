@@ -203,3 +203,35 @@ def test_a_vocabulary_padded_past_the_tokenizer_keeps_its_padding_out_of_constra
     assert ids and max(ids) < tokens
     cache = padded.engine._grammar_cache
     assert (cache.tokens, cache.words, cache.vocab_size) == (tokens, -(-tokens // 32), tokens + 64)
+
+
+def test_async_compiles_a_constraint_off_the_engine_thread_once_then_sends_its_requests_straight_on() -> None:
+    """``AsyncLLM.generate`` compiles a new constraint on an executor thread (off the engine thread); a
+    constraint already compiled goes with its request directly (an executor hop would let the request miss
+    the step its unconstrained neighbours arrived for)."""
+    import asyncio
+
+    from vtcore.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(device="cpu", max_num_seqs=4)
+    compiles = []
+    original = engine.engine.compile_grammar
+    engine.engine.compile_grammar = lambda c: (compiles.append((threading.current_thread(), c.key())), original(c))
+    params = [SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=s))
+              for s in (SCHEMAS[4], SCHEMAS[4], SCHEMAS[5])]
+
+    async def run() -> list[str]:
+        texts = []
+        for i, p in enumerate(params):
+            async for out in engine.generate({"prompt_token_ids": [5, 6, 7]}, p, request_id=f"r{i}"):
+                pass
+            texts.append(out.outputs[0].text)
+        return texts
+
+    try:
+        texts = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert [key for _, key in compiles] == [params[0].structured_outputs.key(), params[2].structured_outputs.key()]
+    assert all(thread is not threading.main_thread() for thread, _ in compiles)
+    assert [json.loads(t) in (True, False) for t in texts[:2]] == [True, True] and json.loads(texts[2]) is None

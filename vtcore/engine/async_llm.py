@@ -81,9 +81,10 @@ class AsyncLLM(EngineFrontEnd):
             if request_id in self._streams:
                 raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
             self._streams[request_id] = (loop, stream)
-        if sampling_params is not None and sampling_params.structured_outputs is not None:
+        constraint = None if sampling_params is None else sampling_params.structured_outputs
+        if constraint is not None and not self.engine.grammar_compiled(constraint):
             try:  # compiled (once per distinct constraint) off the engine thread; add_request finds it cached
-                await loop.run_in_executor(None, self.engine.compile_grammar, sampling_params.structured_outputs)
+                await loop.run_in_executor(None, self.engine.compile_grammar, constraint)
             except BaseException:
                 with self._lock:
                     self._streams.pop(request_id, None)

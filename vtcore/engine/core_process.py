@@ -273,6 +273,10 @@ class CoreClient(PromptText):
             self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.info.eos_token_ids)
         self._grammar_cache.compile(constraint)
 
+    def grammar_compiled(self, constraint: StructuredOutputsParams) -> bool:
+        """Whether ``compile_grammar`` has checked ``constraint`` already."""
+        return self._grammar_cache is not None and self._grammar_cache.compiled(constraint)
+
     def shutdown(self) -> None:
         """Wait for the core to exit (after a stop), killing it past ``STOP_TIMEOUT_S``."""
         self._finalizer.detach()

@@ -268,6 +268,10 @@ class LLMEngine(PromptText):
         the engine thread); a constraint xgrammar refuses raises ``ValueError`` naming the field."""
         self._grammars().compile(constraint)
 
+    def grammar_compiled(self, constraint: StructuredOutputsParams) -> bool:
+        """Whether ``constraint`` is in the grammar cache (``AsyncLLM`` then sends its request straight on)."""
+        return self._grammar_cache is not None and self._grammar_cache.compiled(constraint)
+
     def _grammars(self) -> GrammarCache:
         """The grammar compiler for this model's tokenizer and vocabulary, built at the first
         constrained request."""

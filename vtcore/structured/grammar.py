@@ -60,6 +60,11 @@ class GrammarCache:
                 self._compiling.pop(key, None)
         return grammar
 
+    def compiled(self, params: StructuredOutputsParams) -> bool:
+        """Whether ``params`` is compiled already (a request for it needs no compile off the engine thread)."""
+        with self._lock:
+            return params.key() in self._compiled
+
     def matcher(self, params: StructuredOutputsParams) -> "RequestGrammar":
         return RequestGrammar(self._xgr.GrammarMatcher(self.compile(params)), self)
 
