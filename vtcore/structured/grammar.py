@@ -16,7 +16,10 @@ from typing import Any, Sequence
 
 import torch
 
+from vtcore.kernels.bitmask import unpack_bitmask
 from vtcore.structured.params import StructuredOutputsParams
+
+__all__ = ["GrammarCache", "RequestGrammar", "fill_bitmasks", "grammar_of", "after_thinking", "unpack_bitmask"]
 
 
 class GrammarCache:
@@ -150,13 +153,3 @@ def _refused_as_value_error(kind: str, build: Any) -> Any:
 def _regex_literal(text: str) -> str:
     """``text`` as a regular expression matching exactly it."""
     return "".join("\\" + ch if ch in r"\.^$|?*+()[]{}/" else ch for ch in text)
-
-
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 words [rows, W] (bit j of word i: token 32 i + j allowed) -> bool [rows, vocab_size]; ids past
-    the words' 32 W tokens (a model vocabulary padded past its tokenizer's) are not allowed."""
-    bits = torch.arange(32, device=words.device, dtype=torch.int32)
-    allowed = ((words[:, :, None] >> bits) & 1).reshape(words.shape[0], -1)[:, :vocab_size].bool()
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.cat([allowed, allowed.new_zeros(words.shape[0], vocab_size - allowed.shape[1])], dim=1)
-    return allowed

@@ -75,7 +75,7 @@ class SamplingBatch:
     edits: list[tuple[int, dict[str, Any]]]  # per-row logit edits: (row, tensors)
     max_logprobs: int | None
     masked_rows: torch.Tensor | None = None  # rows held to a grammar's bitmask
-    bitmasks: torch.Tensor | None = None  # int32 [len(masked_rows), ceil(vocab / 32)]
+    bitmasks: torch.Tensor | None = None  # int32 [len(masked_rows), GrammarCache.words]
     late: list[int] = attrs.Factory(list)  # rows drawn again once their mask exists (module doc)
 
 
@@ -181,6 +181,12 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> dict[str, torch.Tensor]:
         """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed."""
+        if (logits.is_cuda and batch.greedy and not batch.edits and batch.max_logprobs is None
+                and batch.bitmasks is not None and batch.bitmasks.shape[0] == logits.shape[0]):
+            # every row greedy and held to a grammar, nothing else edited (a late draw's rows): one launch
+            from vtcore.kernels.masked_argmax import masked_argmax
+
+            return {"tokens": masked_argmax(logits, batch.bitmasks)}
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if batch.edits or batch.bitmasks is not None:
             logits = self._edit(logits, batch, fed)
