@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from typing import Any
 
 import pytest
@@ -46,13 +45,17 @@ def test_client_processes_share_the_streams_and_merge_every_request(server: Serv
     assert r["wall_s"] >= r["latency_s"]["p99"]  # one window over both processes
 
 
-def test_client_processes_default_to_one_per_8_streams_at_most_one_per_core() -> None:
-    from vtcore.bench.http import client_processes
+@pytest.mark.parametrize("cores", [2, 6, 16, 64])
+def test_client_processes_default_to_one_per_8_streams_leaving_cores_to_the_server(monkeypatch, cores) -> None:
+    from vtcore.bench import http
 
-    assert client_processes(1) == 1 and client_processes(8) == 1
-    assert client_processes(9) == min(2, os.cpu_count() or 1)
-    assert client_processes(128) == min(16, os.cpu_count() or 1)
-    assert client_processes(3, asked=8) == 3  # never more processes than streams
+    monkeypatch.setattr(http.os, "cpu_count", lambda: cores)
+    spare = max(1, cores - http.SERVER_CORES)
+    assert http.client_processes(1) == 1 and http.client_processes(8) == 1
+    assert http.client_processes(9) == min(2, spare)
+    assert http.client_processes(128) == min(16, spare)  # 12 on the 16-core GPU machine, 1 on a 2-core CI
+    assert http.client_processes(3, asked=8) == 3  # never more processes than streams
+    assert http.client_processes(128, asked=20) == 20  # asked: as many as asked
 
 
 def test_engine_only_flags_are_refused_with_a_base_url(capsys: Any) -> None:

@@ -58,12 +58,16 @@ async def _one(connection: StreamingConnection, model: str, prompt: list[int], o
 #: events a second (docs/BENCHMARKS.md: 4 processes at concurrency 128 measured the client, 12 the
 #: server), so a process takes few enough streams to stay near half that at a 5 ms step
 STREAMS_PER_PROCESS = 8
+#: cores the client processes leave to the server under test on the same machine (its HTTP front end and
+#: event loop, the engine core process and their threads): 16 client processes on a 16-core machine
+#: measured 0.67-0.69x of in-process at concurrency 128 where 12 had measured 1.06x (docs/BENCHMARKS.md)
+SERVER_CORES = 4
 
 
 def client_processes(concurrency: int, asked: int | None = None) -> int:
-    """Client processes for a concurrency: ``asked``, else one per ``STREAMS_PER_PROCESS`` streams (at most
-    the machine's cores); never more than the concurrency."""
-    n = asked or min(-(-concurrency // STREAMS_PER_PROCESS), os.cpu_count() or 1)
+    """Client processes for a concurrency: ``asked``, else one per ``STREAMS_PER_PROCESS`` streams, on at most
+    the machine's cores less ``SERVER_CORES``; never more than the concurrency."""
+    n = asked or min(-(-concurrency // STREAMS_PER_PROCESS), (os.cpu_count() or 1) - SERVER_CORES)
     return max(1, min(n, concurrency))
 
 

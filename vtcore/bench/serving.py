@@ -44,7 +44,8 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
   counted from the returned outputs.
 * ``--base-url URL`` replaces it with the same closed loop over OpenAI streaming HTTP against a running
   server (:mod:`vtcore.bench.http`; no engine in this process, so no step or device columns), driven by
-  one client process per 8 streams (at most one per core) unless ``--client-processes N`` says otherwise.
+  one client process per 8 streams (on the machine's cores less the 4 left to the server) unless
+  ``--client-processes N`` says otherwise.
 * ``--speculative-config JSON`` replaces it with :mod:`vtcore.bench.speculative`: per concurrency, the
   plain decode step, then for each k of ``--speculative-k`` the verify step and the effective TPOT of a
   replay proposer (the plain run's own greedy continuations, all accepted: the bound on the speedup),
