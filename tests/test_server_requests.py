@@ -127,3 +127,29 @@ def test_several_stop_strings_cut_at_the_first_to_appear(client: Any) -> None:
     assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (text[:at], "stop", a)
     streamed = list(client.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].text for c in streamed) == text[:at]
+
+
+def test_token_id_completions_are_prepared_on_the_event_loop_and_text_on_a_preparing_thread(
+        server: ServerThread, monkeypatch: Any) -> None:
+    """A completion of token ids has nothing to tokenize: it is checked on the event loop (a hop to a
+    preparing thread cost more than the checks); text (and an echo, which decodes) goes to a preparing
+    thread; a bad token-id request is still a named 400."""
+    import threading
+
+    from vtcore.server.completions import CompletionsEndpoint
+
+    threads: list[str] = []
+    original = CompletionsEndpoint.prepare
+
+    def spy(self: CompletionsEndpoint, body: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(self, body)
+
+    monkeypatch.setattr(CompletionsEndpoint, "prepare", spy)
+    url = server.url + "/v1/completions"
+    for body in ({"prompt": [5, 6, 7]}, {"prompt": "Once upon a time"}, {"prompt": [[5, 6], [7, 8]]},
+                 {"prompt": [5, 6, 7], "echo": True}):
+        r = post_json(url, {"model": MODEL, "max_tokens": 2, **body})
+        assert r.status_code == 200, r.text
+    assert [name.startswith("vtcore-prepare") for name in threads] == [False, True, False, True]
+    assert_400(post_json(url, {"model": MODEL, "max_tokens": 2000, "prompt": [5, 6, 7]}), "max_tokens")

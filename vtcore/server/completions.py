@@ -22,6 +22,10 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         if body.suffix:
             raise APIError(400, "suffix: insertion (a non-empty suffix) is not supported", "suffix", "unsupported")
 
+    def light(self, body: CompletionRequest) -> bool:
+        prompt = body.prompt  # token ids, one prompt or a batch, without an echo (which decodes them)
+        return not body.echo and not isinstance(prompt, str) and not isinstance(prompt[0], str)
+
     def sampling(self, body: CompletionRequest) -> tuple[dict[str, Any], dict[str, str]]:
         kw: dict[str, Any] = {"max_tokens": body.max_tokens}
         if body.logprobs is not None:

@@ -161,6 +161,11 @@ class GenerationEndpoint(ABC, Generic[Body]):
     def check(self, body: Body) -> None:
         """Refuse what this endpoint does not serve (APIError)."""
 
+    def light(self, body: Body) -> bool:
+        """Whether preparing ``body`` is cheap enough for the event loop: no text to tokenize or render (a
+        hop to a preparing thread and back costs more than checking token ids)."""
+        return False
+
     @abstractmethod
     def sampling(self, body: Body) -> tuple[dict[str, Any], dict[str, str]]:
         """This endpoint's SamplingParams fields (``max_tokens`` always), and the request's names
@@ -180,7 +185,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
 
     # ------------------------------------------------------------------ the skeleton
     async def __call__(self, body: Body, request: Request) -> Response:
-        job = await self.serving.off_loop(self.prepare, body)
+        job = self.prepare(body) if self.light(body) else await self.serving.off_loop(self.prepare, body)
         if body.stream:
             return EventStream(self.events(body, job))
         if not await self.run_to_end(job, request):
@@ -189,7 +194,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
                              "choices": [self.response_choice(body, c) for c in job.choices], "usage": job.usage()})
 
     def prepare(self, body: Body) -> Job:
-        """Check, tokenize and turn into SamplingParams (on a preparing thread)."""
+        """Check, tokenize and turn into SamplingParams (on a preparing thread unless ``light``)."""
         self.serving.check_serving()
         self.serving.check_model(body.model)
         self.check_unsupported(body)
