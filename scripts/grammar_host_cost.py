@@ -58,8 +58,8 @@ def main() -> None:
             times["batch_accept" if batch else "accept"].append((t3 - t2) * 1e3)
             if any(m.is_terminated() for m in matchers):
                 matchers = [xgr.GrammarMatcher(grammar) for _ in range(rows)]
-    print(json.dumps({"rows": rows, "vocab": vocab, **{k: {"median_ms": statistics.median(v), "max_ms": max(v)}
-                                                         for k, v in times.items()}}))
+    stats = {k: {"median_ms": statistics.median(v), "max_ms": max(v)} for k, v in times.items()}
+    print(json.dumps({"rows": rows, "logits": vocab, "matcher_tokens": cache.tokens, **stats}))
 
 
 if __name__ == "__main__":

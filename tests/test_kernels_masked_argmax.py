@@ -50,13 +50,21 @@ def test_masked_argmax_matches_the_reference():
     assert got[1] == 0 and got[2] == 5000 and got[3] in (31, 63) and bool(allowed[4, got[4]])
     with pytest.raises(ValueError, match="expected int32"):
         masked_argmax(logits.to(device), words[:2].to(device))
+    with pytest.raises(ValueError, match="unit strides"):
+        masked_argmax(logits.t().contiguous().t().to(device), words.to(device))
+    assert masked_argmax(logits[:0].to(device), words[:0].to(device)).shape == (0,)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_cuda_sampler_draws_greedy_masked_rows_as_the_general_path_does():
+def test_the_cuda_sampler_draws_greedy_masked_rows_as_the_general_path_does(monkeypatch):
     """A batch whose every row is greedy and held to a mask (a late draw's) takes the one-launch draw; a
     batch with one row unmasked takes the general path; both give the reference's tokens."""
+    from vtcore.kernels import masked_argmax as kernel
     from vtcore.worker.sampler import Sampler, SamplingBatch
+
+    launches = []
+    original = kernel.masked_argmax
+    monkeypatch.setattr(kernel, "masked_argmax", lambda *a: (launches.append(1), original(*a))[1])
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 5000, generator=g).cuda()
@@ -71,5 +79,7 @@ def test_the_cuda_sampler_draws_greedy_masked_rows_as_the_general_path_does():
 
     want = masked_argmax_ref(logits.cpu(), words.cpu())
     assert torch.equal(sampler.sample(logits, batch([0, 1, 2, 3]), logits.new_zeros(4))["tokens"].cpu(), want)
+    assert launches == [1]
     some = sampler.sample(logits, batch([0, 2]), logits.new_zeros(4))["tokens"].cpu()
     assert torch.equal(some[[0, 2]], want[[0, 2]]) and torch.equal(some[[1, 3]], logits[[1, 3]].argmax(-1).cpu())
+    assert launches == [1]  # the general path for a batch with unmasked rows

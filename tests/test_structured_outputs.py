@@ -201,8 +201,30 @@ def test_a_vocabulary_padded_past_the_tokenizer_keeps_its_padding_out_of_constra
     assert free.outputs[0].token_ids == [tokens + 52] * 3
     ids = held.outputs[0].token_ids
     assert ids and max(ids) < tokens
-    cache = padded.engine._grammar_cache
-    assert (cache.tokens, cache.words, cache.vocab_size) == (tokens, -(-tokens // 32), tokens + 64)
+    cache = padded.engine._grammar_cache  # the matchers' vocabulary: the tokenizer's, not the padded one
+    assert (cache.tokens, cache.words, cache.info.vocab_size) == (tokens, -(-tokens // 32), tokens)
+
+
+def test_a_tokenizer_with_gaps_in_its_ids_keeps_its_highest_id_in_the_grammars() -> None:
+    """Ids may leave gaps (an end-of-sequence id past the count of tokens): the matchers' vocabulary runs to
+    the highest id, so the stop token stays allowed once the grammar is complete."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from vtcore.structured.grammar import GrammarCache, fill_bitmasks
+
+    vocab = {chr(c): i for i, c in enumerate(range(ord("a"), ord("z") + 1))} | {"<eos>": 40}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
+    cache = GrammarCache(tokenizer, 64, [40])
+    assert (cache.tokens, cache.words) == (41, 2)
+    grammar = cache.matcher(StructuredOutputsParams(regex="ab"))
+    assert grammar.accept(vocab["a"]) and grammar.accept(vocab["b"])
+    mask = fill_bitmasks([(grammar, 2)], torch.zeros(1, cache.words, dtype=torch.int32))
+    assert (int(mask[0, 1]) >> (40 - 32)) & 1  # the stop token, allowed after the grammar
+    assert grammar.accept(40) and grammar.terminated
 
 
 def test_async_compiles_a_constraint_off_the_engine_thread_once_then_sends_its_requests_straight_on() -> None:

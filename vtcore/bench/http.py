@@ -60,7 +60,8 @@ async def _one(connection: StreamingConnection, model: str, prompt: list[int], o
 STREAMS_PER_PROCESS = 8
 #: cores the client processes leave to the server under test on the same machine (its HTTP front end and
 #: event loop, the engine core process and their threads): 16 client processes on a 16-core machine
-#: measured 0.67-0.69x of in-process at concurrency 128 where 12 had measured 1.06x (docs/BENCHMARKS.md)
+#: measured 0.67-0.69x of in-process at concurrency 128 where 12 had measured 1.06x, other changes between
+#: them (docs/BENCHMARKS.md; not yet compared in one run)
 SERVER_CORES = 4
 
 

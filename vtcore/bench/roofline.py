@@ -17,11 +17,13 @@ reports ``TPOT / roofline`` (1.0 would be a decode step running at copy bandwidt
 
 A prefill has a compute floor beside it: :func:`prefill_flops` counts the operations a prompt computed
 from scratch needs at least, and :func:`measure_matmul_rate` times a square matmul of the model's dtype
-on the device (CUDA: 8192 on a side, the rate a large prefill GEMM can reach; CPU: 256); the floor is
+on the device before the engine is built (CUDA: 8192 on a side, the rate a large prefill GEMM can reach;
+CPU: 256); the floor is
 ``flops / rate``, and the benchmark reports ``TTFT / floor`` for a lone prompt (concurrency 1).
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,17 +37,20 @@ COPY_REPEATS = 5
 MATMUL_SIDE = {"cuda": 8192, "cpu": 256}  # the timed matmul's side per device type
 
 
+def _routed_share(model: torch.nn.Module, batch: int) -> dict[int, float]:
+    """``id(parameter)`` -> the share of it a step of ``batch`` sequences (tokens) reads, for the parameters of
+    a module with ``active_fraction`` (routed experts); others are absent (read whole)."""
+    return {id(p): m.active_fraction(batch) for m in model.modules() if hasattr(m, "active_fraction")
+            for p in m.parameters(recurse=False)}
+
+
 def parameter_bytes(model: torch.nn.Module, batch: int | None = None) -> int:
     """Sum of parameter ``nbytes``, a tensor shared by several names (tied weights) counted once.
 
     With ``batch``, the bytes a decode step of that many sequences reads: a module with
     ``active_fraction(batch)`` (routed experts) counts its own parameters times that fraction.
     """
-    scale: dict[int, float] = {}
-    if batch is not None:
-        for m in model.modules():
-            if hasattr(m, "active_fraction"):
-                scale.update({id(p): m.active_fraction(batch) for p in m.parameters(recurse=False)})
+    scale = _routed_share(model, batch) if batch is not None else {}
     seen: set[tuple[Any, int, int]] = set()
     total = 0.0
     for p in model.parameters():  # already yields each Parameter object once
@@ -96,7 +101,8 @@ def _timed_runs(run: Any, device: torch.device, repeats: int) -> list[float]:
 
 
 def _release(device: torch.device) -> None:
-    """Hand a measurement's buffers back to the device (the engine's KV cache sizes itself after)."""
+    """Hand a measurement's buffers back to the device (measured before the engine is built, whose KV cache
+    sizes itself to the memory left)."""
     import torch
 
     if device.type == "cuda":
@@ -113,7 +119,7 @@ def measure_copy_bandwidth(device: torch.device | str, mib: int = DEFAULT_COPY_M
     src = torch.ones(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     try:
-        times = _timed_runs(lambda: dst.copy_(src), device, repeats)
+        times = _timed_runs(functools.partial(dst.copy_, src), device, repeats)
     finally:
         del src, dst
         _release(device)
@@ -149,8 +155,7 @@ def prefill_flops(model: torch.nn.Module, attention_layers: list[Any], prompt_le
     for sub in (head, getattr(model, "mtp", None)):
         if sub is not None:
             skip |= {id(p) for p in sub.parameters()}
-    share = {id(p): m.active_fraction(1) for m in model.modules() if hasattr(m, "active_fraction")
-             for p in m.parameters(recurse=False)}
+    share = _routed_share(model, 1)
     per_token = 0.0
     for p in model.parameters():
         if id(p) in skip or p.dim() < 2:
@@ -171,10 +176,10 @@ def measure_matmul_rate(device: torch.device | str, dtype: torch.dtype, side: in
 
     device = torch.device(device)
     n = side or MATMUL_SIDE.get(device.type, MATMUL_SIDE["cpu"])
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     try:
-        times = _timed_runs(lambda: torch.mm(a, b), device, repeats)
+        times = _timed_runs(functools.partial(torch.mm, a, b), device, repeats)
     finally:
         del a, b
         _release(device)

@@ -27,7 +27,7 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
   ``TPOT / roofline``; see :mod:`vtcore.bench.roofline`.
 * ``prefill_floor`` (always): the compute floor of one prompt of ``--prefix-len + --input-len`` tokens
   computed from scratch (its operations at the rate of a square matmul of the model's dtype timed on the
-  device after the engine is built) and the concurrency-1 run's median TTFT over it (a cached prefix
+  device before the engine is built, as the copy is) and the concurrency-1 run's median TTFT over it (a cached prefix
   can put that TTFT below the floor); see :mod:`vtcore.bench.roofline`.
 * ``peer`` (``--peer hf``): HF transformers' ``generate`` (from the checkpoint, or with
   ``--load-format dummy`` random weights of the same shapes) after the engine is shut down: at batch 1
@@ -423,7 +423,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
                                        measure_matmul_rate, parameter_bytes, prefill_flops, prefill_floor,
                                        roofline_for_run)
     from vtcore.engine.async_llm import AsyncLLM
-    from vtcore.engine.llm_engine import resolve_device
+    from vtcore.engine.llm_engine import resolve_device, resolve_dtype
     from vtcore.sampling_params import SamplingParams
 
     peer = getattr(args, "peer", None)
@@ -458,6 +458,8 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
                          f"--prefix-len={prefix_len} reach {longest} tokens, over max_model_len={max_model_len}")
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
     copy = measure_copy_bandwidth(resolve_device(config.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
+    matmul = measure_matmul_rate(resolve_device(config.device),
+                                 resolve_dtype(config.dtype, hf, resolve_device(config.device)))
     if resolve_device(config.device).type == "cuda":
         init_profiler_on_this_thread()  # before the engine thread profiles its decode window
     engine = AsyncLLM(**attrs.asdict(config))
@@ -498,7 +500,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
 
     try:
         floor = prefill_floor(prefill_flops(model_obj, inner.runner.attention_layers, prefix_len + input_len),
-                              measure_matmul_rate(device, dtype), prefix_len + input_len)
+                              matmul, prefix_len + input_len)
         runs = asyncio.run(main())
     finally:
         engine.shutdown()

@@ -70,7 +70,7 @@ class StructuredChecks:
         anything)."""
         import xgrammar as xgr
 
-        from vtcore.structured.grammar import unpack_bitmask
+        from vtcore.kernels.bitmask import unpack_bitmask
         from vtcore.testing.oracle import teacher_forced_logits
 
         ids = list(out.token_ids)

@@ -1,8 +1,8 @@
 """The greedy draw of a step's constrained rows in one launch: each program scans its row's logits and
 mask words (:mod:`vtcore.kernels.bitmask`) together and keeps the first largest allowed logit, which is
-``torch.argmax``'s choice after every disallowed logit is set to -inf (:func:`masked_argmax_ref`). Ids
-past the words' ``32 * W`` tokens are disallowed; a row that allows nothing draws 0, as the reference
-does."""
+``torch.argmax``'s choice after every disallowed logit is set to -inf (:func:`masked_argmax_ref`), NaN
+logits excepted (torch takes a NaN for the largest). Ids past the words' ``32 * W`` tokens are
+disallowed; a row that allows nothing draws 0, as the reference does."""
 from __future__ import annotations
 
 import torch
@@ -41,6 +41,9 @@ def masked_argmax(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     if words.shape[0] != rows or words.dtype != torch.int32:
         raise ValueError(f"words {tuple(words.shape)} {words.dtype}: expected int32 [{rows}, W] for logits "
                          f"{tuple(logits.shape)}")
+    if logits.stride(1) != 1 or words.stride(1) != 1:
+        raise ValueError(f"logits strides {logits.stride()}, words strides {words.stride()}: expected unit "
+                         "strides along the vocabulary and the words")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _masked_argmax_kernel[(rows,)](logits, words, out, vocab, min(vocab, 32 * words.shape[1]),

@@ -16,10 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vtcore.kernels.bitmask import unpack_bitmask
 from vtcore.structured.params import StructuredOutputsParams
-
-__all__ = ["GrammarCache", "RequestGrammar", "fill_bitmasks", "grammar_of", "after_thinking", "unpack_bitmask"]
 
 
 class GrammarCache:
@@ -28,18 +25,19 @@ class GrammarCache:
     The matchers' vocabulary is the tokenizer's own ``tokens`` (its bitmasks ``words`` 32-token words
     wide), not a model vocabulary padded past them: xgrammar takes padding ids for special tokens and
     scans them on every accepted token, which costs a constrained row tens of microseconds a step at a
-    padding of 150k ids (docs/BENCHMARKS.md); :func:`unpack_bitmask` disallows the padding ids instead."""
+    padding of 150k ids (docs/BENCHMARKS.md); ``vtcore.kernels.bitmask.unpack_bitmask`` disallows the padding
+    ids instead."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.tokens = min(vocab_size, len(tokenizer))
+        # (ids may leave gaps: the highest one counts, as xgrammar counts it)
+        self.tokens = min(vocab_size, max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1))
         self.words = -(-self.tokens // 32)
         stops = [t for t in stop_token_ids if t < self.tokens] or None  # (None: xgrammar finds the tokenizer's)
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.tokens, stop_token_ids=stops)
         self.compiler = xgr.GrammarCompiler(self.info)
-        self.vocab_size = vocab_size
         self._compiled: dict[tuple[str, str], Any] = {}
         self._compiling: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()

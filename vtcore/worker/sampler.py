@@ -24,7 +24,8 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from vtcore.structured.grammar import fill_bitmasks, unpack_bitmask
+from vtcore.kernels.bitmask import unpack_bitmask
+from vtcore.structured.grammar import fill_bitmasks
 from vtcore.worker.step import StepRequest
 
 
