@@ -3,16 +3,24 @@
 # weights): `vtcore serve` in a child process, the closed loop over OpenAI streaming HTTP against it, the
 # server stopped, then the same grid in-process, and where the served TTFT goes; once with the engine on a
 # thread of the server's process (--no-engine-core-process), once in a process of its own (the default).
-#   bash scripts/bench_served.sh OUTDIR [CONCURRENCY]   (vtcore and plugins/qwen3_dense installed)
+# CLIENTS=12,16 instead runs the engine-core-process mode once per bench client-process count (an A/B of
+# the client's share of the machine's cores).
+#   [CLIENTS=N,M] bash scripts/bench_served.sh OUTDIR [CONCURRENCY]   (vtcore and plugins/qwen3_dense installed)
 set -uo pipefail
 out=${1:?usage: bench_served.sh OUTDIR [CONCURRENCY]}
 conc=${2:-1,128}
 shapes=$(mktemp -d)
 python3 scripts/model_shapes.py "$shapes" >/dev/null
-for mode in thread core-process; do
-    flag=(--engine-core-process); [ "$mode" = thread ] && flag=(--no-engine-core-process)
-    echo "== vtcore bench --serve ${flag[*]} --concurrency $conc --input-len 1024 --output-len 128"
-    timeout 280 vtcore bench --serve "${flag[@]}" --model "$shapes/qwen3-0.6b" --load-format dummy --dtype bfloat16 \
+run() {  # NAME FLAGS...
+    local name=$1; shift
+    echo "== vtcore bench --serve $* --concurrency $conc --input-len 1024 --output-len 128"
+    timeout 280 vtcore bench --serve "$@" --model "$shapes/qwen3-0.6b" --load-format dummy --dtype bfloat16 \
         --max-num-seqs 128 --concurrency "$conc" --input-len 1024 --output-len 128 --no-progress \
-        --json "$out/served-$mode.json" 2>&1 | grep -v -i -e warn -e "^ *$" -e External
-done
+        --json "$out/served-$name.json" 2>&1 | grep -v -i -e warn -e "^ *$" -e External
+}
+if [ -n "${CLIENTS:-}" ]; then
+    for n in ${CLIENTS//,/ }; do run "core-process-clients$n" --engine-core-process --client-processes "$n"; done
+else
+    run thread --no-engine-core-process
+    run core-process --engine-core-process
+fi
