@@ -457,10 +457,10 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         raise ValueError(f"--turns={turns} of --input-len={input_len} + --output-len={args.output_len} after "
                          f"--prefix-len={prefix_len} reach {longest} tokens, over max_model_len={max_model_len}")
     # measured before the engine exists, so its buffers never compete with the KV cache for memory
-    copy = measure_copy_bandwidth(resolve_device(config.device), getattr(args, "copy_mib", DEFAULT_COPY_MIB))
-    matmul = measure_matmul_rate(resolve_device(config.device),
-                                 resolve_dtype(config.dtype, hf, resolve_device(config.device)))
-    if resolve_device(config.device).type == "cuda":
+    on = resolve_device(config.device)
+    copy = measure_copy_bandwidth(on, getattr(args, "copy_mib", DEFAULT_COPY_MIB))
+    matmul = measure_matmul_rate(on, resolve_dtype(config.dtype, hf, on))
+    if on.type == "cuda":
         init_profiler_on_this_thread()  # before the engine thread profiles its decode window
     engine = AsyncLLM(**attrs.asdict(config))
     inner = engine.engine

@@ -39,7 +39,6 @@ from vtcore.engine.prompt_text import PromptText
 from vtcore.errors import EngineDeadError
 from vtcore.family import ModelFamily
 from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from vtcore.structured import StructuredOutputsParams
 
 #: seconds ``shutdown`` waits for the core to finish its requests and exit before it is killed
 STOP_TIMEOUT_S = 30
@@ -220,7 +219,6 @@ class CoreClient(PromptText):
         self.latest_stats = info.stats
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
                                         else info.model_path)
-        self._grammar_cache: Any = None
         self.text = FrontEndText(self.tokenizer)
 
     def send(self, msg: tuple) -> None:
@@ -261,21 +259,9 @@ class CoreClient(PromptText):
         """The load after the core's latest step."""
         return self.latest_stats
 
-    def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
-        """Refuse a constraint xgrammar cannot compile (``ValueError`` naming the field) before it is sent; the
-        core compiles it again for its own matchers."""
-        from vtcore.errors import RequestRejected
-        from vtcore.structured.grammar import GrammarCache
-
-        if self._grammar_cache is None:
-            if self.tokenizer is None:
-                raise RequestRejected("structured_outputs: the model has no tokenizer, and a grammar is over text")
-            self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.info.eos_token_ids)
-        self._grammar_cache.compile(constraint)
-
-    def grammar_compiled(self, constraint: StructuredOutputsParams) -> bool:
-        """Whether ``compile_grammar`` has checked ``constraint`` already."""
-        return self._grammar_cache is not None and self._grammar_cache.compiled(constraint)
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.info.eos_token_ids
 
     def shutdown(self) -> None:
         """Wait for the core to exit (after a stop), killing it past ``STOP_TIMEOUT_S``."""

@@ -33,8 +33,6 @@ from vtcore.spec.draft_model import DraftModelProposer
 from vtcore.spec.ngram import NgramProposer
 from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
-from vtcore.structured import StructuredOutputsParams
-from vtcore.structured.grammar import GrammarCache
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.mtp import build_draft_head
 from vtcore.worker.step import DEVICE_DRAFT, StepOutput
@@ -226,7 +224,6 @@ class LLMEngine(PromptText):
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
-        self._grammar_cache: GrammarCache | None = None
         #: an engine core process's: requests without stop strings get no text here (``front_end_text``)
         self.front_end_text = False
 
@@ -262,24 +259,6 @@ class LLMEngine(PromptText):
         hf.validate()
         self._refuse_other_vocabulary(int(hf.vocab_size))
         return path
-
-    def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
-        """Compile ``constraint`` into the engine's grammar cache (thread-safe; ``AsyncLLM`` calls it off
-        the engine thread); a constraint xgrammar refuses raises ``ValueError`` naming the field."""
-        self._grammars().compile(constraint)
-
-    def grammar_compiled(self, constraint: StructuredOutputsParams) -> bool:
-        """Whether ``constraint`` is in the grammar cache (``AsyncLLM`` then sends its request straight on)."""
-        return self._grammar_cache is not None and self._grammar_cache.compiled(constraint)
-
-    def _grammars(self) -> GrammarCache:
-        """The grammar compiler for this model's tokenizer and vocabulary, built at the first
-        constrained request."""
-        if self._grammar_cache is None:
-            if self.tokenizer is None:
-                raise RequestRejected("structured_outputs: the model has no tokenizer, and a grammar is over text")
-            self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammar_cache
 
     def _snapshot_interval(self) -> int:
         """Tokens between state snapshots: ``state_snapshot_interval``, or the default in whole blocks."""

@@ -1,25 +1,52 @@
-"""Prompts to token ids and back, as every engine and front end takes them (``PromptText``).
+"""Prompts to token ids and back, and constraints to grammars, as every engine and front end takes them
+(``PromptText``).
 
 ``LLMEngine`` and the front end of an engine core in another process (``vtcore.engine.core_process``)
-both mix it in, so the server tokenizes a prompt exactly as the engine that runs it would.
+both mix it in, so the server tokenizes a prompt exactly as the engine that runs it would, and refuses a
+constraint the engine could not compile before sending it (the core compiles it again for its matchers).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vtcore.errors import RequestRejected
+
+if TYPE_CHECKING:
+    from vtcore.structured.grammar import GrammarCache
+    from vtcore.structured.params import StructuredOutputsParams
 
 #: A prompt: text, ``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``).
 Prompt = str | dict[str, Any]
 
 
 class PromptText:
-    """Over ``tokenizer`` (a Hugging Face tokenizer or None), ``vocab_size`` and ``config.model`` (named in
-    errors)."""
+    """Over ``tokenizer`` (a Hugging Face tokenizer or None), ``vocab_size``, ``eos_token_ids`` and
+    ``config.model`` (named in errors)."""
 
     tokenizer: Any
     vocab_size: int
+    eos_token_ids: list[int]
     config: Any
+    _grammar_cache: GrammarCache | None = None  # built at the first constraint
+
+    def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        """Compile ``constraint`` into the grammar cache (thread-safe: ``AsyncLLM`` calls it off the engine
+        thread); a constraint xgrammar refuses raises ``ValueError`` naming the field."""
+        self._grammars().compile(constraint)
+
+    def grammar_compiled(self, constraint: StructuredOutputsParams) -> bool:
+        """Whether ``constraint`` is in the grammar cache (``AsyncLLM`` then sends its request straight on)."""
+        return self._grammar_cache is not None and self._grammar_cache.compiled(constraint)
+
+    def _grammars(self) -> GrammarCache:
+        """The ``GrammarCache`` for this model's tokenizer and vocabulary, built at the first constraint."""
+        if self._grammar_cache is None:
+            if self.tokenizer is None:
+                raise RequestRejected("structured_outputs: the model has no tokenizer, and a grammar is over text")
+            from vtcore.structured.grammar import GrammarCache
+
+            self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammar_cache
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt (a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``);
