@@ -64,10 +64,15 @@ def test_bench_json_structure(bench_doc):
         assert isinstance(run["steps"], int) and run["steps"] > 0
         assert run["host_submit_ms_mean"] is not None and run["host_submit_ms_mean"] > 0
         assert run["triton_compiles"] == []  # the CPU path compiles nothing (and the warm-up ran first)
+        loop = run["engine_loop"]  # every step call timed, phase by phase; each submit inside one of them
+        assert loop["steps"] >= run["steps"] and all(v >= 0 for v in loop["ms_per_step"].values())
+        assert loop["ms_per_step"]["submit"] * loop["steps"] == pytest.approx(
+            run["host_submit_ms_mean"] * run["steps"], rel=0.5)
     # the table has one row per concurrency
     rows = _rows(table)
     assert [int(r[0]) for r in rows] == [1, 2]
     assert "roofline: copy bandwidth" in table and "peer hf (transformers" in table
+    assert table.count("engine loop c=") == 2
 
 
 # ---------------------------------------------------------------------------------------- engine knobs

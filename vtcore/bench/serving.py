@@ -72,6 +72,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from vtcore.bench.loop_timer import PHASES, LoopTimer
 from vtcore.bench.peer import PEER_CHOICES, format_peer
 from vtcore.bench.roofline import DEFAULT_COPY_MIB
 from vtcore.bench.speculative import DEFAULT_KS, format_speculative
@@ -273,7 +274,7 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
                 bar.update(1)
 
     steps0 = inner.runner.steps_submitted
-    with StepTimer(inner.runner) as timer:
+    with StepTimer(inner.runner) as timer, LoopTimer(inner) as loop:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
         end = time.perf_counter()
@@ -307,6 +308,7 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
         "decode_steps": len(decode_t),
         "step_host_s": {"decode": summarize(decode_t), "other": summarize(other_t)},
         "decode_device": device_stats,
+        "engine_loop": loop.summary(),
         "peak_gpu_memory_bytes": peak,
         "structured_share": structured_share,
         "groups": {name: _group(rs, wall) for name, rs in (
@@ -618,6 +620,11 @@ def format_table(doc: dict[str, Any]) -> str:
                      + ("" if d["reason"] is None else f" ({d['reason']})")
                      + f"; Triton compiles while measured: {len(r['triton_compiles'])}"
                      + (f" ({', '.join(sorted(set(r['triton_compiles'])))})" if r["triton_compiles"] else ""))
+    for r in doc["runs"]:
+        loop = r.get("engine_loop")
+        if loop and loop["steps"]:
+            lines.append(f"engine loop c={r['concurrency']}, ms a step over {loop['steps']} steps: " + ", ".join(
+                f"{p.replace('_', ' ')} {loop['ms_per_step'][p]:.3f}" for p in PHASES))
     for r in doc["runs"]:
         for name, g in (r.get("groups") or {}).items():
             lines.append(f"c={r['concurrency']} {name}: {g['requests']} requests, output "
