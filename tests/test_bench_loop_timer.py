@@ -85,4 +85,5 @@ def test_the_wrapped_methods_are_put_back(monkeypatch):
     with LoopTimer(engine):
         assert StepHandle.result is not result and "step" in vars(engine) and "schedule" in vars(engine.scheduler)
     assert StepHandle.result is result and StepHandle.draw_late is draw_late
-    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler) and "submit" not in vars(engine.runner)
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+    assert "submit" not in vars(engine.runner)
