@@ -437,6 +437,19 @@ def test_cuda_chunked(t):
 
 
 @cuda
+def test_cuda_chunked_compiles_no_variant_per_length():
+    """Once the chunked rule ran, prompts of other lengths (one token, one chunk, a multiple of 16 or
+    not) compile nothing: a kernel specialised on the length stalled a step for a compile."""
+    from vtcore.bench.step_stats import count_triton_compiles
+
+    chunk_gated_delta_rule(*(x.cuda() for x in _rule_inputs(100, 8, DK, DV, seed=0)))
+    with count_triton_compiles() as compiled:
+        for t in (1, 16, 64, 77, 300):
+            chunk_gated_delta_rule(*(x.cuda() for x in _rule_inputs(t, 8, DK, DV, seed=t)))
+    assert compiled == []
+
+
+@cuda
 def test_cuda_graph_decode():
     """The decode step captured in a CUDA graph (padded row 3 on dummy slot 0), replayed on new
     tokens, slots and has_state written into the captured buffers."""

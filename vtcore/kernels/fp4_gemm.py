@@ -27,7 +27,7 @@ from vtcore.kernels.helpers import e2m1_to_f32, e4m3_to_f32, e8m0_to_f32
 __all__ = ["fp4_matmul"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp4_matmul_kernel(
     x_ptr, w_ptr, s_ptr, g_ptr, b_ptr, y_ptr,
     M, N, K,

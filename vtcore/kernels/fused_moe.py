@@ -343,7 +343,7 @@ def _decode_down_kernel(
 
 
 # ------------------------------------------------------------------------------------ prefill path
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _grouped_gate_up_kernel(
     x_ptr, rows_ptr, block_expert_ptr, act_ptr, n_rows, stride_xt, stride_xk,
     w_ptr, s_ptr, gs_ptr, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
@@ -375,7 +375,7 @@ def _grouped_gate_up_kernel(
     tl.store(dst, _silu_mul(gate, up, DT, INTERPRET), mask=m_mask[:, None] & (offs_n < I)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _grouped_down_kernel(
     act_ptr, rows_ptr, block_expert_ptr, y_ptr, n_rows,
     w_ptr, s_ptr, gs_ptr, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
@@ -418,7 +418,7 @@ def _slot_sum_kernel(y_ptr, ids_ptr, weights_ptr, out_ptr, E: tl.constexpr, H: t
     tl.store(out_ptr + t.to(tl.int64) * H + offs, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _expert_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
     """Program e: how many of the ``n`` flattened ids are ``e``."""
     e = tl.program_id(0)
@@ -429,7 +429,7 @@ def _expert_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, tl.sum(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "blocks"])
 def _align_kernel(ids_ptr, counts_ptr, rows_ptr, block_expert_ptr, n, blocks, E: tl.constexpr, E_POW2: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """Program e: expert e's padded segment of ``rows`` (its rows in (token, slot) order, then ``n``) starting

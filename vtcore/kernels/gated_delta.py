@@ -168,7 +168,7 @@ def _decode_recurrent_kernel(
 
 
 # ----------------------------------------------------------------------------------------- prefill
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _chunk_prepare_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, u_ptr, w_ptr, cum_ptr, T, T_PAD,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
@@ -210,7 +210,7 @@ def _chunk_prepare_kernel(
     tl.store(cum_ptr + head_rows, cum)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NUM_CHUNKS"])
 def _chunk_state_kernel(
     k_ptr, u_ptr, w_ptr, cum_ptr, state_ptr, chunk_states_ptr, new_state_ptr, T, T_PAD, NUM_CHUNKS,
     stride_kt, stride_kh, stride_kd,
@@ -246,7 +246,7 @@ def _chunk_state_kernel(
     tl.store(new_state_ptr + h64 * (DK * DV) + tile, s, mask=tile_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NUM_CHUNKS"])
 def _chunk_output_kernel(
     q_ptr, k_ptr, v_new_ptr, cum_ptr, chunk_states_ptr, out_ptr, T, T_PAD, NUM_CHUNKS,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,

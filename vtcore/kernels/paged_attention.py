@@ -196,7 +196,7 @@ def _combine_splits(part_ptr, ml_ptr, n, stride_ph, stride_pk, stride_mh, stride
     return acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "max_blocks", "stride_bt", "stride_ms", "stride_mh"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, sem_ptr,
     scale_log2, num_splits, max_blocks,
@@ -391,7 +391,7 @@ def paged_decode_attention(
 # ----------------------------------------------------------------------------- prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "stride_mt", "stride_mh"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd,
@@ -465,7 +465,7 @@ def _prefill_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_mt", "stride_mh"])
 def _prefill_combine_kernel(
     part_ptr, ml_ptr, qsl_ptr, out_ptr, num_splits, num_seqs, num_heads,
     stride_pt, stride_ph, stride_pk, stride_mt, stride_mh, stride_mk, stride_ot, stride_oh, stride_od,
