@@ -91,7 +91,7 @@ class Request:
     def lag(self) -> int:
         """Accepted draft tokens of verify rows applied but not settled: the scheduler counts without them,
         so the sync engine (which applied them) decides as the async one (which has not) does."""
-        return sum(v.accepted or 0 for v in self.verifies)
+        return sum(v.accepted or 0 for v in self.verifies) if self.verifies else 0
 
     @property
     def floats_over(self) -> int:
@@ -103,7 +103,7 @@ class Request:
     def num_tokens_scheduled(self) -> int:
         """Tokens the sequence will hold once every in-flight token lands (an unsettled verify row's
         accepted draft tokens not counted: ``lag``)."""
-        return len(self.token_ids) + self.num_inflight - self.lag
+        return len(self.token_ids) + self.num_inflight - (self.lag if self.verifies else 0)
 
     @property
     def num_outputs_scheduled(self) -> int:

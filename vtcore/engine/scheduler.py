@@ -157,6 +157,8 @@ class Scheduler:
 
     def _register(self, req: Request) -> None:
         """Make ``req``'s computed full blocks findable (tokens the host knows in sync and async alike)."""
+        if req.num_computed_tokens // self.pool.block_size <= req.num_registered_blocks and not req.pending_snapshots:
+            return  # no block filled since the last call (most steps of a decoding request)
         known = min(req.num_tokens_scheduled - _UNKNOWN_AFTER_SCHEDULE, req.num_tokens)  # the latter: a guard
         full = min(req.num_computed_tokens, known) // self.pool.block_size
         done = req.num_registered_blocks
@@ -272,7 +274,8 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         for req in self.running + self.ending:
-            self._settle(req)
+            if req.verifies:
+                self._settle(req)
         self._release_ended()
         budget = self.max_num_batched_tokens
         batch: Batch = []
