@@ -88,6 +88,8 @@ def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None
         assert (r["concurrency"], r["num_prompts"], r["output_tokens"]) == (2, 3, 9)
     assert 0 < served["server_ttft_mean_s"] < served["ttft_s"]["mean"]  # inside the server, then HTTP and client
     assert "served / in-process, c=2: output" in out.getvalue() and "outside the server" in out.getvalue()
+    assert served["server_triton_compiles"] == []  # the CPU compiles nothing
+    assert "Triton compiles in the server while measured: 0" in out.getvalue()
 
 
 def test_bench_serve_refuses_what_only_one_side_has(capsys: Any) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from vtcore.bench.http import client_processes, run_http
 from vtcore.engine.arg_utils import engine_argv
+from vtcore.engine.compile_watch import MARK
 
 #: how long ``vtcore serve`` may take to answer /health (loading and capturing graphs included)
 START_TIMEOUT_S = 600.0
@@ -90,13 +91,14 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
             _wait_healthy(url, proc, log_path)
             for c in concurrency:  # warmed up first (untimed): the server's histogram then holds the timed requests
                 run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes))
-                before = _server_ttft(url)
+                before, logged = _server_ttft(url), os.path.getsize(log_path)
                 doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, seed,
                                processes=client_processes(c, args.client_processes), warm_up=False)
                 after = _server_ttft(url)
                 run = doc["runs"][0]
                 count = after[1] - before[1]
                 run["server_ttft_mean_s"] = (after[0] - before[0]) / count if count else None
+                run["server_triton_compiles"] = _compiles_logged(log_path, logged)
                 runs.append(run)
         finally:
             proc.terminate()
@@ -109,6 +111,14 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
     served = {**doc, "runs": runs, "command": cmd}
     inprocess = run_bench(args, progress)
     return {"mode": "served", "served": served, "inprocess": inprocess}
+
+
+def _compiles_logged(log_path: str, offset: int) -> list[str]:
+    """The kernels the server's log says were compiled past ``offset`` (``compile_watch``'s lines)."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return [line.split(MARK, 1)[1].split(" ", 1)[0] for line in text.splitlines() if MARK in line]
 
 
 def format_served(doc: dict[str, Any]) -> list[str]:
@@ -132,5 +142,9 @@ def format_served(doc: dict[str, Any]) -> list[str]:
                      f"{s['output_throughput_tok_s'] / i['output_throughput_tok_s']:.2f}x, TTFT median "
                      f"{ms(s, 'ttft_s', 'median') - ms(i, 'ttft_s', 'median'):+.2f} ms, TPOT median "
                      f"{ms(s, 'tpot_s', 'median') - ms(i, 'tpot_s', 'median'):+.3f} ms, ITL median "
-                     f"{ms(s, 'itl_s', 'median') - ms(i, 'itl_s', 'median'):+.3f} ms{where}")
+                     f"{ms(s, 'itl_s', 'median') - ms(i, 'itl_s', 'median'):+.3f} ms{where}"
+                     + ("" if s.get("server_triton_compiles") is None else
+                        f"; Triton compiles in the server while measured: {len(s['server_triton_compiles'])}"
+                        + (f" ({', '.join(sorted(set(s['server_triton_compiles'])))})"
+                           if s["server_triton_compiles"] else "")))
     return lines

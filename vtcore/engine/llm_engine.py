@@ -13,6 +13,7 @@ import torch
 
 from vtcore.config import DTYPES, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
+from vtcore.engine.compile_watch import watch_triton_compiles
 from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.front_end_text import text_in_front_end
 from vtcore.engine.capacity import EngineLimits, EngineStats
@@ -226,6 +227,8 @@ class LLMEngine(PromptText):
         self._arrivals = itertools.count()
         #: an engine core process's: requests without stop strings get no text here (``front_end_text``)
         self.front_end_text = False
+        if self.device.type == "cuda":
+            watch_triton_compiles()
 
     def _proposer(self) -> Proposer | None:
         """The proposer ``speculative_config`` names (None: no speculative decoding, or a method drafting on
