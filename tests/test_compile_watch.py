@@ -32,5 +32,6 @@ def test_the_served_bench_counts_the_lines_past_its_offset(tmp_path):
         f.write("INFO: 127.0.0.1 POST /v1/completions 200\n"
                 "WARNING vtcore: Triton compiled _prefill_kernel mid-run: _prefill_kernel[num_warps=4](D)\n"
                 "WARNING vtcore: Triton compiled _decode_kernel mid-run: y\n")
-    assert _compiles_logged(str(log), offset) == ["_prefill_kernel", "_decode_kernel"]
-    assert _compiles_logged(str(log), 0)[0] == "_warm_kernel"
+    assert _compiles_logged(str(log), offset) == ["_prefill_kernel mid-run: _prefill_kernel[num_warps=4](D)",
+                                                  "_decode_kernel mid-run: y"]
+    assert _compiles_logged(str(log), 0)[0] == "_warm_kernel mid-run: x"
