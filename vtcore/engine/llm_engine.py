@@ -22,6 +22,7 @@ from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.engine.tokenizer import load_tokenizer
+from vtcore.engine.warm_up import warm_up
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
 from vtcore.layers.parallel import tensor_parallel
@@ -228,6 +229,7 @@ class LLMEngine(PromptText):
         #: an engine core process's: requests without stop strings get no text here (``front_end_text``)
         self.front_end_text = False
         if self.device.type == "cuda":
+            warm_up(self)  # the kernel variants a served load needs, compiled before its first request
             watch_triton_compiles()
 
     def _proposer(self) -> Proposer | None:

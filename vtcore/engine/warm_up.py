@@ -1,0 +1,48 @@
+"""The engine's warm-up on a GPU: before the first request, a few steps down the paths a served load
+takes, so Triton compiles (or loads from its disk cache) their kernel variants then, and not inside a
+request's step, where each one stalls the whole batch for up to a second on a cold cache.
+
+The paths: a prompt alone (the padded one-chunk step), a short prompt beside a decoding request (an eager
+mixed step whose prefill attention splits its keys: few query blocks over a long context), two prompts
+at once (eager, unsplit), and decode steps. Greedy requests, so no generator is drawn from; afterwards
+no request, cached block, state snapshot or load counter of theirs remains.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vtcore.sampling_params import SamplingParams
+from vtcore.spec.stats import SpecDecodeStats
+
+PREFIX = "vtcore-warm-up-"
+LONG, SHORT = 1024, 17  # prompt lengths: a long context, a one-block-plus chunk beside it
+
+
+def warm_up(engine: Any) -> None:
+    """Run the warm-up requests on ``engine`` (an ``LLMEngine``) to the end and leave no trace of them."""
+    long = min(LONG, engine.max_model_len // 2, engine.pool.num_blocks * engine.pool.block_size // 4)
+    if long < 8:  # no room for the paths (a tiny context or cache): a first request compiles what it needs
+        return
+    short = min(SHORT, long // 2)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def ids(n: int, salt: int) -> dict[str, list[int]]:
+        return {"prompt_token_ids": [(salt + 7 * i) % engine.vocab_size for i in range(n)]}
+
+    first = PREFIX + "0"
+    engine.add_request(first, ids(long, 0), params)
+    while not engine.requests[first].num_output_tokens:  # its prefill (alone), until a token has landed
+        engine.step()
+    engine.add_request(PREFIX + "1", ids(short, 1), params)  # beside the first one's decoding
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(PREFIX + "2", ids(short, 2), params)  # two prompts in one step
+    engine.add_request(PREFIX + "3", ids(short, 3), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rid in [r for r in engine.requests if r.startswith(PREFIX)]:
+        engine.drop_request(rid)
+    engine.reset_prefix_cache()
+    engine.pool.queries = engine.pool.hits = 0
+    engine.scheduler.num_preemptions = 0
+    engine.spec_stats = SpecDecodeStats(len(engine.spec_stats.accepted_per_position))
