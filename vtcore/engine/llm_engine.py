@@ -533,10 +533,12 @@ class LLMEngine(PromptText):
             return  # stopped (or aborted) while this step was in flight: its token is dropped
         req.num_inflight -= inflight
         token = result.token_ids[row]
-        if req.num_output_tokens >= req.max_output:  # max_tokens=0: only prompt logprobs were wanted
+        outputs = req.num_output_tokens
+        if outputs >= req.max_output:  # max_tokens=0: only prompt logprobs were wanted
             self.scheduler.finish(req, "length")
             return
         req.token_ids.append(token)
+        outputs += 1
         p = req.params
         if req.logprobs is not None:
             r = result
@@ -545,7 +547,7 @@ class LLMEngine(PromptText):
                 entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
             req.logprobs.append(entry)
             req.cumulative_logprob += r.logprobs[row]
-        past_min = req.num_output_tokens > p.min_tokens
+        past_min = outputs > p.min_tokens
         stop_str = req.detok.add(token, check_stop=past_min) if req.detok is not None else None
         if stop_str is not None:
             req.stop_reason = stop_str
@@ -555,7 +557,7 @@ class LLMEngine(PromptText):
         elif token in p.stop_token_ids and past_min:
             req.stop_reason = token
             self.scheduler.finish(req, "stop")
-        elif req.num_output_tokens >= req.max_output:
+        elif outputs >= req.max_output:
             self.scheduler.finish(req, "length")
         if req.grammar is not None and not req.is_finished:
             if not req.grammar.accept(token):  # the sampler masked every other token: a vtcore bug
@@ -573,15 +575,17 @@ class LLMEngine(PromptText):
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         text = req.detok.output_text(finished, req.stop_reason) if req.detok is not None else ""
-        tokens, logprobs = req.output_token_ids, req.logprobs
-        if kind == RequestOutputKind.DELTA:
+        logprobs = req.logprobs
+        if kind == RequestOutputKind.DELTA:  # (only the new tail is copied: a long output stays linear)
             sent_text, sent_tokens = req.sent
-            req.sent = (len(text), len(tokens))
-            text, tokens = text[sent_text:], tokens[sent_tokens:]
+            tokens = req.token_ids[req.num_prompt_tokens + sent_tokens:]
+            req.sent = (len(text), sent_tokens + len(tokens))
+            text = text[sent_text:]
             logprobs = None if logprobs is None else logprobs[sent_tokens:]
-        completion = CompletionOutput(0, text, list(tokens), req.cumulative_logprob if req.logprobs is not None
-                                      else None, list(logprobs) if logprobs is not None else None,
-                                      req.finish_reason, req.stop_reason)
+        else:
+            tokens, logprobs = req.output_token_ids, None if logprobs is None else list(logprobs)
+        completion = CompletionOutput(0, text, tokens, req.cumulative_logprob if req.logprobs is not None else None,
+                                      logprobs, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, [completion],
                              finished, req.num_cached_tokens,
                              RequestMetrics(req.num_draft_tokens, req.num_accepted_tokens))

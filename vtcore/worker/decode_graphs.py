@@ -156,6 +156,7 @@ class DecodeGraphs:
         drafts_at, per_slot = self.drafts
         p = self.padded_size(n)
         width = max(len(s.request.block_ids) for s in batch)
+        pad = [0] * width
         table: list[int] = []
         sample_rows: list[int] = []
         mirror: list[int] = []
@@ -181,12 +182,13 @@ class DecodeGraphs:
                 cols[6].append(r * q + real - 1)
                 sample_rows += [r] if s.samples else []
                 mirror += [req.mirror_slot] if s.samples else []
-            else:
+            elif q > 1:  # (a decode step's rows are its sample rows, in mirror order: nothing to send)
                 sample_rows += range(r * q, r * q + real)
                 mirror += [req.mirror_slot] * real
             if self.state_out is not None:
                 cols[6] += self.state_out(req.mirror_slot, real) + [-1] * (q - real)
-            table += req.block_ids + [0] * (width - len(req.block_ids))
+            table += req.block_ids
+            table += pad[:width - len(req.block_ids)]
         for col, v, per_token in zip(cols, self.padding, self.per_token):
             col += [v] * ((p - n) * (q if per_token else 1))
         extra = [sample_rows, mirror] if q > 1 else []
