@@ -66,8 +66,8 @@ def test_bench_json_structure(bench_doc):
         assert run["triton_compiles"] == []  # the CPU path compiles nothing (and the warm-up ran first)
         loop = run["engine_loop"]  # every step call timed, phase by phase; each submit inside one of them
         assert loop["steps"] >= run["steps"] and all(v >= 0 for v in loop["ms_per_step"].values())
-        assert loop["ms_per_step"]["submit"] * loop["steps"] == pytest.approx(
-            run["host_submit_ms_mean"] * run["steps"], rel=0.5)
+        # its submit phase encloses every span the submit timer measures (inside the same calls)
+        assert loop["ms_per_step"]["submit"] * loop["steps"] >= run["host_submit_ms_mean"] * run["steps"] * (1 - 1e-9)
     # the table has one row per concurrency
     rows = _rows(table)
     assert [int(r[0]) for r in rows] == [1, 2]

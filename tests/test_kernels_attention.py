@@ -379,20 +379,21 @@ def test_cuda_prefill_bf16_real_shapes(heads, kv_heads):
 def test_cuda_attention_compiles_no_variant_per_batch_shape():
     """Once each path ran (one split or several; decode, prefill), batches of other shapes compile
     nothing: the block table's width, the sequence count and the split count vary every step, and a
-    kernel specialised on them (an int divisible by 16, or 1) stalled a served step for a compile."""
+    kernel specialised on them (an int divisible by 16, or 1) stalled a served step for a compile. Heads
+    16 / kv heads 2 (Qwen3.5's): no test before it in this file compiles that group size."""
     from vtcore.bench.step_stats import count_triton_compiles
 
-    _check_prefill("cuda", torch.bfloat16, 16, 8, [1500], [1500], BF16)  # one split
-    _check_prefill("cuda", torch.bfloat16, 16, 8, [128], [2176], BF16)  # key splits and their combine
-    _check_decode("cuda", torch.bfloat16, 16, 8, [1000, 2000], 3000, BF16, num_splits=1)
-    _check_decode("cuda", torch.bfloat16, 16, 8, [1000, 2000], 32768, BF16)
+    _check_prefill("cuda", torch.bfloat16, 16, 2, [1500], [1500], BF16)  # one split
+    _check_prefill("cuda", torch.bfloat16, 16, 2, [128], [2176], BF16)  # key splits and their combine
+    _check_decode("cuda", torch.bfloat16, 16, 2, [1000, 2000], 3000, BF16, num_splits=1)
+    _check_decode("cuda", torch.bfloat16, 16, 2, [1000, 2000], 32768, BF16)
     with count_triton_compiles() as compiled:
         for qlens, ctx in (([1000], [1000]), ([300, 77], [990, 1077]), ([1] * 5, [16, 100, 1006, 7, 2000]),
                            ([16, 3], [5000, 70]), ([128], [1008]), ([128, 40], [2176, 40])):
-            _check_prefill("cuda", torch.bfloat16, 16, 8, qlens, ctx, BF16)  # table widths 16..315 blocks
+            _check_prefill("cuda", torch.bfloat16, 16, 2, qlens, ctx, BF16)  # table widths 16..315 blocks
         for ctx in ([990], [1000, 17], [1, 2, 3, 4]):
-            _check_decode("cuda", torch.bfloat16, 16, 8, ctx, 3000, BF16, num_splits=1)
-            _check_decode("cuda", torch.bfloat16, 16, 8, ctx, 32768, BF16)
+            _check_decode("cuda", torch.bfloat16, 16, 2, ctx, 3000, BF16, num_splits=1)
+            _check_decode("cuda", torch.bfloat16, 16, 2, ctx, 32768, BF16)
     assert compiled == []
 
 

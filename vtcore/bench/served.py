@@ -115,7 +115,7 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
 
 def _compiles_logged(log_path: str, offset: int) -> list[str]:
     """The kernel variants the server's log says were compiled past ``offset`` (``compile_watch``'s lines:
-    each ``"NAME mid-run: SPECIALISATION"``)."""
+    each ``"NAME: SPECIALISATION"``)."""
     with open(log_path, "rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
@@ -146,6 +146,6 @@ def format_served(doc: dict[str, Any]) -> list[str]:
                      f"{ms(s, 'itl_s', 'median') - ms(i, 'itl_s', 'median'):+.3f} ms{where}"
                      + ("" if s.get("server_triton_compiles") is None else
                         f"; Triton compiles in the server while measured: {len(s['server_triton_compiles'])}"
-                        + (f" ({', '.join(sorted({c.split(' ', 1)[0] for c in s['server_triton_compiles']}))})"
+                        + (f" ({', '.join(sorted({c.split(':', 1)[0] for c in s['server_triton_compiles']}))})"
                            if s["server_triton_compiles"] else "")))
     return lines

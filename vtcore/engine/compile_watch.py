@@ -1,7 +1,8 @@
-"""A log line for each Triton kernel variant compiled (or loaded from Triton's disk cache) once an engine
-on a GPU is built: each one stalls the step that met it (up to a second on a cold cache), so a TTFT
-outlier can be traced to the kernel and the specialisation it needed (``vtcore bench --serve`` counts
-these lines in the server's log during each timed run)."""
+"""A log line for each Triton kernel variant compiled (or loaded from Triton's disk cache) once the first
+engine on a GPU in a process is built and warmed up: one during serving stalls the step that met it (up
+to a second on a cold cache), so a TTFT outlier can be traced to the kernel and the specialisation it
+needed (``vtcore bench --serve`` counts these lines in the server's log during each timed run). The
+hook stays for the process: a later engine's own build is logged too."""
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,7 @@ def watch_triton_compiles() -> None:
     previous = knobs.runtime.jit_cache_hook
 
     def hook(**kwargs: Any) -> Any:
-        log.warning("%s%s mid-run: %s", MARK, getattr(kwargs.get("fn"), "name", "?"), kwargs.get("repr", ""))
+        log.warning("%s%s: %s", MARK, getattr(kwargs.get("fn"), "name", "?"), kwargs.get("repr", ""))
         return previous(**kwargs) if previous else None
 
     knobs.runtime.jit_cache_hook = hook

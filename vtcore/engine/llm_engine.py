@@ -229,7 +229,11 @@ class LLMEngine(PromptText):
         #: an engine core process's: requests without stop strings get no text here (``front_end_text``)
         self.front_end_text = False
         if self.device.type == "cuda":
-            warm_up(self)  # the kernel variants a served load needs, compiled before its first request
+            try:
+                warm_up(self)  # the kernel variants a served load needs, compiled before its first request
+            except BaseException:
+                self.shutdown()  # tensor-parallel workers and a draft engine too: nothing outlives a failed build
+                raise
             watch_triton_compiles()
 
     def _proposer(self) -> Proposer | None:

@@ -5,7 +5,7 @@ request's step, where each one stalls the whole batch for up to a second on a co
 The paths: a prompt alone (the padded one-chunk step), a short prompt beside a decoding request (an eager
 mixed step whose prefill attention splits its keys: few query blocks over a long context), two prompts
 at once (eager, unsplit), and decode steps. Greedy requests, so no generator is drawn from; afterwards
-no request, cached block, state snapshot or load counter of theirs remains.
+no request, cached block, state snapshot, load counter or runner path counter of theirs remains.
 """
 from __future__ import annotations
 
@@ -45,4 +45,5 @@ def warm_up(engine: Any) -> None:
     engine.reset_prefix_cache()
     engine.pool.queries = engine.pool.hits = 0
     engine.scheduler.num_preemptions = 0
+    engine.runner.reset_counters()
     engine.spec_stats = SpecDecodeStats(len(engine.spec_stats.accepted_per_position))

@@ -330,6 +330,13 @@ class ModelRunner:
     def graph_replays(self) -> int:
         return sum(g.replays for g in self._padded)
 
+    def reset_counters(self) -> None:
+        """Zero the path counters (padded steps, replays, overridden and late-drawn steps) that checks read
+        after their own requests (the engine's warm-up leaves none of its own)."""
+        self.consuming_forwards = self.stale_forwards = self.late_draws = 0
+        for g in self._padded:
+            g.steps = g.replays = 0
+
     @property
     def captured_graphs(self) -> int:
         return sum(len(g.graphs) for g in self._padded)
