@@ -32,6 +32,8 @@ def test_the_warm_up_takes_the_served_paths_and_leaves_no_trace(tiny_checkpoint,
     assert not engine.requests and not engine.has_unfinished_requests()
     stats = engine.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (0, 0, 0)
+    runner = engine.runner  # the paths it took are not counted as the checks' own
+    assert (runner.padded_decode_steps, runner.stale_forwards, runner.consuming_forwards) == (0, 0, 0)
 
     # the warm-up's long prompt again: nothing of it is cached, and the tokens are a fresh engine's
     prompt = {"prompt_token_ids": [(7 * i) % engine.vocab_size for i in range(long)]}
