@@ -232,11 +232,11 @@ class Scheduler:
         drafts = self.proposer.propose_batch([(r.token_ids, k) for r, k in rows]) if rows else []
         return {r.request_id: tuple(d[:k]) for (r, k), d in zip(rows, drafts)}
 
-    def _take(self, req: Request, budget: int, draft: tuple[int, ...] = ()) -> Scheduled:
-        """``req``'s share of this batch: up to ``budget`` of its tokens, then ``draft``; a share right after
-        an unsettled verify row of its request floats over it (its draft tokens count once settled)."""
+    def _take(self, req: Request, n: int, draft: tuple[int, ...] = ()) -> Scheduled:
+        """``req``'s share of this batch: ``n`` of its tokens (those it has to compute, up to the budget), then
+        ``draft``; a share right after an unsettled verify row of its request floats over it (its draft tokens
+        count once settled)."""
         over = req.verifies[0] if req.verifies else None  # (the one left after _settle, of the last batch)
-        n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
         start = req.num_computed_tokens
         req.num_computed_tokens += n
         samples = req.num_computed_tokens == req.num_tokens_scheduled
@@ -288,7 +288,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if req.grammar is not None and req.grammar.masked < req.num_output_tokens + req.num_inflight:
                 continue  # its in-flight token is not drawn yet (a late row): the forward would read no token
-            if self._may_end(req):
+            if req.verifies and self._may_end(req):
                 continue  # it waits for its count, which the sync engine has seen (and may have ended it on)
             n = min(req.num_tokens_scheduled - req.num_computed_tokens, budget)
             if n <= 0:
@@ -302,7 +302,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                batch.append(self._take(req, budget, draft))
+                batch.append(self._take(req, n, draft))
                 budget -= n + len(draft)
         seats = self.max_num_seqs - len(self.ending)
         while not preempted and self.waiting and budget > 0 and len(self.running) < seats:
@@ -325,7 +325,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.mirror_slot = self.free_mirror_slots.pop()
             self.running.append(req)
-            batch.append(self._take(req, budget))
+            batch.append(self._take(req, n))
             budget -= n
         if self.pool.caching:
             for req in self.running + self.ending:
