@@ -184,6 +184,30 @@ def test_every_padded_row_has_a_context_as_long_as_its_query(tiny_checkpoint) ->
     assert any(padded for *_, padded in checked)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_decode_layout_equals_the_general_rows_layout(tiny_checkpoint, mode) -> None:
+    """``prepare``'s one-token fast path lays out every decode step as the general per-row layout does:
+    rows with their token known, in flight (async) or floating over a verify row (n-gram drafts), block
+    tables of several widths, padding."""
+    seen = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        eng = build_engine(tiny_checkpoint[0], mode, **KNOBS, speculative_config=spec)
+        graphs = eng.runner.decode_graphs
+
+        def check(batch, done, graphs=graphs):
+            if not done and graphs.takes(batch):
+                fast, general = graphs._prepare_decode(batch), graphs._prepare_rows(batch)
+                assert fast == general
+                seen.append((PLACEHOLDER in fast.sections[0], any(s.floats for s in batch),
+                             fast.size > fast.rows, len({len(s.request.block_ids) for s in batch}) > 1))
+
+        eng.runner.on_submit.append(check)
+        run(eng, {0: [("a", [5, 6, 5, 6, 5, 6, 5], greedy(24)), ("b", [1, 2, 3], greedy(20)),
+                      ("c", [7, 7, 7], greedy(16))], 3: [("d", list(range(1, 20)), greedy(9))]})
+    kinds = [any(column) for column in zip(*seen)]
+    assert kinds == [mode == "async", mode == "async", True, True], seen  # (sync settles a verify row at once)
+
+
 @pytest.mark.parametrize("q, chunk", [(4, False), (16, True)])
 def test_the_widest_padded_step_fits_its_upload_buffer(q, chunk) -> None:
     """Every row full (verify: a whole draft, each token sampling), every block-table row as wide as the
