@@ -857,6 +857,8 @@ def _sample_metas(s: Scheduled) -> list[SampleMeta]:
     """What the sampler needs of each token ``s`` samples: after its last fed token, and in a verify row
     after each draft token too (the history then holds the draft tokens before it)."""
     req, fed = s.request, s.num_tokens - len(s.draft)
+    if not s.draft:  # (most rows: one sample, after the fed tokens)
+        return [SampleMeta(req, s.start + fed - 1, s.start + fed - req.num_prompt_tokens)] if s.samples else []
     return [SampleMeta(req, s.start + fed - 1, s.start + fed + i - req.num_prompt_tokens, s.draft[:i])
             for i in range(s.num_sampled)]
 
