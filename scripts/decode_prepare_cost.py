@@ -1,6 +1,6 @@
 """The host cost of laying out one padded decode step (``DecodeGraphs.prepare``) at ROWS running requests on
 the embedded default model (CPU), median of 200 calls, beside the general per-row layout it replaces for
-one-token rows (docs/BENCHMARKS.md).
+one-token rows, and of the step's sampling metas and ``Sampler.prepare`` (docs/BENCHMARKS.md).
 
     python3 scripts/decode_prepare_cost.py [ROWS]
 """
@@ -12,6 +12,7 @@ import sys
 import time
 
 from vtcore import LLM, SamplingParams
+from vtcore.worker.model_runner import _sample_metas
 
 
 def median_us(fn, *args) -> float:
@@ -35,8 +36,11 @@ def main() -> None:
     while not batches or len(batches[-1]) < rows:
         engine.step()
     batch = batches[-1]
+    metas = [m for s in batch for m in _sample_metas(s)]
     print(f"{rows} rows: prepare {median_us(graphs.prepare, batch):.1f} us, "
-          f"general layout {median_us(graphs._prepare_rows, batch):.1f} us")
+          f"general layout {median_us(graphs._prepare_rows, batch):.1f} us, "
+          f"sampling metas {median_us(lambda: [m for s in batch for m in _sample_metas(s)]):.1f} us, "
+          f"Sampler.prepare {median_us(engine.runner.sampler.prepare, metas):.1f} us")
 
 
 if __name__ == "__main__":
