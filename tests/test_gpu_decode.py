@@ -53,3 +53,14 @@ def test_async_equals_sync_with_graphs(tiny_checkpoint, n) -> None:
     sync, asyn = build_engine(tiny_checkpoint[0], "sync", **knobs), build_engine(tiny_checkpoint[0], "async", **knobs)
     assert run_engine(asyn, arrivals)[0] == run_engine(sync, arrivals)[0]
     assert asyn.runner.graph_replays > 0 and asyn.runner.consuming_forwards == asyn.runner.stale_forwards
+
+
+def test_after_the_warm_up_a_mixed_load_compiles_nothing(tiny_checkpoint) -> None:
+    """The engine's warm-up (at construction) compiles every Triton variant a mixed load needs: prompts
+    alone and beside decoding rows, several at once, decode at padded sizes, sampled and greedy rows."""
+    from vtcore.bench.step_stats import count_triton_compiles
+
+    llm = LLM(tiny_checkpoint[0], device="cuda", dtype="bfloat16", max_num_seqs=16)
+    with count_triton_compiles() as compiled:
+        run_engine(llm.engine, mixed_arrivals(16, 7, vocab_size=512))
+    assert compiled == []
