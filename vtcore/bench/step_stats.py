@@ -255,20 +255,11 @@ async def probe_decode(engine: Any, c: int, input_len: int, output_len: int, rng
 def count_triton_compiles() -> Iterator[list[str]]:
     """Collects the name of every Triton kernel variant compiled (or loaded from disk) inside the block,
     from any thread, through Triton's ``jit_cache_hook``; an empty list when Triton is absent."""
+    from vtcore.engine.compile_watch import on_triton_compile
+
     names: list[str] = []
-    try:
-        from triton import knobs
-    except ImportError:
-        yield names
-        return
-    previous = knobs.runtime.jit_cache_hook
-
-    def hook(**kwargs: Any) -> Any:
-        names.append(getattr(kwargs.get("fn"), "name", "?"))
-        return previous(**kwargs) if previous else None
-
-    knobs.runtime.jit_cache_hook = hook
+    restore = on_triton_compile(lambda name, spec: names.append(name))
     try:
         yield names
     finally:
-        knobs.runtime.jit_cache_hook = previous
+        restore()

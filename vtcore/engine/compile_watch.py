@@ -6,7 +6,7 @@ hook stays for the process: a later engine's own build is logged too."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("vtcore")
 
@@ -15,21 +15,29 @@ MARK = "Triton compiled "
 _watching = False
 
 
-def watch_triton_compiles() -> None:
-    """Install (once a process) Triton's cache-miss hook: it logs a warning naming the kernel variant and
-    calls the hook that was there before."""
-    global _watching
-    if _watching:
-        return
+def on_triton_compile(observe: Callable[[str, str], None]) -> Callable[[], None]:
+    """Chain ``observe(kernel name, specialisation)`` in front of Triton's cache-miss hook (a variant compiled
+    or loaded from disk, from any thread); returns what puts the previous hook back (a no-op without Triton)."""
     try:
         from triton import knobs
     except ImportError:  # Triton absent: nothing compiles
-        return
+        return lambda: None
     previous = knobs.runtime.jit_cache_hook
 
     def hook(**kwargs: Any) -> Any:
-        log.warning("%s%s: %s", MARK, getattr(kwargs.get("fn"), "name", "?"), kwargs.get("repr", ""))
-        return previous(**kwargs) if previous else None
+        observe(getattr(kwargs.get("fn"), "name", "?"), kwargs.get("repr", ""))
+        return previous(**kwargs) if previous else None  # (a truthy result would make Triton skip the compile)
 
     knobs.runtime.jit_cache_hook = hook
-    _watching = True
+
+    def restore() -> None:
+        knobs.runtime.jit_cache_hook = previous
+    return restore
+
+
+def watch_triton_compiles() -> None:
+    """Install (once a process) a hook that logs a warning naming each kernel variant compiled."""
+    global _watching
+    if not _watching:
+        on_triton_compile(lambda name, spec: log.warning("%s%s: %s", MARK, name, spec))
+        _watching = True

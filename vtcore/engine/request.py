@@ -91,7 +91,7 @@ class Request:
     def lag(self) -> int:
         """Accepted draft tokens of verify rows applied but not settled: the scheduler counts without them,
         so the sync engine (which applied them) decides as the async one (which has not) does."""
-        return sum(v.accepted or 0 for v in self.verifies) if self.verifies else 0
+        return sum(v.accepted or 0 for v in self.verifies)
 
     @property
     def floats_over(self) -> int:

@@ -164,12 +164,8 @@ class DecodeGraphs:
         p = self.padded_size(n)
         width = max(len(s.request.block_ids) for s in batch)
         pad = [0] * width
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context: list[int] = []
-        combine: list[int] = []
-        mirror: list[int] = []
+        cols: list[list[int]] = [[] for _ in self.per_token]
+        ids, positions, slots, context, combine, mirror = cols
         table: list[int] = []
         stale = False
         for s in batch:
@@ -187,7 +183,6 @@ class DecodeGraphs:
             mirror.append(req.mirror_slot)
             table += blocks
             table += pad[:width - len(blocks)]
-        cols = [ids, positions, slots, context, combine, mirror]
         for col, v in zip(cols, self.padding):
             col += [v] * (p - n)
         return DecodeInputs(p, n, width, cols + [table], stale, max(s.start + s.floats for s in batch) + 1)
