@@ -2,7 +2,9 @@
 cached prefixes with the same tokens as without, sync and async, under preemption."""
 from __future__ import annotations
 
+import hashlib
 import random
+import sys
 
 import pytest
 
@@ -35,6 +37,20 @@ def test_pool_finds_the_longest_cached_chain_and_counts_references() -> None:
     assert pool.hashes(tokens, [], 3) == hashes
     salted = BlockPool(8, BS, caching=True, salt=b"bfloat16|nvfp4")
     assert salted.hashes(tokens, [], 1) != hashes[:1]  # the salt keys what else makes the KV
+
+
+def test_block_hashes_are_the_sha256_chain_and_extend_where_they_stopped() -> None:
+    pool = BlockPool(8, BS, caching=True, salt=b"s")
+    tokens = [random.Random(1).randrange(-2**40, 2**40) for _ in range(5 * BS + 2)]
+    parent, want = b"s", []
+    for i in range(5):
+        parent = hashlib.sha256(parent + b"".join(t.to_bytes(8, sys.byteorder, signed=True)
+                                                  for t in tokens[i * BS:(i + 1) * BS])).digest()
+        want.append(parent)
+    assert pool.hashes(tokens, [], 5) == want
+    known = pool.hashes(tokens, [], 2)
+    assert pool.hashes(tokens, known, 5) is known and known == want  # extended in place
+    assert pool.hashes(tokens, known, 3) == want  # already long enough: unchanged
 
 
 def test_freed_cached_blocks_stay_findable_until_handed_out_tails_first() -> None:

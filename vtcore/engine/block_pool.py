@@ -12,18 +12,11 @@ Free blocks without a hash are handed out before cached ones.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections import OrderedDict
 from typing import Sequence
 
 BlockHash = bytes
-
-
-def block_hash(parent: BlockHash | None, tokens: Sequence[int], salt: bytes) -> BlockHash:
-    """The hash of a full block of ``tokens`` after the block hashed ``parent`` (None: the first block)."""
-    digest = hashlib.sha256(parent if parent is not None else salt)
-    digest.update(array("q", tokens).tobytes())
-    return digest.digest()
 
 
 class BlockPool:
@@ -81,9 +74,15 @@ class BlockPool:
 
     def hashes(self, tokens: Sequence[int], known: list[BlockHash], num_blocks: int) -> list[BlockHash]:
         """``known`` (the hashes of the first blocks of ``tokens``) extended in place to ``num_blocks``."""
-        bs = self.block_size
-        for i in range(len(known), num_blocks):
-            known.append(block_hash(known[-1] if known else None, tokens[i * bs:(i + 1) * bs], self.salt))
+        bs, start = self.block_size, len(known)
+        if start >= num_blocks:
+            return known
+        # a block's hash: sha256 of its parent's hash (the salt for the first block) and its int64 token ids
+        data = struct.pack(f"{(num_blocks - start) * bs}q", *tokens[start * bs:num_blocks * bs])
+        parent, width = (known[-1] if known else self.salt), 8 * bs
+        for offset in range(0, len(data), width):
+            parent = hashlib.sha256(parent + data[offset:offset + width]).digest()
+            known.append(parent)
         return known
 
     def match(self, hashes: Sequence[BlockHash]) -> list[int]:

@@ -60,11 +60,11 @@ class PromptText:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in ids):
+            # (type and range checked in C loops: this runs before a long prompt's first step)
+            if not isinstance(ids, (list, tuple)) or not set(map(type, ids)) <= {int}:
                 raise ValueError(f"prompt_token_ids={ids!r}: expected a list of ints")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 raise RequestRejected(f"prompt_token_ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
             return prompt.get("prompt"), list(ids)
         raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt' (a string) or "

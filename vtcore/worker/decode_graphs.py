@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
-from vtcore.worker.step import DEVICE_DRAFT, Batch
+from vtcore.worker.step import DEVICE_DRAFT, Batch, kv_slots
 
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
 GRAPH_MAX = 256  # larger decode batches run eagerly
@@ -208,7 +208,7 @@ class DecodeGraphs:
             stale |= missing > 0 or bool(on_device)
             cols[0] += known + [PLACEHOLDER] * missing + [*s.draft] + [0] * (q - real)
             cols[1] += [*range(pos, pos + real)] + [pos] * (q - real)
-            cols[2] += [req.block_ids[t // bs] * bs + t % bs for t in range(pos, pos + real)] + [-1] * (q - real)
+            cols[2] += kv_slots(req.block_ids, bs, pos, pos + real) + [-1] * (q - real)
             cols[3].append(pos + q)
             drafted = [-1] * len(s.draft)
             for i in on_device:

@@ -54,7 +54,7 @@ from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
-from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, StepOutput
+from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, StepOutput, kv_slots
 from vtcore.worker.tensor_parallel import PaddedStep, Peers, StepMessage
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
@@ -517,7 +517,7 @@ class ModelRunner:
                 floating.add(len(context_lens), req.mirror_slot, s.floats, row0, n)
             pos = range(start, start + n)
             positions += pos
-            slots += [req.block_ids[p // bs] * bs + p % bs for p in pos]
+            slots += kv_slots(req.block_ids, bs, start, start + n)
             table = req.block_ids[:max_blocks]
             block_table += table + [0] * (max_blocks - len(table))
             context_lens.append(start + n)

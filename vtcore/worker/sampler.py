@@ -26,17 +26,14 @@ import torch
 
 from vtcore.kernels.bitmask import unpack_bitmask
 from vtcore.structured.grammar import fill_bitmasks
+from vtcore.worker.staging import host_tensor
 from vtcore.worker.step import StepRequest
 
 
 def to_device(data: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Upload a host list (or CPU tensor) without blocking the host (pinned memory on CUDA)."""
-    if torch.is_tensor(data):
-        host = data.to(dtype)
-        return host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    host = data.to(dtype) if torch.is_tensor(data) else host_tensor(data, dtype)
+    return host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
 
 
 @attrs.define

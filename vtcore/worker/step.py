@@ -83,3 +83,16 @@ class StepOutput:
     prompt_logprobs: dict[str, list]  # request_id -> per-position {id: (logprob, rank)}
     drafts: list[list[int]] | None = None  # per sampling request: its MTP head's draft (``vtcore.worker.mtp``)
     accepted: list[int] | None = None  # per sampling request: its draft tokens the device accepted (with drafts)
+
+
+def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """The KV cache slots of positions ``start..end-1`` of a request whose blocks are ``block_ids``:
+    ``block_ids[p // block_size] * block_size + p % block_size``, made a block at a time (a long chunk's
+    slots are on the host's path before the device may start)."""
+    if end - start < block_size:  # (a decode or verify row: one expression a token is quicker)
+        return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    first = start // block_size
+    slots: list[int] = []
+    for block in block_ids[first:-(-end // block_size)]:
+        slots += range(block * block_size, (block + 1) * block_size)
+    return slots[start - first * block_size:end - first * block_size]

@@ -1,0 +1,51 @@
+"""Host staging: the packed layout of a step's int sections, and the list-to-tensor packing it and the
+sampler's uploads use."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtcore.worker.sampler import to_device
+from vtcore.worker.staging import Staging, host_tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bool, torch.float64])
+def test_host_tensor_equals_torch_tensor_of_the_list(dtype):
+    ints = [0, 1, -1, 7, 2**31 - 1, -(2**31)]
+    data = [0.1, -2.5, 1e30, 3.0, -0.0, 1] if dtype.is_floating_point else ints
+    if dtype == torch.int64:
+        data = ints + [2**62, -(2**63)]
+    if dtype == torch.bool:
+        data = [True, False, True]
+    got, want = host_tensor(data, dtype), torch.tensor(data, dtype=dtype)
+    assert got.dtype == dtype and got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(host_tensor([], dtype), torch.tensor([], dtype=dtype))
+
+
+def test_an_int_section_with_a_float_in_it_is_refused_not_truncated():
+    with pytest.raises(Exception):
+        host_tensor([1, 2.5], torch.int64)
+
+
+def test_to_device_uploads_lists_and_tensors_alike():
+    cpu = torch.device("cpu")
+    assert torch.equal(to_device([3, 1, 2], torch.int64, cpu), torch.tensor([3, 1, 2]))
+    assert torch.equal(to_device(torch.tensor([0.5, 2.0]), torch.float32, cpu), torch.tensor([0.5, 2.0]))
+
+
+def test_stage_packs_sections_at_their_alignment_and_reuses_a_retired_buffer():
+    staging = Staging(2, torch.device("cpu"))
+    sections = [[5, 6, 7], [], [8], list(range(100, 140))]
+    staged = staging.stage(0, sections)
+    assert staged.bounds == [(0, 3), (4, 4), (4, 5), (6, 46)]
+    assert all(a % 2 == 0 for a, _ in staged.bounds)
+    for section, (a, b) in zip(sections, staged.bounds):
+        assert staged.host[a:b].tolist() == section
+    assert staged.host[3].item() == 0 and staged.host[5].item() == 0  # padding
+    dense = staging.stage(1, sections, align=1)
+    assert dense.host.tolist() == [x for s in sections for x in s]
+    with pytest.raises(RuntimeError, match="still owned by step 0"):
+        staging.stage(2, [[1]])
+    staging.retire(staged.index)
+    again = staging.stage(2, [[9, 9]])
+    assert again.host.tolist() == [9, 9] and dense.host.tolist() == [x for s in sections for x in s]
