@@ -55,6 +55,40 @@ def test_masked_argmax_matches_the_reference():
     assert masked_argmax(logits[:0].to(device), words[:0].to(device)).shape == (0,)
 
 
+@runs
+def test_masked_argmax_also_writes_its_tokens_where_it_is_told():
+    """``into``: the same launch stores row r's token at ``target[index[r]]`` (the step's mirror and its
+    token row), as ``target[index] = tokens`` would; other entries keep their values."""
+    from vtcore.kernels.masked_argmax import masked_argmax
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 300, generator=g).to(device)
+    words = _pack(torch.rand(3, 288, generator=g) < 0.2).to(device)
+    mirror = torch.full((10,), -7, dtype=torch.int64, device=device)
+    row_tokens = torch.full((5,), -9, dtype=torch.int64, device=device)
+    at_mirror, at_rows = torch.tensor([8, 2, 5], device=device), torch.tensor([4, 0, 1], device=device)
+    got = masked_argmax(logits, words, into=[(mirror, at_mirror), (row_tokens, at_rows)])
+    want_mirror = torch.full((10,), -7, dtype=torch.int64)
+    want_mirror[[8, 2, 5]] = got.cpu()
+    assert torch.equal(got.cpu(), masked_argmax_ref(logits.cpu(), words.cpu()))
+    assert torch.equal(mirror.cpu(), want_mirror)
+    assert row_tokens.cpu().tolist() == [got[1].item(), got[2].item(), -9, -9, got[0].item()]
+    with pytest.raises(ValueError, match="at most two"):
+        masked_argmax(logits, words, into=[(mirror, at_mirror.int())])
+
+
+def test_the_general_sampler_path_writes_into_its_targets_too():
+    from vtcore.worker.sampler import Sampler, SamplingBatch
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    batch = SamplingBatch(metas=[], greedy=True, temperature=None, top_k=None, top_p=None, min_p=None,
+                          random_rows=None, random_list=[], edits=[], max_logprobs=None)
+    target = torch.zeros(6, dtype=torch.int64)
+    tokens = Sampler(50, torch.device("cpu"), [0], seed=0).sample(logits, batch, logits.new_zeros(3),
+                                                                   into=[(target, torch.tensor([5, 0, 3]))])["tokens"]
+    assert torch.equal(tokens, logits.argmax(-1)) and target.tolist() == [tokens[1], 0, 0, tokens[2], 0, tokens[0]]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_cuda_sampler_draws_greedy_masked_rows_as_the_general_path_does(monkeypatch):
     """A batch whose every row is greedy and held to a mask (a late draw's) takes the one-launch draw; a

@@ -5,6 +5,8 @@ logits excepted (torch takes a NaN for the largest). Ids past the words' ``32 * 
 disallowed; a row that allows nothing draws 0, as the reference does."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -17,7 +19,8 @@ _BLOCK = 4096  # logits a program reads at a time
 
 
 @triton.jit
-def _masked_argmax_kernel(logits_ptr, words_ptr, out_ptr, vocab, tokens, stride_l, stride_w, BLOCK: tl.constexpr):
+def _masked_argmax_kernel(logits_ptr, words_ptr, out_ptr, into1_ptr, index1_ptr, into2_ptr, index2_ptr, vocab, tokens,
+                          stride_l, stride_w, BLOCK: tl.constexpr, NUM_INTO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     best = tl.full((), float("-inf"), tl.float32)
     best_id = tl.full((), 0, tl.int64)
@@ -32,11 +35,18 @@ def _masked_argmax_kernel(logits_ptr, words_ptr, out_ptr, vocab, tokens, stride_
         best_id = tl.where(better, at.to(tl.int64), best_id)
         best = tl.where(better, m, best)
     tl.store(out_ptr + row, best_id)
+    if NUM_INTO >= 1:
+        tl.store(into1_ptr + tl.load(index1_ptr + row), best_id.to(into1_ptr.dtype.element_ty))
+    if NUM_INTO >= 2:
+        tl.store(into2_ptr + tl.load(index2_ptr + row), best_id.to(into2_ptr.dtype.element_ty))
 
 
-def masked_argmax(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+def masked_argmax(logits: torch.Tensor, words: torch.Tensor,
+                  into: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> torch.Tensor:
     """int64 [rows]: each row's argmax over the logits its mask allows. ``logits`` [rows, V] (unit stride
-    along V), ``words`` int32 [rows, W] on the same device."""
+    along V), ``words`` int32 [rows, W] on the same device. ``into``: at most two (target, index) pairs,
+    contiguous 1-D integer targets and int64 [rows] indices: row r's token is also stored at
+    ``target[index[r]]`` by the same launch (what ``target[index] = tokens`` would do, without its launches)."""
     rows, vocab = logits.shape
     if words.shape[0] != rows or words.dtype != torch.int32:
         raise ValueError(f"words {tuple(words.shape)} {words.dtype}: expected int32 [{rows}, W] for logits "
@@ -44,8 +54,13 @@ def masked_argmax(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     if logits.stride(1) != 1 or words.stride(1) != 1:
         raise ValueError(f"logits strides {logits.stride()}, words strides {words.stride()}: expected unit "
                          "strides along the vocabulary and the words")
+    if len(into) > 2 or any(t.dim() != 1 or not t.is_contiguous() or i.shape != (rows,) or i.dtype != torch.int64
+                            for t, i in into):
+        raise ValueError(f"into {[(tuple(t.shape), tuple(i.shape), i.dtype) for t, i in into]}: expected at most "
+                         f"two (contiguous 1-D target, int64 [{rows}] index) pairs")
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _masked_argmax_kernel[(rows,)](logits, words, out, vocab, min(vocab, 32 * words.shape[1]),
-                                       logits.stride(0), words.stride(0), BLOCK=_BLOCK)
+        pointers = [p for pair in into for p in pair] + [out, out] * (2 - len(into))
+        _masked_argmax_kernel[(rows,)](logits, words, out, *pointers, vocab, min(vocab, 32 * words.shape[1]),
+                                       logits.stride(0), words.stride(0), BLOCK=_BLOCK, NUM_INTO=len(into))
     return out

@@ -664,9 +664,9 @@ class ModelRunner:
         sampled, rows, logits, fed, mirror_slots = out.pop("late")
         self.late_draws += 1
         with torch.inference_mode():
-            drawn = self.sampler.sample(logits, sampling, fed)
-            self.last_sampled_tokens[mirror_slots] = drawn["tokens"]
-            for key in ("tokens", "logprobs", "ranks"):  # the top logprobs are the raw model's: unchanged
+            drawn = self.sampler.sample(logits, sampling, fed, into=((self.last_sampled_tokens, mirror_slots),
+                                                                     (sampled["tokens"], rows)))
+            for key in ("logprobs", "ranks"):  # the top logprobs are the raw model's: unchanged
                 if key in drawn and key in sampled:
                     sampled[key][rows] = drawn[key]
         out.update({k: self._to_host(v) for k, v in sampled.items()})

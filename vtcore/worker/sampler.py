@@ -72,8 +72,8 @@ class SamplingBatch:
     random_list: list[int]  # random_rows on the host
     edits: list[tuple[int, dict[str, Any]]]  # per-row logit edits: (row, tensors)
     max_logprobs: int | None
-    masked_rows: torch.Tensor | None = None  # rows held to a grammar's bitmask
-    bitmasks: torch.Tensor | None = None  # int32 [len(masked_rows), GrammarCache.words]
+    masked_rows: torch.Tensor | None = None  # rows held to a grammar's bitmask; None with bitmasks: every row
+    bitmasks: torch.Tensor | None = None  # int32 [masked rows, GrammarCache.words]
     late: list[int] = attrs.Factory(list)  # rows drawn again once their mask exists (module doc)
 
 
@@ -144,7 +144,7 @@ class Sampler:
             min_p=self._up([p.min_p for p in rnd], torch.float32) if any(p.min_p > 0 for p in rnd) else None,
             random_rows=self._up(random) if random else None, random_list=random, edits=edits,
             max_logprobs=max(wanted) if wanted else None,
-            masked_rows=self._up([row for row, _ in masked]) if masked else None,
+            masked_rows=self._up([row for row, _ in masked]) if 0 < len(masked) < len(metas) else None,
             bitmasks=to_device(fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked],
                                              self._mask_buffer(len(masked), masked[0][1].cache.words)),
                                torch.int32, self.device)
@@ -153,7 +153,9 @@ class Sampler:
 
     def _edit(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
-        if batch.bitmasks is not None:
+        if batch.bitmasks is not None and batch.masked_rows is None:
+            logits.masked_fill_(~unpack_bitmask(batch.bitmasks, logits.shape[1]), float("-inf"))
+        elif batch.bitmasks is not None:
             rows = batch.masked_rows
             logits[rows] = logits[rows].masked_fill(~unpack_bitmask(batch.bitmasks, logits.shape[1]), float("-inf"))
         for row, e in batch.edits:
@@ -177,14 +179,22 @@ class Sampler:
                     logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed."""
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor,
+               into: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> dict[str, torch.Tensor]:
+        """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed. ``into``:
+        (target, index) pairs where the tokens are also written, ``target[index] = tokens``."""
         if (logits.is_cuda and batch.greedy and not batch.edits and batch.max_logprobs is None
-                and batch.bitmasks is not None and batch.bitmasks.shape[0] == logits.shape[0]):
+                and batch.bitmasks is not None and batch.bitmasks.shape[0] == logits.shape[0] and len(into) <= 2):
             # every row greedy and held to a grammar, nothing else edited (a late draw's rows): one launch
             from vtcore.kernels.masked_argmax import masked_argmax
 
-            return {"tokens": masked_argmax(logits, batch.bitmasks)}
+            return {"tokens": masked_argmax(logits, batch.bitmasks, into)}
+        out = self._sample(logits, batch, fed)
+        for target, index in into:
+            target[index] = out["tokens"]
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor) -> dict[str, torch.Tensor]:
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if batch.edits or batch.bitmasks is not None:
             logits = self._edit(logits, batch, fed)
