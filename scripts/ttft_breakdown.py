@@ -167,6 +167,8 @@ def main() -> None:
                          "them) and print its N largest own times")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.requests < 1 + bool(args.profile):
+        ap.error(f"--requests {args.requests}: expected at least {1 + bool(args.profile)}")
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(run(args, write_shape(tmp, args.shape)))
     med = result["median_ms"]
@@ -174,7 +176,7 @@ def main() -> None:
           f"{med['ttft']:.2f} ms, device {med['device']:.2f} ms over {med['steps']:.0f} step(s); ms: "
           + ", ".join(f"{k} {med[k]:.3f}" for k in ("hand-off", "add", "schedule", "submit", "wait", "outputs",
                                                     "delivery", "other")))
-    print("calls of the last request (ms):", result["requests"][-2]["calls"])
+    print("calls of the last request not profiled (ms):", result["requests"][-1 - bool(args.profile)]["calls"])
     if args.out:
         name = f"ttft-{args.shape}-{args.prefix_len}-{args.input_len}.json"
         with open(os.path.join(args.out, name), "w") as f:

@@ -117,3 +117,8 @@ def test_the_cuda_sampler_draws_greedy_masked_rows_as_the_general_path_does(monk
     some = sampler.sample(logits, batch([0, 2]), logits.new_zeros(4))["tokens"].cpu()
     assert torch.equal(some[[0, 2]], want[[0, 2]]) and torch.equal(some[[1, 3]], logits[[1, 3]].argmax(-1).cpu())
     assert launches == [1]  # the general path for a batch with unmasked rows
+    mirror = torch.zeros(9, dtype=torch.int64, device="cuda")
+    at = torch.tensor([7, 1, 3, 0], device="cuda")
+    tokens = sampler.sample(logits, batch([0, 1, 2, 3]), logits.new_zeros(4), into=[(mirror, at)])["tokens"]
+    assert launches == [1, 1] and torch.equal(tokens.cpu(), want)
+    assert mirror.cpu().tolist() == [want[3], want[1], 0, want[2], 0, 0, 0, want[0], 0]  # written by the launch

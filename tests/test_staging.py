@@ -2,11 +2,15 @@
 sampler's uploads use."""
 from __future__ import annotations
 
+import random
+import struct
+
 import pytest
 import torch
 
 from vtcore.worker.sampler import to_device
 from vtcore.worker.staging import Staging, host_tensor
+from vtcore.worker.step import kv_slots
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bool, torch.float64])
@@ -23,8 +27,22 @@ def test_host_tensor_equals_torch_tensor_of_the_list(dtype):
 
 
 def test_an_int_section_with_a_float_in_it_is_refused_not_truncated():
-    with pytest.raises(Exception):
+    with pytest.raises(struct.error):
         host_tensor([1, 2.5], torch.int64)
+
+
+def test_kv_slots_are_each_positions_block_slot():
+    rng = random.Random(0)
+    for _ in range(300):
+        bs = rng.choice([1, 2, 4, 16])
+        blocks = rng.sample(range(1000), 12)
+        start = rng.randrange(12 * bs)
+        end = rng.randrange(start, 12 * bs + 1)
+        assert kv_slots(blocks, bs, start, end) == [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+    with pytest.raises(IndexError, match="need 3 blocks, the request has 2"):
+        kv_slots([5, 6], 4, 0, 12)
+    with pytest.raises(IndexError):
+        kv_slots([5, 6], 4, 8, 9)  # (a short range: the per-position expression)
 
 
 def test_to_device_uploads_lists_and_tensors_alike():

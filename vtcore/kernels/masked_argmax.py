@@ -46,7 +46,8 @@ def masked_argmax(logits: torch.Tensor, words: torch.Tensor,
     """int64 [rows]: each row's argmax over the logits its mask allows. ``logits`` [rows, V] (unit stride
     along V), ``words`` int32 [rows, W] on the same device. ``into``: at most two (target, index) pairs,
     contiguous 1-D integer targets and int64 [rows] indices: row r's token is also stored at
-    ``target[index[r]]`` by the same launch (what ``target[index] = tokens`` would do, without its launches)."""
+    ``target[index[r]]`` by the same launch (what ``target[index] = tokens`` would do, without its launches;
+    the indices are the caller's to keep in bounds: the kernel does not check them)."""
     rows, vocab = logits.shape
     if words.shape[0] != rows or words.dtype != torch.int32:
         raise ValueError(f"words {tuple(words.shape)} {words.dtype}: expected int32 [{rows}, W] for logits "

@@ -21,7 +21,7 @@ def host_tensor(data: Sequence[int | float], dtype: torch.dtype) -> torch.Tensor
     ``torch.tensor`` of a list infers each item's type, 3x slower for a few items and 7-10x for a
     prompt's thousands, on the host's critical path before the device may start."""
     fmt = _FORMATS.get(dtype)
-    if fmt is None or not data:
+    if fmt is None or len(data) == 0:
         return torch.tensor(data, dtype=dtype)
     return torch.frombuffer(bytearray(struct.pack(f"{len(data)}{fmt}", *data)), dtype=dtype)
 

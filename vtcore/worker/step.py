@@ -95,4 +95,8 @@ def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> lis
     slots: list[int] = []
     for block in block_ids[first:-(-end // block_size)]:
         slots += range(block * block_size, (block + 1) * block_size)
-    return slots[start - first * block_size:end - first * block_size]
+    slots = slots[start - first * block_size:end - first * block_size]
+    if len(slots) != end - start:
+        raise IndexError(f"kv_slots: positions {start}..{end - 1} need {-(-end // block_size)} blocks, the request "
+                         f"has {len(block_ids)}")
+    return slots
