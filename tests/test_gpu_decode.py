@@ -64,3 +64,23 @@ def test_after_the_warm_up_a_mixed_load_compiles_nothing(tiny_checkpoint) -> Non
     with count_triton_compiles() as compiled:
         run_engine(llm.engine, mixed_arrivals(16, 7, vocab_size=512))
     assert compiled == []
+
+
+def test_after_the_warm_up_constrained_requests_compile_nothing() -> None:
+    """The constrained rows' draw (a batch of only constrained rows, and a late draw beside unconstrained
+    rows, sync and async) uses the kernel variants the warm-up compiled."""
+    from vtcore.bench.step_stats import count_triton_compiles
+    from vtcore.config import DEFAULT_MODEL
+    from vtcore.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(temperature=0.0, max_tokens=12,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for async_scheduling in (False, True):
+        llm = LLM(DEFAULT_MODEL, device="cuda", dtype="bfloat16", max_num_seqs=8, async_scheduling=async_scheduling)
+        llm.engine.compile_grammar(constrained.structured_outputs)  # (xgrammar's compile: not Triton)
+        with count_triton_compiles() as compiled:
+            llm.generate(["A", "B"], constrained, use_tqdm=False)
+            llm.generate(["A", "B", "C"], [constrained, free, constrained], use_tqdm=False)
+        assert compiled == []

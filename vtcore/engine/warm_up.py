@@ -5,7 +5,8 @@ request's step, where each one stalls the whole batch for up to a second on a co
 The paths: a prompt alone (the padded one-chunk step), a short prompt beside a decoding request (an eager
 mixed step whose prefill attention splits its keys: few query blocks over a long context), two prompts
 at once (eager, unsplit), and decode steps. Greedy requests, so no generator is drawn from; afterwards
-no request, cached block, state snapshot, load counter or runner path counter of theirs remains.
+no request, cached block, state snapshot, load counter or runner path counter of theirs remains. Then
+the constrained rows' draw, which those requests do not take, is compiled by a call of its own.
 """
 from __future__ import annotations
 
@@ -42,8 +43,28 @@ def warm_up(engine: Any) -> None:
         engine.step()
     for rid in [r for r in engine.requests if r.startswith(PREFIX)]:
         engine.drop_request(rid)
+    _compile_masked_draws(engine)
     engine.reset_prefix_cache()
     engine.pool.queries = engine.pool.hits = 0
     engine.scheduler.num_preemptions = 0
     engine.runner.reset_counters()
     engine.spec_stats = SpecDecodeStats(len(engine.spec_stats.accepted_per_position))
+
+
+def _compile_masked_draws(engine: Any) -> None:
+    """The greedy draw of constrained rows (``vtcore.kernels.masked_argmax``) in both the forms steps launch:
+    a step's rows, and a late draw's with its two writes. The warm-up's requests are unconstrained (a grammar
+    needs the tokenizer), and the kernel is not specialised on its shape, so one small call of each compiles
+    what the first constrained request would otherwise stall its batch for."""
+    if engine.device.type != "cuda":
+        return
+    import torch
+
+    from vtcore.kernels.masked_argmax import masked_argmax
+
+    logits = torch.zeros(1, 64, dtype=torch.float32, device=engine.device)
+    words = torch.full((1, 2), -1, dtype=torch.int32, device=engine.device)
+    target, index = torch.zeros(1, dtype=torch.int64, device=engine.device), torch.zeros(1, dtype=torch.int64,
+                                                                                           device=engine.device)
+    masked_argmax(logits, words)
+    masked_argmax(logits, words, into=[(target, index), (target.clone(), index)])

@@ -18,7 +18,7 @@ __all__ = ["masked_argmax", "masked_argmax_ref"]
 _BLOCK = 4096  # logits a program reads at a time
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["vocab", "tokens", "stride_l", "stride_w"])  # (one variant for every shape)
 def _masked_argmax_kernel(logits_ptr, words_ptr, out_ptr, into1_ptr, index1_ptr, into2_ptr, index2_ptr, vocab, tokens,
                           stride_l, stride_w, BLOCK: tl.constexpr, NUM_INTO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
