@@ -7,7 +7,6 @@ non-blocking upload may still read.
 from __future__ import annotations
 
 import struct
-
 from typing import Sequence
 
 import attrs
@@ -17,9 +16,10 @@ _FORMATS = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 
 
 def host_tensor(data: Sequence[int | float], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of a list of Python numbers. Packed by ``struct`` for the step's usual dtypes:
-    ``torch.tensor`` of a list infers each item's type, 3x slower for a few items and 7-10x for a
-    prompt's thousands, on the host's critical path before the device may start."""
+    """A CPU tensor of a list of Python numbers, packed by ``struct`` for the step's usual dtypes (int64,
+    int32, float32): ``torch.tensor`` of a list infers each item's type, several times slower, and a step's
+    inputs are on the host's path before the device may start (docs/BENCHMARKS.md). A float in an int list
+    raises ``struct.error`` where ``torch.tensor`` would truncate it."""
     fmt = _FORMATS.get(dtype)
     if fmt is None or len(data) == 0:
         return torch.tensor(data, dtype=dtype)
