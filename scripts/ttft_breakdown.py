@@ -163,8 +163,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="cProfile the engine's calls for the last request (not in the medians' sense: it slows "
-                         "them) and print its N largest own times")
+                    help="cProfile the engine's calls for the last request (left out of the medians: the profiler "
+                         "slows it) and print the N largest own times")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.requests < 1 + bool(args.profile):

@@ -158,8 +158,8 @@ class DecodeGraphs:
 
     def _prepare_decode(self, batch: Batch) -> DecodeInputs:
         """``_prepare_rows`` for q = 1 (every row one fed token, no draft): the same sections, one value a
-        row appended to each, without the per-row lists of the general layout (4.5 us a row on the dev CPU,
-        the largest host cost of a large decode batch's submit)."""
+        row appended to each, without the general layout's per-row lists, which dominated a large decode
+        batch's submit (docs/BENCHMARKS.md)."""
         bs, n = self.block_size, len(batch)
         p = self.padded_size(n)
         width = max(len(s.request.block_ids) for s in batch)
