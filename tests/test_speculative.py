@@ -241,6 +241,7 @@ def _device_draft_run(target: str, draft: str, mode: str, knobs: dict, arrivals:
         "method": "draft_model", "model": draft, "num_speculative_tokens": 3})
     assert engine.scheduler.proposer is None and engine.runner.mtp.reads_fed
     got = run_engine(engine, arrivals)
+    assert engine.runner.padded_verify_steps > 0  # verify rows on the padded path, the draft after the forward
     assert engine.pool.num_free == engine.pool.num_blocks
     assert (engine.scheduler.num_preemptions > 0) == preempting
     return got, engine
@@ -275,6 +276,8 @@ def test_a_hybrid_draft_model_drafts_on_the_device_from_its_state_after_the_last
     ends = _repetitive(16, seed=11)
     arrivals[0].append(("snapshot-end", ends, greedy(2)))
     arrivals.setdefault(6, []).append(("hit-at-it", ends + [3, 1, 4], greedy(16)))
+    # alone, once the others are done: one lone chunk (the padded path) with a snapshot at its end
+    arrivals[80] = [("alone", _repetitive(8, seed=13), greedy(4))]
     plain, _ = run_engine(build_engine(hybrid, "sync", **knobs), arrivals)
     runs = {}
     for mode in MODES:
@@ -284,6 +287,7 @@ def test_a_hybrid_draft_model_drafts_on_the_device_from_its_state_after_the_last
         # the same weights over the same rows: the draft's state equals the target's in every slot but its
         # chain's (live, snapshot and draft-state slots); snapshots were taken at a fed run's end
         assert runner.num_state_snapshots and drafter.chain_state_base < len(drafter.stateful[0].states["conv"])
+        assert runner.padded_chunk_steps > 0 or "max_num_batched_tokens" in knobs, runner.padded_chunk_steps
         for target, draft in zip(runner.target_stateful, drafter.stateful, strict=True):
             for name, t in target.states.items():
                 assert torch.equal(t, draft.states[name][:drafter.chain_state_base]), (mode, name)

@@ -20,7 +20,9 @@ padded forward runs eagerly.
 Drafts made on the device (``vtcore.worker.drafting``) take these paths too: a draft token the device
 holds is combined in like an in-flight token (its combine index points past the mirror, into the
 runner's drafts: ``drafts``), and a floating share (``Scheduled.floats``) is laid out at its lagged
-position and shifted on the device before the replay (``run``'s ``adjust``).
+position and shifted on the device before the replay (``run``'s ``adjust``). The drafter runs after the
+replay, eagerly, over the graph's outputs: every padded token's hidden state and the metadata the
+forward read (an MTP head's or a draft model's pass writes its KV at the step's slots, as the target did).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Any, Callable, Iterator
 import attrs
 import torch
 
+from vtcore.layers.attention import AttentionMetadata
 from vtcore.worker.step import DEVICE_DRAFT, Batch, kv_slots
 
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
@@ -39,10 +42,25 @@ VERIFY_MAX_TOKENS = 512  # verify steps of more padded tokens run on the general
 CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # padded lengths of a lone prefill chunk
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
 
+
+@attrs.frozen
+class PaddedOutputs:
+    """What a padded forward leaves (a captured graph's outputs, rewritten by each replay): every padded
+    token's fed id (in-flight tokens combined in) and hidden state after the final norm, the float32 logits
+    (chunk: of the last rows only), the attention metadata it read (its tensors the step's sections: a
+    device drafter's pass over the step's rows reads the same), and whether EmbedInto consumed the
+    device-token override."""
+
+    fed: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    metadata: AttentionMetadata
+    consumed: bool
+
+
 #: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, block tables, query starts,
-#: query len, max_context_len, chunk: last rows or None, verify rows' state out slots or None) -> (fed ids,
-#: float32 logits (chunk: of the last rows), whether EmbedInto consumed the override)
-DecodeForward = Callable[..., tuple[torch.Tensor, torch.Tensor, bool]]
+#: query len, max_context_len, chunk: last rows or None, verify rows' state out slots or None) -> its outputs
+DecodeForward = Callable[..., PaddedOutputs]
 
 
 @attrs.define
@@ -91,7 +109,7 @@ class DecodeGraphs:
         self.qstart = torch.arange(0, (largest + 1) * q, q, dtype=torch.int32, device=device)
         # the six sections of padded size p: views fixed once, as the graphs read them
         self.views = {p: self._sections(p) for p in self.sizes}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], bool]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, PaddedOutputs]] = {}
         self.steps = self.replays = 0  # padded steps run, and how many of them replayed a graph
         self.pool = None
         # the longest context a padded row can have (a verify row's padding runs past max_model_len)
@@ -124,7 +142,7 @@ class DecodeGraphs:
         """The padded batch size a decode step of ``rows`` rows runs at."""
         return next(size for size in self.sizes if size >= rows)
 
-    def _run(self, p: int, max_context_len: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _run(self, p: int, max_context_len: int) -> PaddedOutputs:
         views = self.views[p]
         return self.forward(*views[:6], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len,
                             views[6] if self.chunk else None, views[6] if self.state_out else None)
@@ -143,9 +161,9 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    fed, logits, consumed = self._run(p, self.max_context_len)
+                    outputs = self._run(p, self.max_context_len)
                 pool = graph.pool()
-                self.graphs[p] = (graph, (fed, logits), consumed)
+                self.graphs[p] = (graph, outputs)
         self.pool = pool
         torch.cuda.synchronize(self.device)
         return pool
@@ -247,29 +265,30 @@ class DecodeGraphs:
         if graph is not None:
             graph[0].replay()
             self.replays += 1
-            (fed, logits), consumed = graph[1], graph[2]
+            o = graph[1]
         else:
-            fed, logits, consumed = self._run(inputs.size, inputs.max_context_len)
+            o = self._run(inputs.size, inputs.max_context_len)
+        fed, logits = o.fed, o.logits
         if self.q == 1:  # (qstart: 0, 1, 2, ...)
-            return PaddedForward(fed[:n], logits[:n], consumed, views[5][:n], fed, views[1], self.qstart[:n])
+            return PaddedForward(fed[:n], logits[:n], o.consumed, views[5][:n], o, views[1], self.qstart[:n])
         rows, mirror = staged[table + 1], staged[table + 2]
         if self.chunk:  # logits of each row's last real token; the fed token there
             last = views[6][rows]
-            return PaddedForward(fed[last], logits[rows], consumed, mirror, fed, views[1], last)
-        return PaddedForward(fed[rows], logits[rows], consumed, mirror, fed, views[1], rows)
+            return PaddedForward(fed[last], logits[rows], o.consumed, mirror, o, views[1], last)
+        return PaddedForward(fed[rows], logits[rows], o.consumed, mirror, o, views[1], rows)
 
 
 @attrs.frozen
 class PaddedForward:
     """What a padded step's forward leaves (device tensors): per sampling row its fed id, logits and mirror
-    slot; whether EmbedInto consumed the override; every padded token's fed id and (shifted) position; and
-    the sampling rows' indices among those tokens."""
+    slot; whether EmbedInto consumed the override; the forward's outputs over every padded token; their
+    (shifted) positions; and the sampling rows' indices among those tokens."""
 
     fed: torch.Tensor
     logits: torch.Tensor
     consumed: bool
     mirror: torch.Tensor
-    ids: torch.Tensor
+    outputs: PaddedOutputs
     positions: torch.Tensor
     sample_rows: torch.Tensor
 

@@ -15,6 +15,7 @@ import torch
 from vtcore.worker.step import Batch
 
 NO_TOKEN = -1  # a row whose next token is the one sampled there
+PADDING_TOKEN = 0  # a padded row's next token: any valid id (a pass over it writes no KV; its output is unread)
 
 
 @attrs.define
@@ -56,7 +57,7 @@ def draft_rows(batch: Batch, block_size: int, stride: int = 0, size: int = 0, du
             rows.next_ids.append(tokens[p + 1] if known else NO_TOKEN)
         rows.row_slots += [req.mirror_slot] * s.num_tokens
         padding = stride - s.num_tokens if stride else 0
-        rows.next_ids += [NO_TOKEN] * padding
+        rows.next_ids += [PADDING_TOKEN] * padding
         rows.row_slots += [dummy_slot] * padding
         if s.samples:
             rows.base_rows.append(row0 + fed - 1)
@@ -67,7 +68,7 @@ def draft_rows(batch: Batch, block_size: int, stride: int = 0, size: int = 0, du
         row0 += s.num_tokens + padding
         sampled += s.num_sampled
     padding = (size - len(batch)) * stride
-    rows.next_ids += [NO_TOKEN] * padding
+    rows.next_ids += [PADDING_TOKEN] * padding
     rows.row_slots += [dummy_slot] * padding
     return rows
 

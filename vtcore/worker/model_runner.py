@@ -48,7 +48,8 @@ from vtcore.layers.attention import Attention, AttentionMetadata, set_attention_
 from vtcore.layers.embedding import device_token_scope
 from vtcore.layers.state import StatefulLayer, copy_states, stateful_layers
 from vtcore.plugins.manager import get_plugins
-from vtcore.worker.decode_graphs import CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward
+from vtcore.worker.decode_graphs import (CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward,
+                                         PaddedOutputs)
 from vtcore.worker.drafting import DraftRows, draft_rows, draft_state_slot, resume_slots
 from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
@@ -110,15 +111,15 @@ class StepInputs:
 
 @attrs.frozen
 class Forward:
-    """What ``run_model`` leaves for the phases after it (device tensors). After a padded step the device
-    n-gram drafts from one without hidden states and metadata (it reads neither)."""
+    """What ``run_model`` leaves for the phases after it (device tensors); a padded step leaves the same for
+    the device drafter (``_run_padded``)."""
 
-    hidden: torch.Tensor | None  # [rows, H], after the final norm
+    hidden: torch.Tensor  # [rows, H], after the final norm
     input_ids: torch.Tensor  # the fed ids, in-flight tokens combined in
     consumed: bool  # whether EmbedInto consumed the device-token override
     sample_rows: torch.Tensor
     sample_slots: torch.Tensor  # the sampling rows' mirror slots
-    metadata: AttentionMetadata | None
+    metadata: AttentionMetadata
     positions: torch.Tensor
     draft_sections: list[torch.Tensor]  # the device views of ``StepInputs.drafts``'s sections, if any
     end_saves: list[tuple[int, int]] = attrs.Factory(list)  # ``StateRows.end_saves``: copies after the forward
@@ -264,10 +265,10 @@ class ModelRunner:
         self.tp_group = tp.tp()
         self.decode_graphs: DecodeGraphs | None = None
         # a module that must read host values to decode (a stateful layer without device-indexed
-        # decode, W4A4 experts) keeps the model eager; so does an MTP head (the padded steps keep no hidden
-        # states for it); the device n-gram drafts after them as after a general step
+        # decode, W4A4 experts) keeps the model eager; a device drafter (the n-gram, an MTP head, a draft
+        # model) drafts after a padded step's forward as after a general step
         drafts = (slots, per_slot)
-        if not config.enforce_eager and not config.mtp and all(
+        if not config.enforce_eager and all(
                 getattr(m, "supports_decode_graphs", True) for m in model.modules()):
             self.decode_graphs = DecodeGraphs(self._decode_forward, self.device, self.block_size,
                                               config.max_model_len, config.max_num_seqs, self.dummy_slot,
@@ -740,7 +741,7 @@ class ModelRunner:
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                         combine: torch.Tensor, mirror: torch.Tensor, tables: torch.Tensor, qstart: torch.Tensor,
                         query_len: int, max_context_len: int, last: torch.Tensor | None = None,
-                        state_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+                        state_out: torch.Tensor | None = None) -> PaddedOutputs:
         """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
         graph on CUDA). Stateful layers: one state a row from its mirror slot; a lone chunk's continues where
         its first position is past 0 and ends after its last real row; a verify row's continues where its
@@ -749,7 +750,7 @@ class ModelRunner:
         if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(fed, self.tp_group)
         decode, chunk, verify = query_len == 1, last is not None, state_out is not None
-        set_attention_metadata(AttentionMetadata(
+        set_attention_metadata(md := AttentionMetadata(
             slot_mapping=slots, block_tables=tables, context_lens=ctx, query_start_loc=qstart,
             max_query_len=query_len, max_context_len=max_context_len,
             state_index=mirror if decode or chunk or verify else None,
@@ -762,23 +763,24 @@ class ModelRunner:
             consumed = bool(override is not None and override.consumed)
         finally:
             set_attention_metadata(None)
-        if last is not None:
-            hidden = hidden[last]
-        return fed, self.model.compute_logits(hidden).float(), consumed
+        logits = self.model.compute_logits(hidden if last is None else hidden[last]).float()
+        return PaddedOutputs(fed, logits, hidden, md, consumed)
 
     def _submit_decode(self, batch: Batch, step: int, graphs: DecodeGraphs) -> StepHandle:
         inputs: DecodeInputs = graphs.prepare(batch)
         sections = inputs.sections
         drafting = None
-        if self.ngram is not None or any(s.floats for s in batch):  # (the n-gram drafts on rank 0 alone)
+        # (the n-gram drafts on rank 0 alone; an MTP head or a draft model on every rank)
+        if self.ngram is not None or self.mtp is not None or any(s.floats for s in batch):
             floating = Floating()
             for r, s in enumerate(batch):
                 if s.floats:
                     floating.add(r, s.request.mirror_slot, s.floats, r * graphs.q, s.num_tokens)
             sections = sections + floating.sections()
-            if self.ngram is not None:
+            if self.ngram is not None or self.mtp is not None:
                 drafting = draft_rows(batch, self.block_size, graphs.q, inputs.size, self.dummy_slot)
-                self.ngram.known(batch, drafting)
+                if self.ngram is not None:
+                    self.ngram.known(batch, drafting)
                 sections += drafting.sections()
         staged = self.staging.stage(step, sections, align=1)
         metas = [m for s in batch for m in _sample_metas(s)]
@@ -791,28 +793,30 @@ class ModelRunner:
             restores += [(s.request.mirror_slot, self.draft_state_slot(s.request.mirror_slot, s.resume))
                          for s in batch if s.resume >= 0]
             saves = [(base + snapshot, s.request.mirror_slot) for s in batch for _, snapshot in s.saves]
-        padded = PaddedStep(self._padded.index(graphs), inputs, staged, restores, saves)
+        padded = PaddedStep(self._padded.index(graphs), inputs, staged, restores, saves,
+                            drafting.width if self.mtp is not None else None)
         if self.peers is not None:  # (the sections travel staged)
             self.peers.send(attrs.evolve(padded, inputs=attrs.evolve(inputs, sections=[])))
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            f, draft_sections = self._run_padded(padded)
+            f, forward = self._run_padded(padded)
             out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
-            if metas:  # a chunk before the prompt's last samples nothing
-                with torch.inference_mode():
+            with torch.inference_mode():
+                tokens = f.sample_rows  # (empty: a chunk before the prompt's last samples nothing)
+                if metas:
                     tokens = self.sample(out, f.logits, sampling, f.fed, f.mirror)
-                    if drafting is not None:
-                        forward = Forward(None, f.ids, f.consumed, f.sample_rows, f.mirror, None, f.positions,
-                                          draft_sections)
-                        self._draft(out, forward, tokens, drafting.width, inputs.max_context_len)
+                # (an MTP head's or a draft model's pass writes its KV for every step, sampling or not)
+                if drafting is not None and (metas or self.mtp is not None):
+                    self._draft(out, forward, tokens, drafting.width, inputs.max_context_len)
             return out
 
         return self._enqueue(step, staged.index, device_work, [metas[i] for i in sampling.late])
 
-    def _run_padded(self, step: "PaddedStep") -> tuple[PaddedForward, list[torch.Tensor]]:
+    def _run_padded(self, step: "PaddedStep") -> tuple[PaddedForward, "Forward"]:
         """A padded step's device side (the same on every rank): upload, restores, floating shares shifted,
-        forward, saves; returns the forward and the drafter's sections."""
+        forward, the target's saves (an MTP head's or a draft model's come after its pass: ``end_saves``);
+        returns the forward, and the same as a general step's ``Forward`` for the device drafter."""
         graphs = self._padded[step.graphs]
         sections = self.staging.upload(step.staged, graphs.buffer, into=graphs.num_sections)
         rest = sections[graphs.num_sections:]
@@ -826,14 +830,20 @@ class ModelRunner:
                     self._resume_floating(floats, shift)
 
             f = graphs.run(step.inputs, sections, adjust if floats and floats[0].numel() else None)
-            self._copy_states(step.saves)
-        return f, draft_sections
+            self._copy_states(step.saves, self.target_stateful)
+        o = f.outputs
+        return f, Forward(o.hidden, o.fed, f.consumed, f.sample_rows, f.mirror, o.metadata, f.positions,
+                          draft_sections, step.saves)
 
     def follow(self, message: "StepMessage | PaddedStep") -> None:
         """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits
         (their collectives with the other ranks); rank 0 samples."""
         if isinstance(message, PaddedStep):
-            self._run_padded(message)
+            _, f = self._run_padded(message)
+            if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
+                with torch.inference_mode():
+                    self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows,
+                                     f.draft_sections, message.mtp_width, f.end_saves)
             return
         f = self.run_model(message)
         with torch.inference_mode():

@@ -66,6 +66,7 @@ class PaddedStep:
     staged: Staged
     restores: list[tuple[int, int]]
     saves: list[tuple[int, int]]
+    mtp_width: int | None = None  # as ``StepMessage.mtp_width``
 
 
 @attrs.frozen

@@ -126,12 +126,15 @@ def _engine_llm(path: str, **knobs: Any) -> Any:
     return LLM(path, **{"device": "cpu", "block_size": BLOCK, "num_kv_blocks": 96, "seed": 0, **knobs})
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["general", "padded"])
 @pytest.mark.parametrize("example", [dense_example(), moe_example()], ids=["dense", "moe"])
-def test_mtp_drafts_are_the_heads_own_from_scratch_and_tokens_stay_exact(example: Any, tmp_path: Any) -> None:
+def test_mtp_drafts_are_the_heads_own_from_scratch_and_tokens_stay_exact(example: Any, eager: bool, tmp_path: Any
+                                                                         ) -> None:
     """Every draft the engine keeps for a request (made on the device in the step that sampled its last
-    token: its KV from earlier steps, prefill chunks of 8 tokens) equals the head run from scratch over the
+    token: its KV from earlier steps, prefill chunks of 16 tokens) equals the head run from scratch over the
     request's tokens, wherever the reference's choice is not a near-tie; greedy tokens equal those without
-    speculation."""
+    speculation. Eager, every step takes the general path; else verify and decode steps and lone chunks
+    take the padded ones (CUDA graphs on CUDA), the head running over the graph's outputs."""
     from vtcore.sampling_params import SamplingParams
 
     path, _ = _checkpoint(str(tmp_path), example, seed=3)
@@ -140,11 +143,15 @@ def test_mtp_drafts_are_the_heads_own_from_scratch_and_tokens_stay_exact(example
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in _engine_llm(path).generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params)]
-    engine = _engine_llm(path, speculative_config=SPEC, max_num_batched_tokens=8, enable_prefix_caching=False).engine
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    checked, done = 0, {}
-    while engine.has_unfinished_requests():
+    engine = _engine_llm(path, speculative_config=SPEC, max_num_batched_tokens=16, enable_prefix_caching=False,
+                         enforce_eager=eager).engine
+    arrivals = {3: range(1, len(PROMPTS))}  # the 20-token prompt first, alone: lone chunks, then a mixed step
+    engine.add_request("0", {"prompt_token_ids": PROMPTS[1]}, params)
+    checked, done, steps = 0, {}, 0
+    while engine.has_unfinished_requests() or steps in arrivals:
+        for i in arrivals.get(steps, ()):
+            engine.add_request(str(i), {"prompt_token_ids": PROMPTS[i - 1 if i == 1 else i]}, params)
+        steps += 1
         seen = {rid: list(r.proposed) for rid, r in engine.requests.items()}
         for out in engine.step():
             if out.finished:
@@ -157,8 +164,12 @@ def test_mtp_drafts_are_the_heads_own_from_scratch_and_tokens_stay_exact(example
                         break  # a near-tie: the batch's arithmetic may pick either, and the chain after it
                     assert got == want, (rid, req.token_ids, req.proposed)
                     checked += 1
-    assert [done[str(i)] for i in range(len(PROMPTS))] == plain
+    assert [done[str(i)] for i in (1, 0, 2)] == plain
     assert checked >= 30  # drafts after prefills, plain decode rows and verify rows were compared
+    runner = engine.runner
+    padded = (runner.padded_chunk_steps, runner.padded_decode_steps, runner.padded_verify_steps)
+    assert all(padded) if not eager else not any(padded), padded
+    print(padded, runner.steps_submitted)
 
 
 def test_the_speculative_bench_times_the_mtp_head_and_replays_with_it_running(tmp_path: Any) -> None:
