@@ -8,7 +8,9 @@ in a CUDA graph, median of 5 replays; microseconds per call and the causal atten
 (``4 * heads * head_dim * sum of visible keys``). The peer: ``torch.nn.functional.scaled_dot_product_attention``
 with ``is_causal`` on contiguous [1, heads, tokens, head_dim] tensors (whole prompts only; its causal mask
 is top-left aligned, which a chunk after a prefix is not). ``--sweep`` forces (block_m, block_n, num_warps,
-num_stages, num_splits).
+num_stages, num_splits). ``--alternatives`` adds, per case, the same kernel over a contiguous cache (one
+block holding the whole context: what paging costs) and FlashAttention-2 (``aten._flash_attention_forward``,
+varlen, GQA native, bottom-right causal) over contiguous K/V, and with the paged cache gathered first.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import os
 import sys
 
 import torch
+import triton
 
 from vtcore.kernels.paged_attention import paged_prefill_attention, prefill_num_splits
 
@@ -58,6 +61,40 @@ def timed(c: tuple, qlen: int, ctx: int, **kw) -> float:
     return replay_us(run, len(caches))
 
 
+def alternatives(c: tuple, qlen: int, ctx: int) -> dict[str, float]:
+    """Microseconds a layer of the contiguous-cache kernel and of FlashAttention-2, contiguous and gathered."""
+    caches, table, qsl, lens, q = c
+    out, scale = torch.empty_like(q), HEAD_DIM ** -0.5
+    slots = (table[0].long()[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).reshape(-1)[:ctx]
+    span = triton.next_power_of_2(ctx)
+    contiguous = []
+    for k, v in caches:
+        kc, vc = (torch.zeros(span, KV_HEADS, HEAD_DIM, dtype=k.dtype, device="cuda") for _ in range(2))
+        kc[:ctx], vc[:ctx] = k[slots], v[slots]
+        contiguous.append((kc, vc))
+    one_block = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
+
+    def flash(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._flash_attention_forward(q, k, v, qsl, cu_k, qlen, ctx, 0.0, True, False,
+                                                       scale=scale)[0]
+
+    def run_contiguous() -> None:
+        for kc, vc in contiguous:
+            paged_prefill_attention(q, kc, vc, one_block, qsl, lens, scale, span, qlen, ctx, out)
+
+    def run_flash() -> None:
+        for kc, vc in contiguous:
+            flash(kc[:ctx], vc[:ctx])
+
+    def run_gathered() -> None:
+        for k, v in caches:
+            flash(k.index_select(0, slots), v.index_select(0, slots))
+    layers = len(caches)
+    return {"contiguous_us": replay_us(run_contiguous, layers), "flash2_us": replay_us(run_flash, layers),
+            "flash2_gathered_us": replay_us(run_gathered, layers)}
+
+
 def sdpa_us(qlen: int, layers: int) -> float:
     g = torch.Generator().manual_seed(7)
     qs = torch.randn(1, HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)
@@ -73,6 +110,7 @@ def sdpa_us(qlen: int, layers: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--alternatives", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -86,6 +124,9 @@ def main() -> None:
                      "tflops": f / us / 1e6, "sdpa_us": peer})
         print(f"q {qlen:5d} over {ctx:5d}: {us:8.2f} us ({f / us / 1e6:6.1f} TFLOP/s, splits {splits})"
               + ("" if peer is None else f"; SDPA {peer:8.2f} us ({f / peer / 1e6:6.1f} TFLOP/s)"), flush=True)
+        if args.alternatives:
+            rows[-1].update(alternatives(c, qlen, ctx))
+            print("    " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items() if k.endswith("_us")), flush=True)
         if args.sweep:
             split_choices = (1,) if qlen == ctx else (1, 4)
             for bm, bn, w, s in SWEEP:
