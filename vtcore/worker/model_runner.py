@@ -832,8 +832,11 @@ class ModelRunner:
             f = graphs.run(step.inputs, sections, adjust if floats and floats[0].numel() else None)
             self._copy_states(step.saves, self.target_stateful)
         o = f.outputs
-        return f, Forward(o.hidden, o.fed, f.consumed, f.sample_rows, f.mirror, o.metadata, f.positions,
-                          draft_sections, step.saves)
+        # a replayed graph's metadata bounds the context by the longest a row can have; the drafter's eager
+        # launches size their grids by the step's own bound
+        md = attrs.evolve(o.metadata, max_context_len=step.inputs.max_context_len)
+        return f, Forward(o.hidden, o.fed, f.consumed, f.sample_rows, f.mirror, md, f.positions, draft_sections,
+                          step.saves)
 
     def follow(self, message: "StepMessage | PaddedStep") -> None:
         """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits
