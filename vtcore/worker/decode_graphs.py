@@ -270,27 +270,31 @@ class DecodeGraphs:
             o = self._run(inputs.size, inputs.max_context_len)
         fed, logits = o.fed, o.logits
         if self.q == 1:  # (qstart: 0, 1, 2, ...)
-            return PaddedForward(fed[:n], logits[:n], o.consumed, views[5][:n], o, views[1], self.qstart[:n])
+            return PaddedForward(fed[:n], logits[:n], views[5][:n], o, views[1], self.qstart[:n])
         rows, mirror = staged[table + 1], staged[table + 2]
         if self.chunk:  # logits of each row's last real token; the fed token there
             last = views[6][rows]
-            return PaddedForward(fed[last], logits[rows], o.consumed, mirror, o, views[1], last)
-        return PaddedForward(fed[rows], logits[rows], o.consumed, mirror, o, views[1], rows)
+            return PaddedForward(fed[last], logits[rows], mirror, o, views[1], last)
+        return PaddedForward(fed[rows], logits[rows], mirror, o, views[1], rows)
 
 
 @attrs.frozen
 class PaddedForward:
     """What a padded step's forward leaves (device tensors): per sampling row its fed id, logits and mirror
-    slot; whether EmbedInto consumed the override; the forward's outputs over every padded token; their
-    (shifted) positions; and the sampling rows' indices among those tokens."""
+    slot; the forward's outputs over every padded token; their (shifted) positions; and the sampling rows'
+    indices among those tokens."""
 
     fed: torch.Tensor
     logits: torch.Tensor
-    consumed: bool
     mirror: torch.Tensor
     outputs: PaddedOutputs
     positions: torch.Tensor
     sample_rows: torch.Tensor
+
+    @property
+    def consumed(self) -> bool:
+        """Whether EmbedInto consumed the device-token override."""
+        return self.outputs.consumed
 
 
 @contextlib.contextmanager

@@ -111,8 +111,8 @@ class StepInputs:
 
 @attrs.frozen
 class Forward:
-    """What ``run_model`` leaves for the phases after it (device tensors); a padded step leaves the same for
-    the device drafter (``_run_padded``)."""
+    """What ``run_model`` leaves for the phases after it (device tensors); a padded step the same for the
+    device drafter (``_drafter_forward``)."""
 
     hidden: torch.Tensor  # [rows, H], after the final norm
     input_ids: torch.Tensor  # the fed ids, in-flight tokens combined in
@@ -770,14 +770,14 @@ class ModelRunner:
         inputs: DecodeInputs = graphs.prepare(batch)
         sections = inputs.sections
         drafting = None
-        # (the n-gram drafts on rank 0 alone; an MTP head or a draft model on every rank)
-        if self.ngram is not None or self.mtp is not None or any(s.floats for s in batch):
+        drafter = self.ngram is not None or self.mtp is not None  # (the n-gram on rank 0 alone; a head on each)
+        if drafter or any(s.floats for s in batch):
             floating = Floating()
             for r, s in enumerate(batch):
                 if s.floats:
                     floating.add(r, s.request.mirror_slot, s.floats, r * graphs.q, s.num_tokens)
             sections = sections + floating.sections()
-            if self.ngram is not None or self.mtp is not None:
+            if drafter:
                 drafting = draft_rows(batch, self.block_size, graphs.q, inputs.size, self.dummy_slot)
                 if self.ngram is not None:
                     self.ngram.known(batch, drafting)
@@ -800,7 +800,7 @@ class ModelRunner:
         self.steps_submitted += 1
 
         def device_work() -> dict[str, Any]:
-            f, forward = self._run_padded(padded)
+            f, draft_sections = self._run_padded(padded)
             out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
             with torch.inference_mode():
                 tokens = f.sample_rows  # (empty: a chunk before the prompt's last samples nothing)
@@ -808,15 +808,16 @@ class ModelRunner:
                     tokens = self.sample(out, f.logits, sampling, f.fed, f.mirror)
                 # (an MTP head's or a draft model's pass writes its KV for every step, sampling or not)
                 if drafting is not None and (metas or self.mtp is not None):
-                    self._draft(out, forward, tokens, drafting.width, inputs.max_context_len)
+                    self._draft(out, self._drafter_forward(padded, f, draft_sections), tokens, drafting.width,
+                                inputs.max_context_len)
             return out
 
         return self._enqueue(step, staged.index, device_work, [metas[i] for i in sampling.late])
 
-    def _run_padded(self, step: "PaddedStep") -> tuple[PaddedForward, "Forward"]:
+    def _run_padded(self, step: "PaddedStep") -> tuple[PaddedForward, list[torch.Tensor]]:
         """A padded step's device side (the same on every rank): upload, restores, floating shares shifted,
         forward, the target's saves (an MTP head's or a draft model's come after its pass: ``end_saves``);
-        returns the forward, and the same as a general step's ``Forward`` for the device drafter."""
+        returns the forward and the drafter's sections."""
         graphs = self._padded[step.graphs]
         sections = self.staging.upload(step.staged, graphs.buffer, into=graphs.num_sections)
         rest = sections[graphs.num_sections:]
@@ -831,19 +832,25 @@ class ModelRunner:
 
             f = graphs.run(step.inputs, sections, adjust if floats and floats[0].numel() else None)
             self._copy_states(step.saves, self.target_stateful)
+        return f, draft_sections
+
+    @staticmethod
+    def _drafter_forward(step: "PaddedStep", f: PaddedForward, draft_sections: list[torch.Tensor]) -> "Forward":
+        """What the device drafter reads of a padded step: the same as of a general step's ``Forward``."""
         o = f.outputs
         # a replayed graph's metadata bounds the context by the longest a row can have; the drafter's eager
         # launches size their grids by the step's own bound
         md = attrs.evolve(o.metadata, max_context_len=step.inputs.max_context_len)
-        return f, Forward(o.hidden, o.fed, f.consumed, f.sample_rows, f.mirror, md, f.positions, draft_sections,
-                          step.saves)
+        return Forward(o.hidden, o.fed, f.consumed, f.sample_rows, f.mirror, md, f.positions, draft_sections,
+                       step.saves)
 
     def follow(self, message: "StepMessage | PaddedStep") -> None:
         """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits
         (their collectives with the other ranks); rank 0 samples."""
         if isinstance(message, PaddedStep):
-            _, f = self._run_padded(message)
+            padded, draft_sections = self._run_padded(message)
             if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
+                f = self._drafter_forward(message, padded, draft_sections)
                 with torch.inference_mode():
                     self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows,
                                      f.draft_sections, message.mtp_width, f.end_saves)
