@@ -10,7 +10,8 @@ with ``is_causal`` on contiguous [1, heads, tokens, head_dim] tensors (whole pro
 is top-left aligned, which a chunk after a prefix is not). ``--sweep`` forces (block_m, block_n, num_warps,
 num_stages, num_splits). ``--alternatives`` adds, per case, the same kernel over a contiguous cache (one
 block holding the whole context: what paging costs) and FlashAttention-2 (``aten._flash_attention_forward``,
-varlen, GQA native, bottom-right causal) over contiguous K/V, and with the paged cache gathered first.
+varlen, GQA native, bottom-right causal) over contiguous K/V, and with the paged cache gathered first, and,
+for whole prompts, SDPA with its flash and its cuDNN backend forced (K/V expanded to the query heads).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import sys
 
 import torch
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vtcore.kernels.paged_attention import paged_prefill_attention, prefill_num_splits
 
@@ -95,16 +97,26 @@ def alternatives(c: tuple, qlen: int, ctx: int) -> dict[str, float]:
             "flash2_gathered_us": replay_us(run_gathered, layers)}
 
 
-def sdpa_us(qlen: int, layers: int) -> float:
+def sdpa_us(qlen: int, layers: int, backend: SDPBackend | None = None) -> float | None:
+    """SDPA over a whole causal prompt: torch's own choice of backend, or ``backend`` forced (K/V expanded to
+    the query heads, which every backend takes); None where the forced backend refuses the shape."""
     g = torch.Generator().manual_seed(7)
     qs = torch.randn(1, HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)
     kvs = [(torch.randn(1, KV_HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16),
             torch.randn(1, KV_HEADS, qlen, HEAD_DIM, generator=g).to("cuda", torch.bfloat16)) for _ in range(layers)]
+    if backend is not None:
+        kvs = [(k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)) for k, v in kvs]
 
     def run() -> None:
         for k, v in kvs:
-            torch.nn.functional.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
-    return replay_us(run, layers)
+            torch.nn.functional.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=backend is None)
+    if backend is None:
+        return replay_us(run, layers)
+    try:
+        with sdpa_kernel(backend):
+            return replay_us(run, layers)
+    except RuntimeError:
+        return None
 
 
 def main() -> None:
@@ -126,7 +138,11 @@ def main() -> None:
               + ("" if peer is None else f"; SDPA {peer:8.2f} us ({f / peer / 1e6:6.1f} TFLOP/s)"), flush=True)
         if args.alternatives:
             rows[-1].update(alternatives(c, qlen, ctx))
-            print("    " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items() if k.endswith("_us")), flush=True)
+            if qlen == ctx:
+                rows[-1].update({f"sdpa_{b.name.lower()}_us": sdpa_us(qlen, layers, b)
+                                 for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)})
+            print("    " + ", ".join(f"{k} {v}" if v is None else f"{k} {v:.2f}"
+                                  for k, v in rows[-1].items() if k.endswith("_us")), flush=True)
         if args.sweep:
             split_choices = (1,) if qlen == ctx else (1, 4)
             for bm, bn, w, s in SWEEP:

@@ -102,12 +102,12 @@ def test_step_inputs_are_16_byte_aligned(tiny_checkpoint) -> None:
     assert len(views) > 20 and all(v.data_ptr() % 16 == 0 for v in views if v.numel())
 
 
-def test_no_collection_while_capturing() -> None:
+def testno_collection_while_capturing() -> None:
     """A dead engine's graphs must not be destroyed mid-capture (it invalidates the capture, seen on an
     H200): garbage is collected before, and no collection runs inside."""
     import gc
 
-    from vtcore.worker.decode_graphs import _no_collection
+    from vtcore.worker.decode_graphs import no_collection
 
     freed = []
 
@@ -120,7 +120,7 @@ def test_no_collection_while_capturing() -> None:
         a.other, b.other = b, a  # a cycle: only the cyclic collector frees it
 
     garbage()
-    with _no_collection():
+    with no_collection():
         assert len(freed) == 2 and not gc.isenabled()
         garbage()
     assert gc.isenabled() and len(freed) == 2

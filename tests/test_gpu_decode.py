@@ -55,6 +55,31 @@ def test_async_equals_sync_with_graphs(tiny_checkpoint, n) -> None:
     assert asyn.runner.graph_replays > 0 and asyn.runner.consuming_forwards == asyn.runner.stale_forwards
 
 
+def test_a_draft_model_replays_its_own_graphs_after_padded_steps(tiny_checkpoint) -> None:
+    """The draft model's pass and chains after padded steps replay graphs of their own
+    (``vtcore.worker.drafter_graphs``): the target as its own draft has nearly every draft accepted, as with
+    those graphs not captured (the same padded calls, eager), and greedy tokens stay within the oracle's
+    near-ties either way."""
+    path, hf = tiny_checkpoint
+    arrivals = mixed_arrivals(8, 8, vocab_size=512)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    rates = {}
+    for graphed in (True, False):
+        engine = build_engine(path, "async", device="cuda", dtype="float32", max_num_seqs=16, num_kv_blocks=256,
+                              speculative_config=spec)
+        if not graphed:
+            for drafter in engine.runner.drafter_graphs.values():
+                drafter.graphs.clear()
+        tokens, _ = run_engine(engine, arrivals)
+        assert engine.runner.padded_verify_steps > 0
+        assert (engine.runner.drafter_graph_replays > 0) == graphed
+        rates[graphed] = engine.spec_stats.acceptance_rate
+        for rid, prompt, params in (c for batch in arrivals.values() for c in batch):
+            if params.temperature == 0:
+                assert not near_tie_violations(hf, prompt, tokens[rid]), (graphed, rid)
+    assert min(rates.values()) > 0.9, rates
+
+
 def test_after_the_warm_up_a_mixed_load_compiles_nothing(tiny_checkpoint) -> None:
     """The engine's warm-up (at construction) compiles every Triton variant a mixed load needs: prompts
     alone and beside decoding rows, several at once, decode at padded sizes, sampled and greedy rows."""

@@ -59,6 +59,26 @@ def test_two_ranks_decode_one_ranks_tokens_sync_async_and_mirror_off(tiny_checkp
     assert not multiprocessing.active_children()
 
 
+def test_two_ranks_draft_with_a_draft_model_on_the_device(tiny_checkpoint) -> None:
+    """A draft model drafting on the device runs on every rank, sharded as the target, after padded verify
+    steps (its padded requests included: three rows run at four) as after general ones: rank 0's sampled
+    tokens reach the workers' drafters; the target as its own draft has nearly every draft accepted, and
+    the tokens are one rank's."""
+    path, base = tiny_checkpoint[0], list(range(3, 20))
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    arrivals = {0: [("a", base, GREEDY), ("b", [7, 3, 1], GREEDY)], 3: [("c", base[:13] + [9, 9], GREEDY)]}
+    one, _ = run_engine(build_engine(path, "async", **KNOBS, speculative_config=spec), arrivals)
+    engine = build_engine(path, "async", **KNOBS, speculative_config=spec, tensor_parallel_size=2)
+    try:
+        two, _ = run_engine(engine, arrivals)
+        assert engine.runner.padded_verify_steps > 0
+        assert engine.spec_stats.acceptance_rate > 0.9
+    finally:
+        engine.runner.shutdown()
+    assert two == one
+    assert not multiprocessing.active_children()
+
+
 def test_a_worker_that_dies_ends_the_engine_naming_it_and_nothing_is_left(tiny_checkpoint) -> None:
     """(Two engines of two ranks each run in one process meanwhile.)"""
     llm = LLM(tiny_checkpoint[0], **KNOBS, tensor_parallel_size=2, async_scheduling=False)

@@ -55,6 +55,7 @@ class DeviceDraftChecks:
         cases = [c for batch in arrivals.values() for c in batch]
 
         padded: list[int] = []  # the async runs' verify steps on the padded path
+        drafter_replays: list[int] = []  # their drafter's graph replays (an MTP head, a draft model; CUDA)
 
         def run(mode: str, replay: list[list[int]] | None = None) -> tuple[tuple[dict, list], Any]:
             engine = self.engine(mode, **knobs)
@@ -67,6 +68,8 @@ class DeviceDraftChecks:
                                  _context(f" ({what}; requests {{}} decoded through verify rows){FLOATING_HINT}"))
             if mode == "async" and engine.runner.verify_graphs is not None:
                 padded.append(engine.runner.padded_verify_steps)
+                if engine.runner.drafter_graphs and engine.runner.captured_graphs:
+                    drafter_replays.append(engine.runner.drafter_graph_replays)
             return got, engine.spec_stats
 
         ref = first if first is not None else run(reference)[0]
@@ -88,7 +91,11 @@ class DeviceDraftChecks:
         if padded and not all(padded):
             raise Failed(f"{label} async: verify steps on the padded path {padded} (a run without any: the padded "
                          "path of drafts made on the device went untested; a vtcore bug)")
+        if drafter_replays and not all(drafter_replays):
+            raise Failed(f"{label} async: the drafter replayed its graphs in {drafter_replays} steps (a run without "
+                         "any: the captured drafter after padded steps went untested; a vtcore bug)")
         where = f" ({' and '.join(map(str, padded))} verify steps on the padded path)" if padded else ""
+        where += f" ({' and '.join(map(str, drafter_replays))} drafter graph replays)" if drafter_replays else ""
         return (f"{label} async: {drafted[0]} verify rows, {drafted[1]} tokens accepted, equal to {reference}; "
                 f"replayed: {rows} verify rows accepting {per_position} a position, async equal to {reference}"
                 f"{where}")

@@ -21,8 +21,9 @@ Drafts made on the device (``vtcore.worker.drafting``) take these paths too: a d
 holds is combined in like an in-flight token (its combine index points past the mirror, into the
 runner's drafts: ``drafts``), and a floating share (``Scheduled.floats``) is laid out at its lagged
 position and shifted on the device before the replay (``run``'s ``adjust``). The drafter runs after the
-replay, eagerly, over the graph's outputs: every padded token's hidden state and the metadata the
-forward read (an MTP head's or a draft model's pass writes its KV at the step's slots, as the target did).
+replay over the graph's outputs: every padded token's hidden state and the metadata the forward read (an
+MTP head's or a draft model's pass writes its KV at the step's slots, as the target did), in graphs of
+its own (``vtcore.worker.drafter_graphs``) or, the device n-gram, eagerly.
 """
 from __future__ import annotations
 
@@ -153,10 +154,9 @@ class DecodeGraphs:
         (collectives inside) in the same order, after every rank has built its model."""
         if not self.sizes:
             return pool
-        with torch.inference_mode(), _no_collection():
+        with torch.inference_mode(), no_collection():
             for p in reversed(self.sizes):  # largest first: the others reuse its memory pool
-                for view, pad in zip(self.views[p], self.padding):
-                    view.fill_(pad)  # all rows padded: the capture writes no KV
+                self.pad_rows(p)  # all rows padded: the capture writes no KV
                 self._run(p, self.max_context_len)  # warm-up: compiles kernels, sizes workspaces
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -167,6 +167,11 @@ class DecodeGraphs:
         self.pool = pool
         torch.cuda.synchronize(self.device)
         return pool
+
+    def pad_rows(self, p: int) -> None:
+        """Every row of padded size ``p`` a padded row (its sections share the buffer with the other sizes')."""
+        for view, pad in zip(self.views[p], self.padding):
+            view.fill_(pad)
 
     def prepare(self, batch: Batch) -> DecodeInputs:
         """The host side of a padded step of ``batch``."""
@@ -298,7 +303,7 @@ class PaddedForward:
 
 
 @contextlib.contextmanager
-def _no_collection() -> Iterator[None]:
+def no_collection() -> Iterator[None]:
     """No cyclic garbage collection while graphs are captured: a collection could free a dead engine's
     graphs, and destroying a graph while a stream captures (global capture mode) invalidates the capture.
     What is already garbage is collected first."""

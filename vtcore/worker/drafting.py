@@ -42,6 +42,16 @@ class DraftRows:
         return [self.next_ids, self.base_rows, self.first_samples, self.table_rows, self.capacity, self.widths,
                 self.row_slots, self.known_slots, self.known_positions, self.known_tokens]
 
+    def padded(self, size: int, stride: int) -> list[int]:
+        """One section at a padded step's fixed shapes (``vtcore.worker.drafter_graphs``): per token the next
+        id and the mirror slot, then per sampling request, padded to ``size`` requests, its fed token's row,
+        block-table row, capacity and draft length. A padded request j drafts from the first token of row j
+        (``stride`` tokens a row) with capacity 1 (its chain's positions are all past it: no KV written) and
+        no draft (nothing accepted)."""
+        pad = range(len(self.base_rows), size)
+        return [*self.next_ids, *self.row_slots, *self.base_rows, *(j * stride for j in pad), *self.table_rows,
+                *pad, *self.capacity, *[1] * len(pad), *self.widths, *[0] * len(pad)]
+
 
 def draft_rows(batch: Batch, block_size: int, stride: int = 0, size: int = 0, dummy_slot: int = 0) -> DraftRows:
     """The drafter's sections of ``batch``, its rows laid out as the runner lays them out: in batch order,

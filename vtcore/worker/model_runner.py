@@ -34,6 +34,7 @@ conformance gate's probes use (:mod:`vtcore.testing.runner_probes`).
 """
 from __future__ import annotations
 
+import functools
 import gc
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -50,6 +51,7 @@ from vtcore.layers.state import StatefulLayer, copy_states, stateful_layers
 from vtcore.plugins.manager import get_plugins
 from vtcore.worker.decode_graphs import (CHUNK_SIZES, PLACEHOLDER, DecodeGraphs, DecodeInputs, PaddedForward,
                                          PaddedOutputs)
+from vtcore.worker.drafter_graphs import DrafterGraphs
 from vtcore.worker.drafting import DraftRows, draft_rows, draft_state_slot, resume_slots
 from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
@@ -123,6 +125,9 @@ class Forward:
     positions: torch.Tensor
     draft_sections: list[torch.Tensor]  # the device views of ``StepInputs.drafts``'s sections, if any
     end_saves: list[tuple[int, int]] = attrs.Factory(list)  # ``StateRows.end_saves``: copies after the forward
+    #: a padded step's MTP head or draft model at the step's shapes (``DrafterGraphs.propose`` but the sampled
+    #: tokens); None: ``MTPDrafter.propose``
+    padded_drafter: Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @attrs.define
@@ -225,8 +230,8 @@ class ModelRunner:
         # a stateful draft model's layers (drafting on the device, ``model.mtp``): one more slot a running
         # request, where its chain runs (``MTPDrafter``)
         head = {id(m) for m in stateful_layers(model.mtp)} if config.mtp else set()
-        for layer in self.stateful_layers:
-            layer.allocate_state(chain_base + (config.max_num_seqs if id(layer) in head else 0), self.device)
+        for layer in self.stateful_layers:  # (chains: the dummy slot's too, a padded step's padded requests')
+            layer.allocate_state(chain_base + (config.max_num_seqs + 1 if id(layer) in head else 0), self.device)
         self.target_stateful = [m for m in self.stateful_layers if id(m) not in head]
         self.num_kv_blocks = config.num_kv_blocks or self._auto_blocks(config.gpu_memory_utilization,
                                                                        config.max_model_len * config.max_num_seqs)
@@ -289,17 +294,23 @@ class ModelRunner:
             self.chunk_graphs = [DecodeGraphs(self._decode_forward, self.device, self.block_size, config.max_model_len,
                                               1, self.dummy_slot, query_len=q, chunk=True, drafts=drafts)
                                  for q in CHUNK_SIZES if q <= longest]
+        # an MTP head or a draft model after each padded path's steps, at their shapes (graphs on CUDA)
+        self.drafter_graphs = {i: DrafterGraphs(self.mtp, g, self.dummy_slot)
+                               for i, g in enumerate(self._padded)} if self.mtp is not None else {}
         if config.tensor_parallel_size == 1:  # ranks capture once every rank has built its model
             self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """On CUDA, capture the padded steps' graphs: decode, verify, then the chunks largest first, each
-        set sharing the memory pool of those before it."""
+        """On CUDA, capture the padded steps' graphs: decode, verify, then the chunks largest first (each
+        followed by its drafter's), each set sharing the memory pool of those before it."""
         if not self.cuda:
             return
         pool = None
         for graphs in [g for g in (self.decode_graphs, self.verify_graphs) if g is not None] + self.chunk_graphs[::-1]:
             pool = graphs.capture(pool)
+            drafter = self.drafter_graphs.get(self._padded.index(graphs))
+            if drafter is not None:
+                pool = drafter.capture(pool)
 
     # ------------------------------------------------------------------ padded decode counters
     @property
@@ -331,16 +342,23 @@ class ModelRunner:
     def graph_replays(self) -> int:
         return sum(g.replays for g in self._padded)
 
+    @property
+    def drafter_graph_replays(self) -> int:
+        """Steps whose MTP head or draft model replayed a graph (``vtcore.worker.drafter_graphs``)."""
+        return sum(g.replays for g in self.drafter_graphs.values())
+
     def reset_counters(self) -> None:
         """Zero the path counters (padded steps, replays, overridden and late-drawn steps) that checks read
         after their own requests (the engine's warm-up leaves none of its own)."""
         self.consuming_forwards = self.stale_forwards = self.late_draws = 0
         for g in self._padded:
             g.steps = g.replays = 0
+        for d in self.drafter_graphs.values():
+            d.replays = 0
 
     @property
     def captured_graphs(self) -> int:
-        return sum(len(g.graphs) for g in self._padded)
+        return sum(len(g.graphs) for g in [*self._padded, *self.drafter_graphs.values()])
 
     # ------------------------------------------------------------------ memory
     def _bytes_per_block(self) -> int:
@@ -463,8 +481,7 @@ class ModelRunner:
         late rows ``tokens`` holds their first, greedy draws: constrained requests take no drafts, and their
         draw fixes the mirror.) Returns the drafts and accepted counts (device), or None when no row samples."""
         if self.mtp is not None:
-            drafts, accepted = self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens,
-                                                f.sample_rows, f.draft_sections, width, f.end_saves)
+            drafts, accepted = self._mtp_propose(f, tokens, width)
         else:
             drafts, accepted = self.ngram.propose(f.input_ids, f.positions, tokens, f.draft_sections, width,
                                                   max_context_len)
@@ -478,6 +495,14 @@ class ModelRunner:
         self.device_drafts[slots] = drafts
         out["drafts"], out["accepted"] = self._to_host(drafts), self._to_host(accepted)
         return drafts, accepted
+
+    def _mtp_propose(self, f: Forward, tokens: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head's or draft model's drafts and accepted counts after step ``f`` (``tokens``: its sampled
+        tokens; a tensor-parallel worker: None)."""
+        if f.padded_drafter is not None:
+            return f.padded_drafter(tokens)
+        return self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, tokens, f.sample_rows,
+                                f.draft_sections, width, f.end_saves)
 
     def prepare_inputs(self, batch: Batch, step: int) -> StepInputs:
         """Phase 1 (host): the flat rows of every scheduled request, staged for one upload."""
@@ -782,6 +807,8 @@ class ModelRunner:
                 if self.ngram is not None:
                     self.ngram.known(batch, drafting)
                 sections += drafting.sections()
+                if self.mtp is not None:  # (``DrafterGraphs``)
+                    sections.append(drafting.padded(inputs.size, graphs.q))
         staged = self.staging.stage(step, sections, align=1)
         metas = [m for s in batch for m in _sample_metas(s)]
         sampling = self.sampler.prepare(metas)
@@ -834,15 +861,19 @@ class ModelRunner:
             self._copy_states(step.saves, self.target_stateful)
         return f, draft_sections
 
-    @staticmethod
-    def _drafter_forward(step: "PaddedStep", f: PaddedForward, draft_sections: list[torch.Tensor]) -> "Forward":
-        """What the device drafter reads of a padded step: the same as of a general step's ``Forward``."""
+    def _drafter_forward(self, step: "PaddedStep", f: PaddedForward, draft_sections: list[torch.Tensor]
+                         ) -> "Forward":
+        """What the device drafter reads of a padded step: the same as of a general step's ``Forward``, and
+        an MTP head's or draft model's run at the step's shapes."""
         o = f.outputs
-        # a replayed graph's metadata bounds the context by the longest a row can have; the drafter's eager
-        # launches size their grids by the step's own bound
+        # a replayed graph's metadata bounds the context by the longest a row can have; eager launches size
+        # their grids by the step's own bound
         md = attrs.evolve(o.metadata, max_context_len=step.inputs.max_context_len)
+        padded_drafter = None if self.mtp is None else functools.partial(
+            self.drafter_graphs[step.graphs].propose, step.inputs.size, draft_sections[1].numel(),
+            draft_sections[-1], f.sample_rows, outputs=o, positions=f.positions, md=md, end_saves=step.saves)
         return Forward(o.hidden, o.fed, f.consumed, f.sample_rows, f.mirror, md, f.positions, draft_sections,
-                       step.saves)
+                       step.saves, padded_drafter)
 
     def follow(self, message: "StepMessage | PaddedStep") -> None:
         """A tensor-parallel worker's part of a step rank 0 submitted: the same forward and the same logits
@@ -850,18 +881,16 @@ class ModelRunner:
         if isinstance(message, PaddedStep):
             padded, draft_sections = self._run_padded(message)
             if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
-                f = self._drafter_forward(message, padded, draft_sections)
                 with torch.inference_mode():
-                    self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows,
-                                     f.draft_sections, message.mtp_width, f.end_saves)
+                    self._mtp_propose(self._drafter_forward(message, padded, draft_sections), None,
+                                      message.mtp_width)
             return
         f = self.run_model(message)
         with torch.inference_mode():
             if message.samples:
                 self.model.compute_logits(f.hidden[f.sample_rows])
             if message.mtp_width is not None:  # rank 0's sampled tokens arrive inside
-                self.mtp.propose(f.hidden, f.metadata, f.positions, f.input_ids, None, f.sample_rows,
-                                 f.draft_sections, message.mtp_width, f.end_saves)
+                self._mtp_propose(f, None, message.mtp_width)
             for row0, count in message.plp_rows:
                 self.model.compute_logits(f.hidden[row0:row0 + count])
 

@@ -28,7 +28,7 @@ accepted tokens leaves no trace.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +37,8 @@ from vtcore.layers import parallel as tp
 from vtcore.layers.attention import AttentionMetadata, set_attention_metadata
 from vtcore.layers.state import copy_states, stateful_layers
 from vtcore.worker.drafting import accepted_counts, resume_slots
+
+_T = TypeVar("_T")
 
 
 class DraftModelHead(nn.Module):
@@ -76,8 +78,8 @@ def build_draft_head(path: str, device: torch.device, dtype: torch.dtype, max_po
 
 
 class MTPDrafter:
-    """Runs ``model.mtp`` (an MTP head, or a ``DraftModelHead``) after each general step and returns each
-    sampling request's ``k`` draft tokens."""
+    """Runs ``model.mtp`` (an MTP head, or a ``DraftModelHead``) after each step (a padded step's at its
+    shapes: ``vtcore.worker.drafter_graphs``) and returns each sampling request's ``k`` draft tokens."""
 
     def __init__(self, model: nn.Module, k: int, block_size: int, max_model_len: int, draft_state_base: int = 0,
                  chain_state_base: int = 0) -> None:
@@ -116,27 +118,59 @@ class MTPDrafter:
         forward, which the head's stateful layers make after its pass. Returns, the same on every rank, int64
         [sampling requests, k] drafts and [sampling requests] the draft tokens each verify row accepted
         (``accepted_counts``)."""
-        if self.tp_group.size > 1:
-            tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=hidden.device)
-                                  if tokens is None else tokens.to(torch.int64).contiguous(), self.tp_group)
-        if self.timings is None:
-            return self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width, end_saves)
-        start = self._mark(hidden.device)
-        drafts = self._propose(hidden, md, positions, fed, tokens, sample_rows, sections, width, end_saves)
-        self.timings.append((start, self._mark(hidden.device)))
-        return drafts
+        next_ids, base, _, table_rows, capacity, widths, row_slots = sections[:7]
 
-    def _propose(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
-                 tokens: torch.Tensor, sample_rows: torch.Tensor, sections: list[torch.Tensor], width: int,
-                 end_saves: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        next_ids, base, first, table_rows, capacity, widths, row_slots = sections[:7]
-        ids = next_ids.index_put((sample_rows,), tokens)
-        h = self._run(fed if self.reads_fed else ids, positions, hidden, md, 0)
+        def drafted() -> tuple[torch.Tensor, torch.Tensor]:
+            ids = next_ids.index_put((sample_rows,), self.shared_tokens(tokens, sample_rows))
+            if not base.numel():  # no row samples: the pass writes the head's KV, nothing to draft
+                self.run_pass(hidden, md, positions, fed, ids)
+                result = base.new_empty((0, self.k)), base
+            else:
+                result = self.draft(hidden, md, positions, fed, ids, base, table_rows, capacity, widths, row_slots,
+                                    width)
+            self.save_ends(end_saves)
+            return result
+        return self.timed(drafted, hidden.device)
+
+    def shared_tokens(self, tokens: torch.Tensor | None, sample_rows: torch.Tensor) -> torch.Tensor:
+        """The step's sampled tokens, rank 0's on every rank of several (None on a worker)."""
+        if self.tp_group.size > 1:
+            tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=sample_rows.device)
+                                  if tokens is None else tokens.to(torch.int64).contiguous(), self.tp_group)
+        return tokens
+
+    def timed(self, drafted: Callable[[], _T], device: torch.device) -> _T:
+        """``drafted()``, its time recorded when ``timings`` is a list."""
+        if self.timings is None:
+            return drafted()
+        start = self._mark(device)
+        result = drafted()
+        self.timings.append((start, self._mark(device)))
+        return result
+
+    def run_pass(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+        """The head's pass over the step's rows (``ids``: the next ids, the sampled tokens in them): its KV
+        (and states) at the step's slots; returns its hidden states."""
+        return self._run(fed if self.reads_fed else ids, positions, hidden, md, 0)
+
+    def save_ends(self, end_saves: Sequence[tuple[int, int]]) -> None:
+        """The step's (snapshot slot, state slot) copies in the head's stateful layers, after its pass."""
         for dst, src in end_saves:
             copy_states(self.stateful, dst, src)
-        if not base.numel():  # no row samples: the pass wrote the head's KV, nothing to draft
-            return base.new_empty((0, self.k)), base
-        accepted = accepted_counts(fed, tokens, base, first, widths, width)
+
+    def draft(self, hidden: torch.Tensor, md: AttentionMetadata, positions: torch.Tensor, fed: torch.Tensor,
+              ids: torch.Tensor, base: torch.Tensor, table_rows: torch.Tensor, capacity: torch.Tensor,
+              widths: torch.Tensor, row_slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass and each sampling request's chain, no host value read (a padded step's is captured in a
+        graph: ``vtcore.worker.drafter_graphs``). ``ids``: the next ids with the sampled tokens in them (a
+        verify row's sampled tokens are at its rows from its fed token's ``base``, so the tokens sampled
+        before its draft tokens are ``ids[base + i]``); ``table_rows``, ``capacity``, ``widths`` per
+        sampling request as :class:`DraftRows` has them; ``width`` at least the longest draft. Returns the
+        drafts [requests, k] and the accepted counts [requests]; the head's stateful layers' end-of-row saves
+        are the caller's (the chain leaves the states they copy as the pass left them)."""
+        h = self.run_pass(hidden, md, positions, fed, ids)
+        accepted = accepted_counts(fed, ids, base, base, widths, width)
         rows = base + accepted
         h, pos = h[rows], positions[rows]
         chain = self._chain_states(row_slots[base], widths, accepted) if self.stateful else None

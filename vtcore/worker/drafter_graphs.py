@@ -1,0 +1,100 @@
+"""An MTP head's or a draft model's drafting after a padded step, at that step's fixed shapes.
+
+Eager, a drafter's pass over the step's rows and its chain of one-token forwards are launch-bound: a
+draft model's forward alone is hundreds of launches from Python, several times the device time of a
+small model's step (docs/BENCHMARKS.md). After a padded step (``vtcore.worker.decode_graphs``) every input
+of :meth:`MTPDrafter.draft` can be a fixed tensor: the target graph's outputs (each padded token's hidden
+state and fed id, the metadata its forward read), its positions, and one buffer holding the step's
+:meth:`DraftRows.padded` section (per token the next id and mirror slot, then the sampling requests padded
+to the step's padded size). So on CUDA the drafter is captured once per padded size, after the target's
+graphs and into their memory pool, and replayed after sampling; a step's own part is one copy of its
+staged section into the buffer and its sampled tokens scattered into the next ids there. The first
+``requests`` rows of the outputs are the step's sampling requests; a padded request's are never read.
+On CPU (no graphs) the same padded call runs eagerly, with the step's own context bound.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from vtcore.layers.attention import AttentionMetadata
+from vtcore.worker.decode_graphs import DecodeGraphs, PaddedOutputs, no_collection
+from vtcore.worker.drafting import PADDING_TOKEN, DraftRows
+from vtcore.worker.mtp import MTPDrafter
+from vtcore.worker.staging import host_tensor
+
+
+class DrafterGraphs:
+    """``drafter`` after the padded steps of ``target``; ``dummy_slot`` the mirror slot padded rows name."""
+
+    def __init__(self, drafter: MTPDrafter, target: DecodeGraphs, dummy_slot: int) -> None:
+        self.drafter, self.target, self.dummy_slot = drafter, target, dummy_slot
+        #: the longest draft a row of the target's steps can have (a chunk's rows: none)
+        self.width = 0 if target.chunk else target.q - 1
+        largest = target.sizes[-1] if target.sizes else 0
+        self.buffer = torch.zeros((2 * target.q + 4) * largest, dtype=torch.int64, device=target.device)
+        self.views = {p: self._sections(p) for p in target.sizes}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.replays = 0  # steps whose drafting replayed a graph
+
+    def _sections(self, p: int) -> list[torch.Tensor]:
+        """Next ids and row slots ([p * q] each), fed rows, table rows, capacity and widths ([p] each)."""
+        t = p * self.target.q
+        bounds = [0, t, 2 * t] + [2 * t + i * p for i in range(1, 5)]
+        return [self.buffer[a:b] for a, b in zip(bounds, bounds[1:])]
+
+    def _draft(self, p: int, outputs: PaddedOutputs, positions: torch.Tensor,
+               md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, row_slots, base, table_rows, capacity, widths = self.views[p]
+        return self.drafter.draft(outputs.hidden, md, positions, outputs.fed, ids, base, table_rows, capacity,
+                                  widths, row_slots, self.width)
+
+    def capture(self, pool: Any) -> Any:
+        """Capture the drafter after each of the target's captured sizes, largest first, into ``pool`` (the
+        target's); returns the pool. Every row padded: neither the target's metadata nor the drafter's
+        chains name a KV slot."""
+        q = self.target.q
+        with torch.inference_mode(), no_collection():
+            for p in reversed(self.target.sizes):
+                captured = self.target.graphs.get(p)
+                if captured is None:
+                    continue
+                outputs = captured[1]
+                self.target.pad_rows(p)
+                padding = DraftRows(next_ids=[PADDING_TOKEN] * (p * q), row_slots=[self.dummy_slot] * (p * q))
+                section = host_tensor(padding.padded(p, q), torch.int64)
+                self.buffer[:section.numel()].copy_(section)
+                positions = self.target.views[p][1]
+                self._draft(p, outputs, positions, outputs.metadata)  # warm-up: compiles, sizes workspaces
+                torch.cuda.synchronize(self.target.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    drafted = self._draft(p, outputs, positions, outputs.metadata)
+                pool = graph.pool()
+                self.graphs[p] = (graph, drafted)
+        torch.cuda.synchronize(self.target.device)
+        return pool
+
+    def propose(self, size: int, requests: int, section: torch.Tensor, sample_rows: torch.Tensor,
+                tokens: torch.Tensor | None, outputs: PaddedOutputs, positions: torch.Tensor, md: AttentionMetadata,
+                end_saves: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded step of padded size ``size`` and ``requests`` sampling requests: its staged
+        :meth:`DraftRows.padded` ``section``, its sampled ``tokens`` at ``sample_rows`` (a tensor-parallel
+        worker: None), its forward's ``outputs`` and ``positions``, ``md`` the metadata an eager run reads
+        (the step's own context bound), ``end_saves`` the head's stateful layers' copies after it. Returns
+        the requests' drafts [requests, k] and accepted counts [requests]."""
+
+        def drafted() -> tuple[torch.Tensor, torch.Tensor]:
+            self.buffer[:section.numel()].copy_(section)
+            self.views[size][0].index_put_((sample_rows,), self.drafter.shared_tokens(tokens, sample_rows))
+            captured = self.graphs.get(size)
+            if captured is not None:
+                captured[0].replay()
+                self.replays += 1
+                drafts, accepted = captured[1]
+            else:
+                drafts, accepted = self._draft(size, outputs, positions, md)
+            self.drafter.save_ends(end_saves)
+            return drafts[:requests], accepted[:requests]
+        return self.drafter.timed(drafted, self.buffer.device)
