@@ -102,7 +102,7 @@ def test_step_inputs_are_16_byte_aligned(tiny_checkpoint) -> None:
     assert len(views) > 20 and all(v.data_ptr() % 16 == 0 for v in views if v.numel())
 
 
-def testno_collection_while_capturing() -> None:
+def test_no_collection_while_capturing() -> None:
     """A dead engine's graphs must not be destroyed mid-capture (it invalidates the capture, seen on an
     H200): garbage is collected before, and no collection runs inside."""
     import gc

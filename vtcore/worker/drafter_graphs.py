@@ -52,27 +52,29 @@ class DrafterGraphs:
 
     def capture(self, pool: Any) -> Any:
         """Capture the drafter after each of the target's captured sizes, largest first, into ``pool`` (the
-        target's); returns the pool. Every row padded: neither the target's metadata nor the drafter's
-        chains name a KV slot."""
+        target's); returns the pool. Every row padded, and the target's graph replayed so that its outputs,
+        which the warm-up reads, are its padded rows' (an out-of-range fed id would fail the draft model's
+        embedding): neither the target's metadata nor the drafter's chains name a KV slot."""
         q = self.target.q
         with torch.inference_mode(), no_collection():
             for p in reversed(self.target.sizes):
                 captured = self.target.graphs.get(p)
                 if captured is None:
                     continue
-                outputs = captured[1]
+                graph, outputs = captured
                 self.target.pad_rows(p)
+                graph.replay()  # (its outputs, captured but never computed, hold whatever the pool held)
                 padding = DraftRows(next_ids=[PADDING_TOKEN] * (p * q), row_slots=[self.dummy_slot] * (p * q))
                 section = host_tensor(padding.padded(p, q), torch.int64)
                 self.buffer[:section.numel()].copy_(section)
                 positions = self.target.views[p][1]
                 self._draft(p, outputs, positions, outputs.metadata)  # warm-up: compiles, sizes workspaces
                 torch.cuda.synchronize(self.target.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                drafter_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(drafter_graph, pool=pool):
                     drafted = self._draft(p, outputs, positions, outputs.metadata)
-                pool = graph.pool()
-                self.graphs[p] = (graph, drafted)
+                pool = drafter_graph.pool()
+                self.graphs[p] = (drafter_graph, drafted)
         torch.cuda.synchronize(self.target.device)
         return pool
 
