@@ -57,13 +57,13 @@ def test_async_equals_sync_with_graphs(tiny_checkpoint, n) -> None:
 
 def test_a_draft_model_replays_its_own_graphs_after_padded_steps(tiny_checkpoint) -> None:
     """The draft model's pass and chains after padded steps replay graphs of their own
-    (``vtcore.worker.drafter_graphs``): the target as its own draft has nearly every draft accepted, as with
-    those graphs not captured (the same padded calls, eager), and greedy tokens stay within the oracle's
-    near-ties either way."""
+    (``vtcore.worker.drafter_graphs``): the target as its own draft (greedy and sampled requests) gives the
+    tokens and accepted counts of the same engine with those graphs not captured (the same padded calls,
+    eager), and greedy tokens stay within the oracle's near-ties."""
     path, hf = tiny_checkpoint
     arrivals = mixed_arrivals(8, 8, vocab_size=512)
     spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
-    rates = {}
+    runs = {}
     for graphed in (True, False):
         engine = build_engine(path, "async", device="cuda", dtype="float32", max_num_seqs=16, num_kv_blocks=256,
                               speculative_config=spec)
@@ -73,11 +73,13 @@ def test_a_draft_model_replays_its_own_graphs_after_padded_steps(tiny_checkpoint
         tokens, _ = run_engine(engine, arrivals)
         assert engine.runner.padded_verify_steps > 0
         assert (engine.runner.drafter_graph_replays > 0) == graphed
-        rates[graphed] = engine.spec_stats.acceptance_rate
+        stats = engine.spec_stats
+        runs[graphed] = (tokens, stats.num_draft_tokens, stats.accepted_per_position)
         for rid, prompt, params in (c for batch in arrivals.values() for c in batch):
             if params.temperature == 0:
                 assert not near_tie_violations(hf, prompt, tokens[rid]), (graphed, rid)
-    assert min(rates.values()) > 0.9, rates
+    assert runs[True] == runs[False]
+    assert runs[True][2][0] > 0  # drafts were accepted
 
 
 def test_after_the_warm_up_a_mixed_load_compiles_nothing(tiny_checkpoint) -> None:
