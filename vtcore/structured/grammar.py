@@ -38,8 +38,6 @@ class GrammarCache:
         stops = [t for t in stop_token_ids if t < self.tokens] or None  # (None: xgrammar finds the tokenizer's)
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.tokens, stop_token_ids=stops)
         self.compiler = xgr.GrammarCompiler(self.info)
-        #: fills a step's masks in one call over its C++ threads (``fill_bitmasks``)
-        self.batcher = xgr.BatchGrammarMatcher()
         self._compiled: dict[tuple[str, str], Any] = {}
         self._compiling: dict[tuple[str, str], threading.Lock] = {}
         self._lock = threading.Lock()
@@ -98,13 +96,10 @@ class RequestGrammar:
 
 def fill_bitmasks(rows: Sequence[tuple[RequestGrammar, int]], out: torch.Tensor) -> torch.Tensor:
     """Fill ``out`` (int32 [>= len(rows), the grammars' ``GrammarCache.words``], host memory) with the masks
-    of ``(grammar, output position)`` rows (grammars of one cache) whose grammars stand at their positions,
-    32 tokens a word; each position is then ``masked``. Returns the filled rows of ``out``. One batch call
-    (xgrammar's ``BatchGrammarMatcher``): a call a row cost the host several times more, on the step's
-    critical path (docs/BENCHMARKS.md)."""
-    if rows:
-        rows[0][0].cache.batcher.batch_fill_next_token_bitmask([g.matcher for g, _ in rows], out)
-    for grammar, position in rows:
+    of ``(grammar, output position)`` rows whose grammars stand at their positions, 32 tokens a word; each
+    position is then ``masked``. Returns the filled rows of ``out``."""
+    for i, (grammar, position) in enumerate(rows):
+        grammar.matcher.fill_next_token_bitmask(out, i)
         grammar.masked = position + 1
     return out[:len(rows)]
 
