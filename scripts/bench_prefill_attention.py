@@ -10,9 +10,8 @@ with ``is_causal`` on contiguous [1, heads, tokens, head_dim] tensors (whole pro
 is top-left aligned, which a chunk after a prefix is not). ``--sweep`` forces (block_m, block_n, num_warps,
 num_stages, num_splits). ``--alternatives`` adds, per case, the same kernel over a contiguous cache (one
 block holding the whole context: what paging costs) and FlashAttention-2 (``aten._flash_attention_forward``,
-varlen, GQA native, bottom-right causal) over contiguous K/V, and with the paged cache gathered first; the
-kernel with ``pack_gqa`` (block_m 64 and 128: a program's rows are one KV head's query heads); and, for
-whole prompts, SDPA with its flash and its cuDNN backend forced (K/V expanded to the query heads).
+varlen, GQA native, bottom-right causal) over contiguous K/V, and with the paged cache gathered first, and,
+for whole prompts, SDPA with its flash and its cuDNN backend forced (K/V expanded to the query heads).
 """
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def timed(c: tuple, qlen: int, ctx: int, **kw) -> float:
 
 
 def alternatives(c: tuple, qlen: int, ctx: int) -> dict[str, float]:
-    """Microseconds a layer of the contiguous-cache kernel, of FlashAttention-2 (contiguous and gathered) and of
-    the kernel with ``pack_gqa``."""
+    """Microseconds a layer of the contiguous-cache kernel and of FlashAttention-2, contiguous and gathered."""
     caches, table, qsl, lens, q = c
     out, scale = torch.empty_like(q), HEAD_DIM ** -0.5
     slots = (table[0].long()[:, None] * BLOCK + torch.arange(BLOCK, device="cuda")).reshape(-1)[:ctx]
@@ -95,9 +93,8 @@ def alternatives(c: tuple, qlen: int, ctx: int) -> dict[str, float]:
         for k, v in caches:
             flash(k.index_select(0, slots), v.index_select(0, slots))
     layers = len(caches)
-    packed = {f"packed_m{bm}_us": timed(c, qlen, ctx, block_m=bm, pack_gqa=True) for bm in (64, 128)}
     return {"contiguous_us": replay_us(run_contiguous, layers), "flash2_us": replay_us(run_flash, layers),
-            "flash2_gathered_us": replay_us(run_gathered, layers), **packed}
+            "flash2_gathered_us": replay_us(run_gathered, layers)}
 
 
 def sdpa_us(qlen: int, layers: int, backend: SDPBackend | None = None) -> float | None:

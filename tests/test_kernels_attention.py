@@ -278,10 +278,9 @@ def test_prefill_kernel_matches_reference(heads, kv_heads, bs, table_dtype):
     ref = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, *args)
     # key splits: 3 (splits whose first tiles are causal ones a row sees nothing of, splits with no tile),
     # and more splits than any block has tiles
-    # packed: a program's rows are the query heads of one KV head at block_m // group positions
-    for splits, pack in ((1, False), (3, False), (7, False), (1, True), (3, True)):
+    for splits in (1, 3, 7):
         out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, block_m=16, block_n=16,
-                                      num_splits=splits, pack_gqa=pack)
+                                      num_splits=splits)
         assert out.shape == q.shape and out.dtype == q.dtype
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -348,12 +347,10 @@ def _check_prefill(device: str, dtype: torch.dtype, heads: int, kv_heads: int, q
     pc = _paged(ctx, kv_heads, dim, bs, seed=sum(qlens), dtype=dtype, device=device)
     q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=12, dtype=dtype, device=device)
     args = (qsl, pc.context_lens, scale, bs, max(qlens), max(ctx))
-    ref = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, *args).float()
-    oracle = _prefill_oracle(q, qsl, pc, scale)
-    for pack in (False, True):
-        out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, pack_gqa=pack)
-        torch.testing.assert_close(out.float(), ref, **tol)
-        torch.testing.assert_close(out.double(), oracle, **tol)
+    out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args)
+    torch.testing.assert_close(out.float(), paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables,
+                                                                       *args).float(), **tol)
+    torch.testing.assert_close(out.double(), _prefill_oracle(q, qsl, pc, scale), **tol)
 
 
 @cuda

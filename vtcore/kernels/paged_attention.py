@@ -402,12 +402,10 @@ def _prefill_kernel(
     stride_mt, stride_mh, stride_mk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT_OUT: tl.constexpr, PACK_GQA: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
 ):
     """Program (query block x split, head, seq): BLOCK_M queries of one head, causal over the paged
     context, over every ``num_splits``-th key tile from the ``split``-th of each of the two ranges below.
-    ``PACK_GQA``: the program's BLOCK_M rows are BLOCK_M // GROUP queries times the GROUP query heads of
-    one KV head (axis 1 is then the KV head), so each K/V tile loaded serves every head reading it.
 
     Keys below the block's first query position (rounded down to BLOCK_N) are visible to every row
     and run unmasked; the tiles up to the last row's position run with the causal mask. ``SPLIT_OUT``:
@@ -418,39 +416,31 @@ def _prefill_kernel(
     """
     pid_m = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
+    h = tl.program_id(1)
     b = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     qlen = tl.load(qsl_ptr + b + 1) - q_start
-    TOKENS: tl.constexpr = BLOCK_M // GROUP if PACK_GQA else BLOCK_M  # query positions a program
-    m0 = pid_m * TOKENS
+    m0 = pid_m * BLOCK_M
     if m0 >= qlen:
         return
     ctx = tl.load(lens_ptr + b)
-    r = tl.arange(0, BLOCK_M)
-    if PACK_GQA:
-        offs_m = m0 + r // GROUP
-        h = tl.program_id(1) * GROUP + r % GROUP  # [BLOCK_M] each row's query head
-        kv_head = tl.program_id(1)
-    else:
-        offs_m = m0 + r
-        h = tl.program_id(1) + r * 0
-        kv_head = tl.program_id(1) // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     row_mask = (offs_m < qlen)[:, None] & d_mask[None, :]
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_mask, other=0.0)
     q_pos = ctx - qlen + offs_m
     first_pos = ctx - qlen + m0
     full_tiles = (first_pos + 1) // BLOCK_N
-    causal_tiles = tl.cdiv(tl.minimum(ctx, first_pos + TOKENS), BLOCK_N)
+    causal_tiles = tl.cdiv(tl.minimum(ctx, first_pos + BLOCK_M), BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), _M_FLOOR, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    kv_head_off = kv_head * stride_ch
+    kv_head_off = (h // GROUP) * stride_ch
     for t in range(split, full_tiles, num_splits):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_ptr, v_ptr, bt_row, kv_head_off, t * BLOCK_N, ctx, q_pos, scale_log2,
@@ -464,14 +454,14 @@ def _prefill_kernel(
             BLOCK_SIZE=BLOCK_SIZE, BOUNDED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION,
         )
     if SPLIT_OUT:
-        part = rows[:, None] * stride_pt + h[:, None] * stride_ph + split * stride_pk + offs_d[None, :]
+        part = rows[:, None] * stride_pt + h * stride_ph + split * stride_pk + offs_d[None, :]
         tl.store(part_ptr + part, acc, mask=row_mask)
         ml = rows * stride_mt + h * stride_mh + split * stride_mk
         tl.store(ml_ptr + ml, m_i, mask=offs_m < qlen)
         tl.store(ml_ptr + ml + 1, l_i, mask=offs_m < qlen)
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -512,7 +502,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, block_size: int,
     max_query_len: int, max_context_len: int, out: torch.Tensor | None = None, *,
     block_m: int | None = None, block_n: int = _PREFILL_BLOCK_N, num_splits: int | None = None, num_warps: int = 4,
-    num_stages: int = 2, pack_gqa: bool = False,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal varlen attention of new query rows over the paged cache (chunked prefill included).
 
@@ -526,9 +516,7 @@ def paged_prefill_attention(
     ``block_m``/``block_n`` must be powers of two >= 16. ``num_splits`` (default
     :func:`prefill_num_splits`) > 1 splits each block's key tiles over that many programs, whose
     float32 partials ``[tokens, heads, splits, head_dim]`` and ``[tokens, heads, splits, 2]``
-    (allocated per call, sized by host ints) a second launch combines in split order. ``pack_gqa``: each
-    program's ``block_m`` rows are the query heads of one KV head at ``block_m // group`` positions (a
-    group of more heads than ``block_m`` rows is not packed).
+    (allocated per call, sized by host ints) a second launch combines in split order.
     """
     tokens, heads, head_dim = q.shape
     seqs = query_start_loc.shape[0] - 1
@@ -539,8 +527,6 @@ def paged_prefill_attention(
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     bm = block_m or _PREFILL_BLOCK_M
-    group = heads // k_cache.shape[1]
-    pack = pack_gqa and group <= bm
     splits = num_splits or prefill_num_splits(max_query_len, heads, seqs, max_context_len, q.device, bm, block_n)
     block_d = triton.next_power_of_2(head_dim)
     part = ml = out
@@ -549,18 +535,16 @@ def paged_prefill_attention(
         part = torch.empty((tokens, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((tokens, heads, splits, 2), dtype=torch.float32, device=q.device)
         pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
-    grid = (triton.cdiv(max_query_len, bm // group if pack else bm) * splits, heads // group if pack else heads, seqs)
-    _prefill_kernel[grid](
+    _prefill_kernel[(triton.cdiv(max_query_len, bm) * splits, heads, seqs)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, part, ml, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         *pml_strides,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), SPLIT_OUT=splits > 1, PACK_GQA=pack, num_warps=num_warps,
-        num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), SPLIT_OUT=splits > 1, num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         block_h = min(triton.next_power_of_2(heads), 32)
