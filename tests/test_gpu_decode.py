@@ -70,6 +70,7 @@ def test_a_draft_model_replays_its_own_graphs_after_padded_steps(tiny_checkpoint
         if not graphed:
             for drafter in engine.runner.drafter_graphs.values():
                 drafter.graphs.clear()
+                drafter.passes.clear()
         tokens, _ = run_engine(engine, arrivals)
         assert engine.runner.padded_verify_steps > 0
         assert (engine.runner.drafter_graph_replays > 0) == graphed

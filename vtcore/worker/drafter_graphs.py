@@ -9,7 +9,8 @@ state and fed id, the metadata its forward read), its positions, and one buffer 
 to the step's padded size). So on CUDA the drafter is captured once per padded size, after the target's
 graphs and into their memory pool, and replayed after sampling; a step's own part is one copy of its
 staged section into the buffer and its sampled tokens scattered into the next ids there. The first
-``requests`` rows of the outputs are the step's sampling requests; a padded request's are never read.
+``requests`` rows of the outputs are the step's sampling requests; a padded request's are never read. A
+lone chunk that samples nothing (a prompt's chunk before its last) replays a graph of the pass alone.
 On CPU (no graphs) the same padded call runs eagerly, with the step's own context bound.
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ class DrafterGraphs:
         self.buffer = torch.zeros((2 * target.q + 4) * largest, dtype=torch.int64, device=target.device)
         self.views = {p: self._sections(p) for p in target.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: a chunk that samples nothing (a prompt's chunk before its last) needs the pass alone: its graphs
+        self.passes: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0  # steps whose drafting replayed a graph
 
     def _sections(self, p: int) -> list[torch.Tensor]:
@@ -49,6 +52,9 @@ class DrafterGraphs:
         ids, row_slots, base, table_rows, capacity, widths = self.views[p]
         return self.drafter.draft(outputs.hidden, md, positions, outputs.fed, ids, base, table_rows, capacity,
                                   widths, row_slots, self.width)
+
+    def _pass(self, p: int, outputs: PaddedOutputs, positions: torch.Tensor, md: AttentionMetadata) -> None:
+        self.drafter.run_pass(outputs.hidden, md, positions, outputs.fed, self.views[p][0])
 
     def capture(self, pool: Any) -> Any:
         """Capture the drafter after each of the target's captured sizes, largest first, into ``pool`` (the
@@ -75,6 +81,12 @@ class DrafterGraphs:
                     drafted = self._draft(p, outputs, positions, outputs.metadata)
                 pool = drafter_graph.pool()
                 self.graphs[p] = (drafter_graph, drafted)
+                if self.target.chunk:
+                    self._pass(p, outputs, positions, outputs.metadata)
+                    torch.cuda.synchronize(self.target.device)
+                    self.passes[p] = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(self.passes[p], pool=pool):
+                        self._pass(p, outputs, positions, outputs.metadata)
         torch.cuda.synchronize(self.target.device)
         return pool
 
@@ -85,18 +97,29 @@ class DrafterGraphs:
         :meth:`DraftRows.padded` ``section``, its sampled ``tokens`` at ``sample_rows`` (a tensor-parallel
         worker: None), its forward's ``outputs`` and ``positions``, ``md`` the metadata an eager run reads
         (the step's own context bound), ``end_saves`` the head's stateful layers' copies after it. Returns
-        the requests' drafts [requests, k] and accepted counts [requests]."""
+        the requests' drafts [requests, k] and accepted counts [requests]; a step without any runs the pass
+        alone (its KV, its states)."""
 
         def drafted() -> tuple[torch.Tensor, torch.Tensor]:
             self.buffer[:section.numel()].copy_(section)
             self.views[size][0].index_put_((sample_rows,), self.drafter.shared_tokens(tokens, sample_rows))
-            captured = self.graphs.get(size)
-            if captured is not None:
-                captured[0].replay()
-                self.replays += 1
-                drafts, accepted = captured[1]
+            if not requests:  # a prompt's chunk before its last: the pass alone (its KV, its states)
+                graph = self.passes.get(size)
+                if graph is None:
+                    self._pass(size, outputs, positions, md)
+                else:
+                    graph.replay()
+                    self.replays += 1
+                result = self.buffer.new_empty((0, self.drafter.k)), self.buffer.new_empty(0)
             else:
-                drafts, accepted = self._draft(size, outputs, positions, md)
+                captured = self.graphs.get(size)
+                if captured is None:
+                    drafts, accepted = self._draft(size, outputs, positions, md)
+                else:
+                    captured[0].replay()
+                    self.replays += 1
+                    drafts, accepted = captured[1]
+                result = drafts[:requests], accepted[:requests]
             self.drafter.save_ends(end_saves)
-            return drafts[:requests], accepted[:requests]
+            return result
         return self.drafter.timed(drafted, self.buffer.device)
