@@ -28,8 +28,9 @@ its own (``vtcore.worker.drafter_graphs``) or, the device n-gram, eagerly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import attrs
 import torch
@@ -42,6 +43,7 @@ GRAPH_MAX = 256  # larger decode batches run eagerly
 VERIFY_MAX_TOKENS = 512  # verify steps of more padded tokens run on the general path
 CHUNK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)  # padded lengths of a lone prefill chunk
 PLACEHOLDER = -1  # the host id of a token still in flight; never a real token
+_T = TypeVar("_T")
 
 
 @attrs.frozen
@@ -157,11 +159,7 @@ class DecodeGraphs:
         with torch.inference_mode(), no_collection():
             for p in reversed(self.sizes):  # largest first: the others reuse its memory pool
                 self.pad_rows(p)  # all rows padded: the capture writes no KV
-                self._run(p, self.max_context_len)  # warm-up: compiles kernels, sizes workspaces
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = self._run(p, self.max_context_len)
+                graph, outputs = capture_graph(functools.partial(self._run, p, self.max_context_len), self.device, pool)
                 pool = graph.pool()
                 self.graphs[p] = (graph, outputs)
         self.pool = pool
@@ -300,6 +298,18 @@ class PaddedForward:
     def consumed(self) -> bool:
         """Whether EmbedInto consumed the device-token override."""
         return self.outputs.consumed
+
+
+def capture_graph(run: Callable[[], _T], device: torch.device, pool: Any) -> tuple[torch.cuda.CUDAGraph, _T]:
+    """``run`` once eagerly (the warm-up: compiles kernels, sizes workspaces), then captured into a CUDA graph
+    in the memory pool ``pool``; returns the graph and the captured call's outputs (rewritten by each replay).
+    Called inside ``no_collection``."""
+    run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs
 
 
 @contextlib.contextmanager

@@ -15,12 +15,13 @@ On CPU (no graphs) the same padded call runs eagerly, with the step's own contex
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
 
 from vtcore.layers.attention import AttentionMetadata
-from vtcore.worker.decode_graphs import DecodeGraphs, PaddedOutputs, no_collection
+from vtcore.worker.decode_graphs import DecodeGraphs, PaddedOutputs, capture_graph, no_collection
 from vtcore.worker.drafting import PADDING_TOKEN, DraftRows
 from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.staging import host_tensor
@@ -73,20 +74,12 @@ class DrafterGraphs:
                 padding = DraftRows(next_ids=[PADDING_TOKEN] * (p * q), row_slots=[self.dummy_slot] * (p * q))
                 section = host_tensor(padding.padded(p, q), torch.int64)
                 self.buffer[:section.numel()].copy_(section)
-                positions = self.target.views[p][1]
-                self._draft(p, outputs, positions, outputs.metadata)  # warm-up: compiles, sizes workspaces
-                torch.cuda.synchronize(self.target.device)
-                drafter_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(drafter_graph, pool=pool):
-                    drafted = self._draft(p, outputs, positions, outputs.metadata)
-                pool = drafter_graph.pool()
-                self.graphs[p] = (drafter_graph, drafted)
+                inputs = (p, outputs, self.target.views[p][1], outputs.metadata)  # (positions: the views')
+                self.graphs[p] = capture_graph(functools.partial(self._draft, *inputs), self.target.device, pool)
+                pool = self.graphs[p][0].pool()
                 if self.target.chunk:
-                    self._pass(p, outputs, positions, outputs.metadata)
-                    torch.cuda.synchronize(self.target.device)
-                    self.passes[p] = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(self.passes[p], pool=pool):
-                        self._pass(p, outputs, positions, outputs.metadata)
+                    self.passes[p], _ = capture_graph(functools.partial(self._pass, *inputs), self.target.device,
+                                                      pool)
         torch.cuda.synchronize(self.target.device)
         return pool
 
