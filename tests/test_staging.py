@@ -67,3 +67,17 @@ def test_stage_packs_sections_at_their_alignment_and_reuses_a_retired_buffer():
     staging.retire(staged.index)
     again = staging.stage(2, [[9, 9]])
     assert again.host.tolist() == [9, 9] and dense.host.tolist() == [x for s in sections for x in s]
+
+
+def test_each_staging_buffer_has_its_own_token_row_which_grows_and_is_reused():
+    """A step's sampled tokens land in its staging buffer's token row: steps in flight at once (other
+    buffers) never share one, and a buffer's next step reuses it."""
+    staging = Staging(2, torch.device("cpu"))
+    a, b = staging.host_tokens(0, 4), staging.host_tokens(1, 4)
+    a.fill_(1)
+    b.fill_(2)
+    assert a.tolist() == [1] * 4 and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    again = staging.host_tokens(0, 3)
+    assert again.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and again.shape == (3,)
+    grown = staging.host_tokens(0, 9)
+    assert grown.shape == (9,) and grown.dtype == torch.int64

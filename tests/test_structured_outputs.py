@@ -156,16 +156,19 @@ def test_concurrent_requests_for_one_schema_compile_it_once(llm: LLM) -> None:
 def test_async_gives_a_constrained_request_the_tokens_sync_gives() -> None:
     """Under async scheduling a constrained request runs in every step, its token still in flight: its
     row is drawn late, once that token landed and its mask exists; every request's tokens equal sync's
-    (seeded draws included: a late row's first, unused draw takes nothing from its generator)."""
+    (seeded draws included: a late row's first, unused draw takes nothing from its generator; penalties
+    included: they read a late row's fed token, kept for its late draw)."""
     so = StructuredOutputsParams(json=SCHEMAS[8])
     arrivals = {0: [("c0", [5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=120, structured_outputs=so)),
                     ("u0", [8, 9], SamplingParams(temperature=1.0, seed=2, max_tokens=20, ignore_eos=True))],
+                2: [("c2", [3, 4], SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5,
+                                                  frequency_penalty=0.5, structured_outputs=so))],
                 3: [("c1", [1, 2], SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so))]}
     knobs = dict(device="cpu", max_num_seqs=8)
     sync, sync_batches = run_engine(build_engine(DEFAULT_MODEL, "sync", **knobs), arrivals)
     asyn, batches = run_engine(build_engine(DEFAULT_MODEL, "async", **knobs), arrivals)
     assert asyn == sync and batches == sync_batches
-    for rid in ("c0", "c1"):
+    for rid in ("c0", "c1", "c2"):
         steps = [i for i, batch in enumerate(batches) if any(row[0] == rid for row in batch)]
         assert len(sync[rid]) > 5 and len(steps) == len(sync[rid])  # one step a token: the prefill, then decodes
         assert steps == list(range(steps[0], steps[0] + len(steps)))  # in consecutive steps, none skipped

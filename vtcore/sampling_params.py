@@ -123,6 +123,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def penalised(self) -> bool:
+        """Whether a repetition, presence or frequency penalty edits this request's logits."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def sample(self, index: int) -> "SamplingParams":
         """Sample ``index`` of an ``n > 1`` request as a request of its own (vLLM's parallel sampling):
         ``n=1``, seeded ``seed + index`` (wrapped into ``torch.Generator.manual_seed``'s range) when seeded."""

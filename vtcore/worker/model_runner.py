@@ -64,6 +64,8 @@ CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
 #: state snapshots (prefix caching of stateful layers) when num_state_snapshots is not given: as many
 #: as this share of the memory budget holds, at most enough for every running request's longest context
 SNAPSHOT_SHARE = 0.1
+#: CUDA events a runner records its steps' ends with, in turn (``ModelRunner._record``)
+EVENT_RING = 8
 
 __all__ = ["ModelRunner", "RunnerConfig", "StepHandle", "StepOutput", "PLACEHOLDER"]
 
@@ -249,6 +251,10 @@ class ModelRunner:
         self.last_sampled_tokens.fill_(PLACEHOLDER)
         self.device_drafts = self.device_tokens[slots:].view(slots, per_slot)
         self.staging = Staging(self.depth, self.device)
+        # events after steps' device work, recorded in turn: one re-recorded before its step's wait makes that
+        # wait longer, never wrong, and a new event a step costs the host a creation each time
+        self._events = [torch.cuda.Event() for _ in range(EVENT_RING)] if self.cuda else []
+        self._event_turn = 0
         self._worker = ThreadPoolExecutor(1, "vtcore-forward") if self.depth > 1 and not self.cuda else None
         self.steps_submitted = 0
         self.consuming_forwards = 0  # forwards in which EmbedInto consumed the device-token override
@@ -423,6 +429,15 @@ class ModelRunner:
         host.copy_(t, non_blocking=True)
         return host
 
+    def _results_to_host(self, out: dict[str, Any], sampled: dict[str, torch.Tensor]) -> None:
+        """Start the copies of a step's sampled results to the host, into ``out``: the tokens into the step's
+        staging buffer's token row (``Staging.host_tokens``), the rest (logprobs) into new pinned tensors."""
+        for k, v in sampled.items():
+            if k == "tokens" and self.cuda:
+                out[k] = self.staging.host_tokens(out["staging"], v.numel()).copy_(v, non_blocking=True)
+            else:
+                out[k] = self._to_host(v)
+
     # ------------------------------------------------------------------ a step
     def submit(self, batch: Batch) -> StepHandle:
         """Prepare ``batch`` on the host and enqueue its device work; returns without waiting for it.
@@ -456,7 +471,8 @@ class ModelRunner:
         def device_work() -> dict[str, Any]:
             f = self.run_model(inputs)
             hidden = f.hidden
-            out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
+            out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {},
+                                   "staging": inputs.staged.index}
             with torch.inference_mode():
                 tokens = f.sample_rows  # (empty: no row samples)
                 if inputs.metas:
@@ -679,9 +695,11 @@ class ModelRunner:
         self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
         if sampling.late:
             rows = to_device(sampling.late, torch.int64, self.device)
-            out["late"] = (sampled, rows, logits[rows], fed[rows], mirror_slots[rows])
+            # (a late row's fed id is read only by its penalties: ``Sampler.prepare`` edits)
+            penalised = any(sampling.metas[r].request.params.penalised for r in sampling.late)
+            out["late"] = (sampled, rows, logits[rows], fed[rows] if penalised else None, mirror_slots[rows])
         else:
-            out.update({k: self._to_host(v) for k, v in sampled.items()})
+            self._results_to_host(out, sampled)
         return sampled["tokens"]
 
     def _draw_late(self, out: dict[str, Any], sampling: Any) -> dict[str, Any]:
@@ -695,7 +713,7 @@ class ModelRunner:
             for key in ("logprobs", "ranks"):  # the top logprobs are the raw model's: unchanged
                 if key in drawn and key in sampled:
                     sampled[key][rows] = drawn[key]
-        out.update({k: self._to_host(v) for k, v in sampled.items()})
+            self._results_to_host(out, sampled)  # (the token rows are inference tensors)
         return out
 
     def publish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:
@@ -758,7 +776,8 @@ class ModelRunner:
         """An event after the device work enqueued so far (None on CPU)."""
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        self._event_turn = (self._event_turn + 1) % len(self._events)
+        event = self._events[self._event_turn]
         event.record()
         return event
 
@@ -828,7 +847,7 @@ class ModelRunner:
 
         def device_work() -> dict[str, Any]:
             f, draft_sections = self._run_padded(padded)
-            out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}}
+            out: dict[str, Any] = {"consumed": f.consumed, "stale": inputs.stale, "plp": {}, "staging": staged.index}
             with torch.inference_mode():
                 tokens = f.sample_rows  # (empty: a chunk before the prompt's last samples nothing)
                 if metas:

@@ -129,7 +129,7 @@ class Sampler:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
                     edit["stops"] = self._up(stops)
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            if p.penalised:
                 edit["prior"] = self._up(m.prior_tokens)
                 edit["num_prompt"] = m.request.num_prompt_tokens
             if edit:
@@ -145,9 +145,10 @@ class Sampler:
             random_rows=self._up(random) if random else None, random_list=random, edits=edits,
             max_logprobs=max(wanted) if wanted else None,
             masked_rows=self._up([row for row, _ in masked]) if 0 < len(masked) < len(metas) else None,
-            bitmasks=to_device(fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked],
-                                             self._mask_buffer(len(masked), masked[0][1].cache.words)),
-                               torch.int32, self.device)
+            # (the mask buffers are pinned already on CUDA: ``_mask_buffer``)
+            bitmasks=fill_bitmasks([(g, metas[row].num_outputs) for row, g in masked],
+                                   self._mask_buffer(len(masked), masked[0][1].cache.words)
+                                   ).to(self.device, non_blocking=True)
             if masked else None,
             late=late)
 
@@ -179,9 +180,10 @@ class Sampler:
                     logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor,
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor | None,
                into: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> dict[str, torch.Tensor]:
-        """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed. ``into``:
+        """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed (None when
+        no row is penalised: only penalties read it). ``into``:
         (target, index) pairs where the tokens are also written, ``target[index] = tokens``."""
         if (logits.is_cuda and batch.greedy and not batch.edits and batch.max_logprobs is None
                 and batch.bitmasks is not None and batch.bitmasks.shape[0] == logits.shape[0] and len(into) <= 2):

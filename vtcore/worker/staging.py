@@ -49,6 +49,7 @@ class Staging:
         self.depth, self.device = depth, device
         self.pinned = device.type == "cuda"
         self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
+        self._tokens = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
         self._owner: list[int | None] = [None] * depth
 
     def stage(self, step: int, sections: list[list[int]], align: int = 2) -> Staged:
@@ -91,6 +92,15 @@ class Staging:
         head = dest[:cut].copy_(host[:cut], non_blocking=True)
         tail = host[cut:].to(self.device, non_blocking=True) if self.pinned else host[cut:]
         return [head[a:b] if b <= cut else tail[a - cut:b - cut] for a, b in staged.bounds]
+
+    def host_tokens(self, index: int, n: int) -> torch.Tensor:
+        """Host int64 [n] (pinned on CUDA) that buffer ``index``'s step copies its sampled tokens into: reused
+        by the next step that takes the buffer, which only a retired step lets happen."""
+        host = self._tokens[index]
+        if host.numel() < n:
+            host = torch.empty(max(n, 2 * host.numel()), dtype=torch.int64, pin_memory=self.pinned)
+            self._tokens[index] = host
+        return host[:n]
 
     def retire(self, index: int) -> None:
         """The step using buffer ``index`` is done with it."""
