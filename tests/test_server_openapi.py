@@ -4,12 +4,14 @@ the document's schema refuses gets a 400 naming the field, one it accepts is ser
 ``/metrics`` is text/plain."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from server_harness import MODEL, ServerThread, engine, httpx, needs_default_model, post_json, server  # noqa: F401
 
 from vtcore import AsyncLLM
+from vtcore.server.protocol import below_pattern
 
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = needs_default_model
@@ -65,6 +67,28 @@ def test_the_prompt_schema_has_this_engines_bounds(doc: dict[str, Any], engine: 
     assert detokenize["exclusiveMaximum"] == limits.vocab_size
 
 
+def test_integer_bounds_are_exact_integers(doc: dict[str, Any], server: ServerThread) -> None:
+    """A 64-bit bound written as a float (9.223372036854776e+18) lets a client's float arithmetic take 2**63 +
+    190 for a valid seed; the document writes it as the integer the server enforces."""
+    seed = next(m for m in doc["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]["anyOf"]
+                if m.get("type") == "integer")
+    assert seed["exclusiveMaximum"] == 2 ** 63 and isinstance(seed["exclusiveMaximum"], int)
+    assert seed["minimum"] == -2 ** 63 and isinstance(seed["minimum"], int)
+    completion = validator(doc, request_schema(doc, "/v1/completions"))
+    for value, ok in ((2 ** 63 - 1, True), (2 ** 63 + 190, False)):
+        assert completion.is_valid(_completion(seed=value)) is ok
+        assert (post_json(server.url + "/v1/completions", _completion(seed=value)).status_code == 200) is ok
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 10, 11, 100, 999, 1000, 1001, 2048, 151936])
+def test_the_token_id_key_pattern_matches_exactly_the_ids_below_n(n: int) -> None:
+    pattern = re.compile(below_pattern(n))
+    for i in range(3 * n + 20):
+        for zeros in ("", "0", "000"):
+            assert bool(pattern.match(zeros + str(i))) == (i < n), (n, zeros + str(i))
+    assert not any(pattern.match(k) for k in ("", "-1", "+1", " 1", "1 ", "1_0", "\u0665", "0x1"))
+
+
 def _completion(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Hi", "max_tokens": 1, **fields}
 
@@ -94,6 +118,14 @@ BODIES = [
     ("/v1/completions", _completion(n=0), "n"),
     ("/v1/completions", _completion(logprobs=6), "logprobs"),
     ("/v1/completions", _completion(logit_bias={"5": "big"}), "logit_bias"),
+    ("/v1/completions", _completion(logit_bias={"0": 1, "0007": -1.5}), None),
+    *[("/v1/completions", _completion(logit_bias={key: 1}), "logit_bias")
+      for key in ("-1", "+5", " 5", "1_0", "\u0665", "", "99999999", "x-schemathesis-additional")],
+    ("/v1/completions", _completion(stop=["a", ""]), "stop"),
+    ("/v1/completions", _completion(stop=""), "stop"),
+    ("/v1/completions", _completion(stop=[]), None),
+    ("/v1/chat/completions", _chat(logit_bias={"12": 3}), None),
+    ("/v1/chat/completions", _chat(logit_bias={"1e3": 3}), "logit_bias"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
     # strict bodies: JSON's types as the document gives them
     ("/v1/completions", _completion(max_tokens="5"), "max_tokens"),

@@ -50,5 +50,21 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
         schemas = doc.get("components", {}).get("schemas", {})
         for name in _FASTAPI_VALIDATION:
             schemas.pop(name, None)
-        app.openapi_schema = doc
+        app.openapi_schema = _exact_bounds(doc)
     return app.openapi_schema
+
+
+#: the keywords of a numeric bound
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+
+
+def _exact_bounds(node: Any) -> Any:
+    """``node`` with its whole-number bounds written as integers: FastAPI's document models type every bound
+    as a float, and a client generating or checking a 64-bit field against 9.223372036854776e+18 in float
+    arithmetic lets through ids past it (the seed's ``2**63``), which the server then refuses."""
+    if isinstance(node, dict):
+        return {k: int(v) if k in _BOUNDS and isinstance(v, float) and v.is_integer() else _exact_bounds(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_exact_bounds(v) for v in node]
+    return node

@@ -85,6 +85,8 @@ OnlyTrue = Annotated[Literal[True], BeforeValidator(_boolean)]
 #: Text that goes to the tokenizer (a prompt, a message).
 Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
+#: A stop string (an empty one would end every output before it began: ``SamplingParams`` refuses it).
+StopString = Annotated[str, Field(min_length=1)]
 
 
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
@@ -107,6 +109,31 @@ def _prompt_description(limits: EngineLimits | None) -> str:
     return "Text, token ids, or a batch of either (each prompt its own choices)." + where
 
 
+def below_pattern(n: int | None) -> str:
+    """A regular expression of the decimal strings (ASCII digits, any leading zeros) of the integers in
+    ``[0, n)`` (any size: None): a JSON object's keys that are token ids (``logit_bias``). Past its leading
+    zeros, shorter than ``n - 1`` is below it; as long, below it from its first smaller digit on, or equal."""
+    if n is None:
+        return "^[0-9]+$"
+    top = str(n - 1)
+    k = len(top)
+    alternatives = [f"[0-9]{{1,{k - 1}}}"] if k > 1 else []
+    for i, digit in enumerate(top):
+        if digit != "0":
+            alternatives.append(top[:i] + f"[0-{int(digit) - 1}]" + (f"[0-9]{{{k - i - 1}}}" if i < k - 1 else ""))
+    return "^0*(" + "|".join([*alternatives, top]) + ")$"
+
+
+def _logit_bias(limits: EngineLimits | None) -> Any:
+    """The ``logit_bias`` field: token id keys (documented by pattern, checked by the endpoint, which names the
+    bad key or id) to finite biases."""
+    where = "" if limits is None else f" in [0, {limits.vocab_size})"
+    return Field(None, description=f"Token id (a string of an integer{where}) -> a finite bias, clamped to "
+                                   "[-100, 100].",
+                 json_schema_extra={"propertyNames": {"pattern": below_pattern(limits and limits.vocab_size)}})
+
+
+LogitBias = dict[str, Annotated[float, Field(allow_inf_nan=False)]]
 #: The unbounded forms, as the models declare them; ``bounded`` swaps in an engine's
 PromptField = _prompt(None)
 TokenIds = _token_ids(None, 0)
@@ -176,7 +203,8 @@ class GenerationRequest(BoundedModel):
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
         below = _integer(ge=0, lt=limits.max_model_len)
-        return {name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts}
+        return {**{name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts},
+                "logit_bias": (LogitBias | None, _logit_bias(limits))}
 
     model: str | None = None
     max_tokens: Count | None = None
@@ -185,11 +213,10 @@ class GenerationRequest(BoundedModel):
     n: Choices | None = Field(1, description=f"Choices per prompt, at most {MAX_N} (OpenAI's limit).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
-        None, description="Token id (a string of an integer) -> a finite bias, clamped to [-100, 100].")
+    logit_bias: LogitBias | None = _logit_bias(None)
     seed: Seed | None = None
     user: str | None = None
     # vLLM's extras
