@@ -1,5 +1,5 @@
 """The host cost of structured outputs a decode step (docs/BENCHMARKS.md): for R constrained rows held to
-the bench's JSON schema (``vtcore.bench.serving.bench_schema(128)``, the embedded default model's tokenizer,
+the bench's JSON schema (``vtcore.bench.structured_share.bench_schema(128)``, the embedded default model's tokenizer,
 logits as wide as the Qwen3 vocabulary, compiled as the engine compiles it: ``GrammarCache``), the medians
 over a walk through the grammar of accepting one token a row and filling the rows' bitmasks, one matcher
 at a time (what the engine does) and through xgrammar's ``BatchGrammarMatcher`` (C++ threads).
@@ -18,7 +18,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from vtcore.bench.serving import bench_schema
+from vtcore.bench.structured_share import bench_schema
 from vtcore.config import DEFAULT_MODEL
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import GrammarCache

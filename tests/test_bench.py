@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from vtcore.bench.serving import add_bench_parser, bench_schema, parse_concurrency, resolve_lengths, resolve_offline_lengths
+from vtcore.bench.serving import add_bench_parser, parse_concurrency, resolve_lengths, resolve_offline_lengths
+from vtcore.bench.structured_share import bench_schema
 from vtcore.config import DEFAULT_MODEL
 
 INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS = 16, 8, 4

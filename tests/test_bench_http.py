@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 from server_harness import ServerThread, engine, needs_default_model, server  # noqa: F401
 
+from vtcore import AsyncLLM
+from vtcore.bench.structured_share import bench_schema
 from vtcore.cli.main import main
+from vtcore.structured import StructuredOutputsParams
 
 pytestmark = needs_default_model
 
@@ -45,6 +48,28 @@ def test_client_processes_share_the_streams_and_merge_every_request(server: Serv
     assert r["wall_s"] >= r["latency_s"]["p99"]  # one window over both processes
 
 
+def test_a_structured_share_is_sent_as_vllms_field_and_reported_apart(server: ServerThread,  # noqa: F811
+                                                                      engine: AsyncLLM, tmp_path: Any) -> None:  # noqa: F811
+    """--structured-share over HTTP: that share of the requests (interleaved) carry ``structured_outputs`` with
+    the bench's schema, which the server compiles (its grammar cache holds it after, not before); the groups
+    are reported apart, adding up to the run."""
+    held = StructuredOutputsParams(json=bench_schema(37))
+    assert not engine.engine.grammar_compiled(held)
+    path, out = tmp_path / "http.json", io.StringIO()
+    rc = main(["bench", "--base-url", f"{server.url}/v1", "--concurrency", "2", "--num-prompts", "4",
+               "--input-len", "5", "--output-len", "37", "--structured-share", "0.5", "--json", str(path)], out=out)
+    assert rc == 0, out.getvalue()
+    assert engine.engine.grammar_compiled(held)
+    (r,) = json.loads(path.read_text())["runs"]
+    groups = r["groups"]
+    assert r["structured_share"] == 0.5
+    assert groups["constrained"]["requests"] == groups["unconstrained"]["requests"] == 2
+    assert groups["constrained"]["output_tokens"] == groups["unconstrained"]["output_tokens"] == 2 * 37
+    assert groups["constrained"]["finish_reasons"] == ["length"]
+    assert "c=2 constrained: 2 requests" in out.getvalue() and "c=2 unconstrained: 2 requests" in out.getvalue()
+    assert main(["bench", "--base-url", f"{server.url}/v1", "--structured-share", "2"], out=io.StringIO()) == 2
+
+
 @pytest.mark.parametrize("cores", [2, 6, 16, 64])
 def test_client_processes_default_to_one_per_8_streams_leaving_cores_to_the_server(monkeypatch, cores) -> None:
     from vtcore.bench import http
@@ -78,14 +103,15 @@ def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None
     path = tmp_path / "served.json"
     out = io.StringIO()
     rc = main(["bench", "--serve", "--device", "cpu", "--concurrency", "2", "--num-prompts", "3", "--input-len", "6",
-               "--output-len", "3", "--no-progress", "--json", str(path)], out=out)
+               "--output-len", "3", "--structured-share", "0.5", "--no-progress", "--json", str(path)], out=out)
     assert rc == 0, out.getvalue()
     doc = json.loads(path.read_text())
     assert doc["mode"] == "served" and doc["served"]["command"][2:4] == ["vtcore.cli.main", "serve"]
     assert "--max-num-seqs" in doc["served"]["command"]  # the bench's own default (its largest concurrency)
     (served,), (inproc,) = doc["served"]["runs"], doc["inprocess"]["runs"]
-    for r in (served, inproc):
+    for r in (served, inproc):  # (the second of three requests held to the schema, on both sides)
         assert (r["concurrency"], r["num_prompts"], r["output_tokens"]) == (2, 3, 9)
+        assert {name: g["requests"] for name, g in r["groups"].items()} == {"constrained": 1, "unconstrained": 2}
     assert 0 < served["server_ttft_mean_s"] < served["ttft_s"]["mean"]  # inside the server, then HTTP and client
     assert "served / in-process, c=2: output" in out.getvalue() and "outside the server" in out.getvalue()
     assert served["server_triton_compiles"] == []  # the CPU compiles nothing

@@ -3,7 +3,9 @@ OpenAI-compatible server (``vtcore serve``, vLLM, SGLang).
 
 Each request is a streamed ``/v1/completions`` of ``--input-len`` random token ids (below
 ``PROMPT_ID_BOUND``, a vocabulary every served model has), ``max_tokens=--output-len``, greedy,
-``ignore_eos`` (vLLM's extension) and ``stream_options.include_usage``. Timestamps are taken as each
+``ignore_eos`` (vLLM's extension) and ``stream_options.include_usage``; with ``--structured-share``, that
+share of them (interleaved) also carry vLLM's ``structured_outputs: {"json": ...}`` with the bench's schema
+(``vtcore.bench.structured_share``), and each run reports the two groups apart. Timestamps are taken as each
 server-sent event arrives (``time.perf_counter``): TTFT is the first event with a choice (new tokens), ITL
 the gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
 from the final usage chunk (an event may carry several tokens). The statistics have the in-process
@@ -19,17 +21,26 @@ import json
 import os
 import random
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from vtcore.bench.http_stream import StreamingConnection, plain_http
+from vtcore.bench.structured_share import bench_schema, constrained_flags, format_groups, groups
 from vtcore.bench.summary import summarize
 
 PROMPT_ID_BOUND = 1000
 
 
-async def _one(connection: StreamingConnection, model: str, prompt: list[int], output_len: int) -> dict[str, Any]:
+#: a request of the closed loop: its prompt's token ids, and the JSON schema it is held to (or None)
+Prompt = tuple[list[int], Optional[dict[str, Any]]]
+
+
+async def _one(connection: StreamingConnection, model: str, prompt: list[int], output_len: int,
+               schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed request; ``schema``: held to it (vLLM's ``structured_outputs``)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["structured_outputs"] = {"json": schema}
     arrivals: list[float] = []
     tokens = None
     finish = None
@@ -49,9 +60,10 @@ async def _one(connection: StreamingConnection, model: str, prompt: list[int], o
     done = time.perf_counter()
     ttft = arrivals[0] - sent if arrivals else None
     latency = done - sent
+    tpot = (latency - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
     return {"prompt_tokens": len(prompt), "output_tokens": tokens, "finish_reason": finish, "latency_s": latency,
-            "ttft_s": ttft, "tpot_s": (latency - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1
-            else None, "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+            "constrained": schema is not None, "ttft_s": ttft, "tpot_s": tpot,
+            "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
 #: streams one client process drives: parsing server-sent events in Python caps one process near 3,000
@@ -72,10 +84,11 @@ def client_processes(concurrency: int, asked: int | None = None) -> int:
     return max(1, min(n, concurrency))
 
 
-async def _closed_loop(base_url: str, model: str, c: int, prompts: list[list[int]], output_len: int,
+async def _closed_loop(base_url: str, model: str, c: int, prompts: list[Prompt], output_len: int,
                        warm_up: bool = True, start: Any = None) -> tuple[list[dict[str, Any]], float, float]:
     """``c`` streams over ``prompts`` (each takes the next one not yet sent), each on a connection of its own
-    (``StreamingConnection``); after an untimed request on each (connection set-up) unless not ``warm_up``,
+    (``StreamingConnection``); after an untimed request on each (connection set-up; with constrained prompts,
+    the first and every second one constrained: the server compiles the schema then) unless not ``warm_up``,
     and ``start`` (a barrier across processes) when given. Returns
     the requests' results and the loop's start and end (``time.perf_counter``, one clock for every process of
     the machine)."""
@@ -84,7 +97,9 @@ async def _closed_loop(base_url: str, model: str, c: int, prompts: list[list[int
     connections = [StreamingConnection(url) for _ in range(c)]  # one a stream, kept alive
     try:
         if warm_up:  # every connection opened before the clock starts
-            await asyncio.gather(*(_one(connection, model, prompts[0][:8], 2) for connection in connections))
+            schema = next((schema for _, schema in prompts if schema is not None), None)
+            await asyncio.gather(*(_one(connection, model, prompts[0][0][:8], 2, None if i % 2 else schema)
+                                   for i, connection in enumerate(connections)))
         if start is not None:
             await asyncio.get_running_loop().run_in_executor(None, start.wait)
         next_index = 0
@@ -94,7 +109,8 @@ async def _closed_loop(base_url: str, model: str, c: int, prompts: list[list[int
             while next_index < len(prompts):
                 i = next_index
                 next_index += 1
-                results.append(await _one(connection, model, prompts[i], output_len))
+                ids, schema = prompts[i]
+                results.append(await _one(connection, model, ids, output_len, schema))
 
         begin = time.perf_counter()
         await asyncio.gather(*(worker(connection) for connection in connections))
@@ -111,8 +127,10 @@ def _client_process(args: tuple) -> tuple[list[dict[str, Any]], float, float]:
 
 
 def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len: int, output_len: int,
-                 rng: random.Random, processes: int, warm_up: bool) -> dict[str, Any]:
-    prompts = [[rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)] for _ in range(num_prompts)]
+                 rng: random.Random, processes: int, warm_up: bool, share: float, schema_len: int) -> dict[str, Any]:
+    schema = bench_schema(schema_len)
+    prompts = [([rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)], schema if held else None)
+               for held in constrained_flags(num_prompts, share)]
     if processes == 1:
         results, begin, end = asyncio.run(_closed_loop(base_url, model, c, prompts, output_len, warm_up))
     else:  # process p: every processes-th prompt from the p-th, and its share of the streams
@@ -138,7 +156,8 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
             "tpot_s": summarize([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
             "itl_s": summarize([g for r in results for g in r["itl_s"]]),
             "latency_s": summarize([r["latency_s"] for r in results]),
-            "finish_reasons": sorted({str(r["finish_reason"]) for r in results})}
+            "finish_reasons": sorted({str(r["finish_reason"]) for r in results}),
+            "structured_share": share, "groups": groups(results, wall, share)}
 
 
 def served_model(base_url: str) -> str:
@@ -158,15 +177,18 @@ def served_model(base_url: str) -> str:
 
 
 def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None, input_len: int, output_len: int,
-             seed: int, model: str | None = None, processes: int | None = None, warm_up: bool = True) -> dict[str, Any]:
+             seed: int, model: str | None = None, processes: int | None = None, warm_up: bool = True,
+             structured_share: float = 0.0, schema_len: int | None = None) -> dict[str, Any]:
     """Every concurrency against ``base_url`` (ending in ``/v1``), each over ``client_processes(c,
     processes)`` client processes, each stream's connection first sending an untimed request unless not
-    ``warm_up``; the --json document."""
+    ``warm_up``; ``structured_share`` of the requests held to ``bench_schema(schema_len)`` (default
+    ``output_len``: a warm-up of short requests compiles the timed run's schema); the --json document."""
     plain_http(base_url)
     model = model or served_model(base_url)
     rng = random.Random(seed)
     runs = [_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng,
-                         client_processes(c, processes), warm_up) for c in concurrency]
+                         client_processes(c, processes), warm_up, structured_share, schema_len or output_len)
+            for c in concurrency]
     return {"mode": "http", "base_url": base_url, "model": model, "input_len": input_len, "output_len": output_len,
             "seed": seed, "timer": "time.perf_counter", "runs": runs}
 
@@ -183,4 +205,6 @@ def format_http(doc: dict[str, Any]) -> str:
         lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} "
                      f"{r['output_throughput_tok_s']:>10.1f}  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}  "
                      f"{r['client_processes']:>7}")
+    for r in doc["runs"]:
+        lines += format_groups(r)
     return "\n".join(lines) + "\n"

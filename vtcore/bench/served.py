@@ -7,7 +7,7 @@ read before and after each (after an untimed warm-up of ``c`` short requests; th
 none of its own, so each stream's first request also opens its connection); the server is stopped
 (SIGTERM), then the in-process bench (:func:`vtcore.bench.serving.run_bench`) runs the same grid, so one
 engine holds the device at a time. Prompts are random ids of the same lengths in both (no prefix is
-shared).
+shared), the same share of them held to the bench's schema (``--structured-share``).
 
 Where the served time goes, per concurrency: the server's mean time from a request's arrival (its body
 parsed) to its first token, from its histogram's sum and count, splits the client's mean TTFT into the
@@ -83,6 +83,7 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
            *([] if args.engine_core_process is None else
              ["--engine-core-process" if args.engine_core_process else "--no-engine-core-process"])]
     seed = getattr(args, "seed", None) or 0
+    share = getattr(args, "structured_share", 0.0) or 0.0
     fd, log_path = tempfile.mkstemp(prefix="vtcore-serve-", suffix=".log")
     runs = []
     with os.fdopen(fd, "w") as log:
@@ -90,10 +91,12 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
         try:
             _wait_healthy(url, proc, log_path)
             for c in concurrency:  # warmed up first (untimed): the server's histogram then holds the timed requests
-                run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes))
+                run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes),
+                         structured_share=share, schema_len=args.output_len)
                 before, logged = _server_ttft(url), os.path.getsize(log_path)
                 doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, seed,
-                               processes=client_processes(c, args.client_processes), warm_up=False)
+                               processes=client_processes(c, args.client_processes), warm_up=False,
+                               structured_share=share)
                 after = _server_ttft(url)
                 run = doc["runs"][0]
                 count = after[1] - before[1]

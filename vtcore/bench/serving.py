@@ -78,6 +78,7 @@ from vtcore.bench.roofline import DEFAULT_COPY_MIB
 from vtcore.bench.speculative import DEFAULT_KS, format_speculative
 from vtcore.bench.step_stats import (NO_CUDA, StepTimer, count_triton_compiles, init_profiler_on_this_thread,
                                      probe_decode, unavailable)
+from vtcore.bench.structured_share import bench_schema, check_share, constrained_flags, format_groups, groups
 from vtcore.bench.summary import summarize
 from vtcore.config import EngineConfig
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
@@ -91,15 +92,6 @@ DEFAULT_OFFLINE_MIN_LEN, DEFAULT_OFFLINE_MAX_LEN = 100, 1024
 DEFAULT_OFFLINE_MAX_NUM_SEQS = 256
 
 
-def bench_schema(output_len: int) -> dict[str, Any]:
-    """What --structured-share constrains requests to: an object of exactly ``output_len`` integers, finite
-    but with at least a token an item, so a constrained request runs to ``max_tokens`` as the unconstrained
-    ones do (with ``ignore_eos``). A grammar finished early would end its request early, and the closed loop's
-    next arrivals would then prefill between the others' decode steps: a cost of the workload's shape, not of
-    the constraint, in both groups' TPOT."""
-    return {"type": "object", "properties": {"values": {
-        "type": "array", "minItems": output_len, "maxItems": output_len,
-        "items": {"type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["values"]}
 #: how the header records ``async_scheduling``: not given (the family decides), ``--async-scheduling``,
 #: ``--no-async-scheduling``
 ASYNC_SCHEDULING_LABELS = {None: "auto", True: "on", False: "off"}
@@ -150,9 +142,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "tokens (default: 1)")
     p.add_argument("--structured-share", type=float, default=0.0, metavar="F",
                    help="constrain this share of the requests (evenly interleaved) to a JSON schema "
-                        "(bench_schema: an object of --output-len integers; xgrammar); each run then reports the "
-                        "constrained and the unconstrained requests' output throughput and TPOT apart "
-                        "(default: 0)")
+                        "(bench_schema: an object of --output-len integers; xgrammar; over HTTP vLLM's "
+                        "structured_outputs field); each run then reports the constrained and the unconstrained "
+                        "requests' output throughput and TPOT apart (default: 0)")
     p.add_argument("--compare-prefix-caching", action="store_true",
                    help="run the sweep twice in one call, prefix caching off then on (fresh engines), and "
                         "report TTFT and throughput of the two side by side")
@@ -247,8 +239,7 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
     prompts = [prefix + f[0] for f in fresh]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     constrained = attrs.evolve(params, structured_outputs=StructuredOutputsParams(json=bench_schema(output_len)))
-    # request i is constrained when the share's running count steps up at it: evenly interleaved
-    is_constrained = [int((i + 1) * structured_share) > int(i * structured_share) for i in range(num_prompts)]
+    is_constrained = constrained_flags(num_prompts, structured_share)
     inner = engine.engine
     queries0, hits0 = inner.pool.queries, inner.pool.hits
     cuda = inner.device.type == "cuda"
@@ -311,21 +302,10 @@ async def _run_concurrency(engine: Any, c: int, num_prompts: int, input_len: int
         "engine_loop": loop.summary(),
         "peak_gpu_memory_bytes": peak,
         "structured_share": structured_share,
-        "groups": {name: _group(rs, wall) for name, rs in (
-            ("constrained", [r for r in results if r["constrained"]]),
-            ("unconstrained", [r for r in results if not r["constrained"]])) if rs} if structured_share else None,
+        "groups": groups(results, wall, structured_share),
         "requests": results,
         "_prompts": prompts,  # popped by run_bench (the HF peer reuses the concurrency-1 prompts)
     }
-
-
-def _group(results: list[dict[str, Any]], wall: float) -> dict[str, Any]:
-    """One group's share of a run (structured outputs on or off): its requests, output tokens over the
-    run's wall time, TPOT."""
-    tokens = sum(r["output_tokens"] for r in results)
-    return {"requests": len(results), "output_tokens": tokens, "output_throughput_tok_s": tokens / wall,
-            "tpot_s": summarize([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
-            "finish_reasons": sorted({str(r["finish_reason"]) for r in results})}
 
 
 def _concurrency(args: argparse.Namespace) -> list[int]:
@@ -450,9 +430,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     if prefix_len < 0:
         raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
     turns = getattr(args, "turns", 1) or 1
-    share = getattr(args, "structured_share", 0.0) or 0.0
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"--structured-share={share}: expected a fraction of the requests, 0 to 1")
+    share = check_share(getattr(args, "structured_share", 0.0) or 0.0)
     input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
     longest = prefix_len + turns * (input_len + args.output_len)
     if longest > max_model_len:
@@ -626,10 +604,7 @@ def format_table(doc: dict[str, Any]) -> str:
             lines.append(f"engine loop c={r['concurrency']}, ms a step over {loop['steps']} steps: " + ", ".join(
                 f"{p.replace('_', ' ')} {loop['ms_per_step'][p]:.3f}" for p in PHASES))
     for r in doc["runs"]:
-        for name, g in (r.get("groups") or {}).items():
-            lines.append(f"c={r['concurrency']} {name}: {g['requests']} requests, output "
-                         f"{g['output_throughput_tok_s']:.1f} tok/s, TPOT median {_ms(g['tpot_s']['median'])} ms, "
-                         f"finish {','.join(g['finish_reasons'])}")
+        lines += format_groups(r)
     if doc.get("prefix_caching_off"):
         lines += format_comparison(doc)
     if doc.get("peer"):
@@ -672,7 +647,6 @@ def _in_process_only(args: argparse.Namespace) -> list[str]:
     """The flags given that only the in-process bench honours."""
     return [flag for flag, on in (("--compare-prefix-caching", args.compare_prefix_caching),
                                   ("--offline", args.offline), ("--peer", args.peer),
-                                  ("--structured-share", args.structured_share),
                                   ("--speculative-config", getattr(args, "speculative_config", None))) if on]
 
 
@@ -687,7 +661,8 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
                 else local[0]
             raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
-                       args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes)
+                       args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes,
+                       structured_share=check_share(args.structured_share))
         out.write(format_http(doc))
     elif args.serve:
         from vtcore.bench.http import format_http
@@ -695,6 +670,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
 
         if local:
             raise ValueError(f"--serve compares the served loop with the in-process one; {local[0]} applies to neither")
+        check_share(args.structured_share)
         doc = run_served(args, _concurrency(args), args.input_len or DEFAULT_INPUT_LEN, progress)
         out.write(format_http(doc["served"]) + format_table(doc["inprocess"]))
         out.writelines(line + "\n" for line in format_served(doc))
