@@ -81,3 +81,4 @@ def test_each_staging_buffer_has_its_own_token_row_which_grows_and_is_reused():
     assert again.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and again.shape == (3,)
     grown = staging.host_tokens(0, 9)
     assert grown.shape == (9,) and grown.dtype == torch.int64
+

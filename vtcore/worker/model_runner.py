@@ -431,9 +431,11 @@ class ModelRunner:
 
     def _results_to_host(self, out: dict[str, Any], sampled: dict[str, torch.Tensor]) -> None:
         """Start the copies of a step's sampled results to the host, into ``out``: the tokens into the step's
-        staging buffer's token row (``Staging.host_tokens``), the rest (logprobs) into new pinned tensors."""
+        staging buffer's token row (``Staging.host_tokens``; on the CPU too, a copy of a row's few ids, so
+        that the CPU's async runs hold the rows to their steps as CUDA's do), the rest (logprobs) into new
+        pinned tensors."""
         for k, v in sampled.items():
-            if k == "tokens" and self.cuda:
+            if k == "tokens":
                 out[k] = self.staging.host_tokens(out["staging"], v.numel()).copy_(v, non_blocking=True)
             else:
                 out[k] = self._to_host(v)
@@ -713,7 +715,7 @@ class ModelRunner:
             for key in ("logprobs", "ranks"):  # the top logprobs are the raw model's: unchanged
                 if key in drawn and key in sampled:
                     sampled[key][rows] = drawn[key]
-            self._results_to_host(out, sampled)  # (the token rows are inference tensors)
+            self._results_to_host(out, sampled)
         return out
 
     def publish(self, out: dict[str, Any], event: torch.cuda.Event | None) -> StepOutput:

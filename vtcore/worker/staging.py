@@ -98,7 +98,8 @@ class Staging:
         by the next step that takes the buffer, which only a retired step lets happen."""
         host = self._tokens[index]
         if host.numel() < n:
-            host = torch.empty(max(n, 2 * host.numel()), dtype=torch.int64, pin_memory=self.pinned)
+            with torch.inference_mode(False):  # (a normal tensor: written in inference mode and out of it)
+                host = torch.empty(max(n, 2 * host.numel()), dtype=torch.int64, pin_memory=self.pinned)
             self._tokens[index] = host
         return host[:n]
 
