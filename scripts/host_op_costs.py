@@ -40,6 +40,8 @@ def median_us(fn: Callable[[], object], calls: int = 2000) -> float:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("host_op_costs.py times CUDA operations: no CUDA device here")
     tokens = torch.zeros(ROWS, dtype=torch.int64, device=DEVICE)
     events = itertools.cycle([torch.cuda.Event() for _ in range(8)])
     pinned_rows = itertools.cycle([torch.empty(ROWS, dtype=torch.int64).pin_memory() for _ in range(8)])

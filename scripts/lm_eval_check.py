@@ -18,6 +18,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vtcore.bench.http import served_model
 from vtcore.config import DEFAULT_MODEL
 
 PAIRS = [("The cat and the", " dog"), ("Once upon a time", " there was a little girl"), ("Hello", ","),
@@ -27,6 +28,9 @@ TOLERANCE = 1e-3  # nats: float32 on both sides, different kernels
 
 
 def main() -> int:
+    if len(sys.argv) not in (2, 3):
+        sys.exit(f"usage: {sys.argv[0]} BASE_URL [MODEL_DIR]   (BASE_URL: a server's /v1, e.g. "
+                 "http://127.0.0.1:8000/v1; got " + (" ".join(map(repr, sys.argv[1:])) or "nothing") + ")")
     url, model_dir = sys.argv[1].rstrip("/"), sys.argv[2] if len(sys.argv) > 2 else DEFAULT_MODEL
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -75,14 +79,6 @@ def main() -> int:
         bad += not ok
         print(f"{'ok ' if ok else 'BAD'} greedy generation after {context!r}: served {text!r}, transformers {want!r}")
     return 1 if bad else 0
-
-
-def served_model(url: str) -> str:
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/models") as r:
-        return json.load(r)["data"][0]["id"]
 
 
 if __name__ == "__main__":

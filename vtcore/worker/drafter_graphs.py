@@ -39,7 +39,8 @@ class DrafterGraphs:
         self.views = {p: self._sections(p) for p in target.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         #: a chunk that samples nothing (a prompt's chunk before its last) needs the pass alone: its graphs
-        self.passes: dict[int, torch.cuda.CUDAGraph] = {}
+        #: (with ``None`` for outputs: the pass writes KV and states only)
+        self.passes: dict[int, tuple[torch.cuda.CUDAGraph, None]] = {}
         self.replays = 0  # steps whose drafting replayed a graph
 
     def _sections(self, p: int) -> list[torch.Tensor]:
@@ -78,8 +79,7 @@ class DrafterGraphs:
                 self.graphs[p] = capture_graph(functools.partial(self._draft, *inputs), self.target.device, pool)
                 pool = self.graphs[p][0].pool()
                 if self.target.chunk:
-                    self.passes[p], _ = capture_graph(functools.partial(self._pass, *inputs), self.target.device,
-                                                      pool)
+                    self.passes[p] = capture_graph(functools.partial(self._pass, *inputs), self.target.device, pool)
         torch.cuda.synchronize(self.target.device)
         return pool
 
@@ -97,22 +97,21 @@ class DrafterGraphs:
             self.buffer[:section.numel()].copy_(section)
             self.views[size][0].index_put_((sample_rows,), self.drafter.shared_tokens(tokens, sample_rows))
             if not requests:  # a prompt's chunk before its last: the pass alone (its KV, its states)
-                graph = self.passes.get(size)
-                if graph is None:
-                    self._pass(size, outputs, positions, md)
-                else:
-                    graph.replay()
-                    self.replays += 1
+                self._replay_or_run(self.passes.get(size), lambda: self._pass(size, outputs, positions, md))
                 result = self.buffer.new_empty((0, self.drafter.k)), self.buffer.new_empty(0)
             else:
-                captured = self.graphs.get(size)
-                if captured is None:
-                    drafts, accepted = self._draft(size, outputs, positions, md)
-                else:
-                    captured[0].replay()
-                    self.replays += 1
-                    drafts, accepted = captured[1]
+                drafts, accepted = self._replay_or_run(self.graphs.get(size),
+                                                       lambda: self._draft(size, outputs, positions, md))
                 result = drafts[:requests], accepted[:requests]
             self.drafter.save_ends(end_saves)
             return result
         return self.drafter.timed(drafted, self.buffer.device)
+
+    def _replay_or_run(self, captured: tuple[torch.cuda.CUDAGraph, Any] | None, run: Any) -> Any:
+        """The captured graph replayed (its outputs), or ``run()`` where that size has none (CPU, sizes not
+        captured)."""
+        if captured is None:
+            return run()
+        captured[0].replay()
+        self.replays += 1
+        return captured[1]
