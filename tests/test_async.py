@@ -290,7 +290,23 @@ def test_a_caller_that_leaves_before_its_request_is_added_harms_no_one(async_llm
         gate.set()
         ok = await _collect(async_llm, "after", [1], greedy(3))
         assert len(ok[-1].outputs[0].token_ids) == 3 and async_llm.dead is None
-        assert "victim" not in async_llm.engine.requests
+        assert not async_llm.engine.requests  # the victim was never added (it would still run)
+
+    asyncio.run(main())
+
+
+def test_an_id_reused_while_its_aborted_request_is_still_in_the_engine_gets_only_its_own_outputs(async_llm) -> None:
+    """A caller that left a running request and reuses its id at once: the engine has not reported the
+    abort yet when the new request arrives. The new request is added and streams its own tokens; the old
+    one's abort output reaches no one (under one engine id it was refused, or ended the new stream)."""
+    async def main():
+        first = async_llm.generate({"prompt_token_ids": [1, 2]}, greedy(100), "again")
+        await first.__anext__()
+        await first.aclose()  # the abort waits in the inbox
+        again = await _collect(async_llm, "again", [3], greedy(4))
+        assert [o.request_id for o in again] == ["again"] * len(again)
+        assert again[-1].outputs[0].finish_reason == "length" and len(again[-1].outputs[0].token_ids) == 4
+        assert await _collect(async_llm, "again", [3], greedy(4)) == again  # greedy: the same tokens again
 
     asyncio.run(main())
 

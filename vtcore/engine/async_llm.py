@@ -5,7 +5,10 @@ and runs ``LLMEngine.step`` (a batch queue of depth 2 when async scheduling is o
 work. With ``engine_core_process=True`` it runs in a process of its own instead
 (:mod:`vtcore.engine.core_process`) and the thread only receives its messages; requests and aborts
 go to it straight from ``generate``. Outputs are handed to each request's asyncio queue on the
-caller's event loop. A bad request fails alone (its ``generate`` raises); if the loop (or the core
+caller's event loop. Each request runs in the engine under an id of its own (the caller's id and a serial
+number, as vLLM's internal request ids): a caller may reuse an id once its request ended, even one it left
+early whose abort the engine has not reported yet, and no stale output reaches the new request's stream.
+A bad request fails alone (its ``generate`` raises); if the loop (or the core
 process) dies, every pending ``generate`` raises ``EngineDeadError``, and so does every later call.
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -42,7 +46,9 @@ class AsyncLLM(EngineFrontEnd):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by engine id
+        self._engine_ids: dict[str, str] = {}  # a caller's id -> the engine id of its unfinished request
+        self._serial = itertools.count()
         # adds sent to the core process and not answered yet, per request id in the order sent (a caller that
         # left before its answer may reuse its id; the core answers adds in order)
         self._adds: dict[str, collections.deque[concurrent.futures.Future]] = {}
@@ -78,39 +84,48 @@ class AsyncLLM(EngineFrontEnd):
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if request_id in self._streams:
+            if request_id in self._engine_ids:
                 raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
-            self._streams[request_id] = (loop, stream)
+            engine_id = self._engine_ids[request_id] = f"{request_id}-{next(self._serial)}"
+            self._streams[engine_id] = (loop, stream)
         constraint = None if sampling_params is None else sampling_params.structured_outputs
         if constraint is not None and not self.engine.grammar_compiled(constraint):
             try:  # compiled (once per distinct constraint) off the engine thread; add_request finds it cached
                 await loop.run_in_executor(None, self.engine.compile_grammar, constraint)
             except BaseException:
-                with self._lock:
-                    self._streams.pop(request_id, None)
+                self._forget(request_id, engine_id)
                 raise
         added: concurrent.futures.Future = concurrent.futures.Future()
         finished = False
         try:
-            self._submit(("add", request_id, prompt, sampling_params or SamplingParams(), added))
+            self._submit(("add", engine_id, prompt, sampling_params or SamplingParams(), added))
             await asyncio.wrap_future(added)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                item.request_id = request_id
                 yield item
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self._forget(request_id, engine_id)
             # Left early: abort unless the request was never added (cancelled in the inbox, or
             # rejected). The abort queues behind the add, so it also covers an add still running.
             if not finished and not added.cancelled() and not (added.done() and added.exception() is not None):
-                self._submit(("abort", request_id))
+                self._submit(("abort", engine_id))
+
+    def _forget(self, request_id: str, engine_id: str) -> None:
+        with self._lock:
+            self._streams.pop(engine_id, None)
+            self._engine_ids.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with ``finish_reason="abort"``."""
-        self._submit(("abort", request_id))
+        """Abort a request; its stream ends with ``finish_reason="abort"``. An id with no unfinished request
+        is ignored (as vLLM does)."""
+        with self._lock:
+            engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._submit(("abort", engine_id))
 
     def _submit(self, msg: tuple) -> None:
         """An add (its last item the future ``generate`` awaits) or an abort: into the engine thread's inbox,
