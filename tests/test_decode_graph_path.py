@@ -8,10 +8,12 @@ import pytest
 
 from vtcore import SamplingParams
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
+from vtcore.layers import attention
 from vtcore.worker.model_runner import PLACEHOLDER
 from vtcore.testing.runner_probes import withhold_override
 
 KNOBS = dict(device="cpu", block_size=4, num_kv_blocks=400, max_num_seqs=8)
+causal = attention.causal_attention
 
 
 def run(eng, arrivals):
@@ -133,24 +135,34 @@ def test_a_lone_prefill_chunk_runs_padded_and_equals_the_unpadded_path(tiny_chec
     """Steps that are one prefill chunk alone (a whole prompt, a chunk that samples nothing, the last
     chunk of a prompt cut by max_num_batched_tokens, a prompt past a cached prefix) take the padded
     chunk path: tokens and logprobs equal the eager path's; a prompt past the largest bucket, or a step
-    of several requests, stays on the general path."""
+    of several requests, stays on the general path. On both paths a prompt's first chunk, and only it,
+    attends over its own K/V (``causal_attention``), the chunks after it and past a cached prefix over the
+    cache."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     knobs = {**KNOBS, "max_num_batched_tokens": 32, "max_model_len": 96}
     prompts = [[5, 9, 2, 7, 7, 1, 3, 8, 6], list(range(1, 71)), [5, 9, 2, 7, 7, 1, 3, 8, 6, 4, 4]]
-    outs, chunk_steps = {}, {}
+    outs, chunk_steps, dense = {}, {}, {}
     for eager in (True, False):
         eng = build_engine(tiny_checkpoint[0], mode, **knobs, enforce_eager=eager)
-        done = {}
-        for i, p in enumerate(prompts):  # one at a time: every prefill step is alone
-            eng.add_request(str(i), {"prompt_token_ids": p}, params)
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.finished:
-                        done[out.request_id] = out.outputs[0]
+        calls: list[int] = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention, "causal_attention", lambda q, *a: calls.append(q.shape[0]) or causal(q, *a))
+            done = {}
+            for i, p in enumerate(prompts):  # one at a time: every prefill step is alone
+                eng.add_request(str(i), {"prompt_token_ids": p}, params)
+                while eng.has_unfinished_requests():
+                    for out in eng.step():
+                        if out.finished:
+                            done[out.request_id] = out.outputs[0]
         outs[eager], chunk_steps[eager] = done, eng.runner.padded_chunk_steps
-        assert [g.q for g in eng.runner.chunk_graphs] == ([] if eager else [16, 32])
+        dense[eager] = sorted(set(calls))  # (each layer's call)
+        assert [(g.q, g.from_zero) for g in eng.runner.chunk_graphs] == (
+            [] if eager else [(16, True), (16, False), (32, True), (32, False)])
+        assert sum(g.steps for g in eng.runner.chunk_graphs if g.from_zero) == (0 if eager else 2)
     # prompt 0: one chunk; prompt 1 (70 tokens, 32 a step): 32, 32, 6; prompt 2 past prompt 0's cached block(s)
     assert chunk_steps == {True: 0, False: 5}
+    # from position 0: prompt 0 (9 tokens; padded: 16) and prompt 1's first chunk (32)
+    assert dense == {True: [9, 32], False: [16, 32]}
     _assert_same(outs[False], outs[True])
 
 

@@ -45,6 +45,20 @@ def test_graphs_replay_and_match_eager_and_the_oracle(tiny_checkpoint, batch) ->
             assert not near_tie_violations(hf, p["prompt_token_ids"], toks)
 
 
+def test_a_prompt_from_position_0_replays_its_own_chunk_graph_and_a_hit_the_paged_one(tiny_checkpoint) -> None:
+    """A prompt's first chunk attends over its own K/V (SDPA) in the from-zero chunk graphs; the same prompt
+    with tokens after it, its prefix cached, replays the paged chunk graph; each agrees with the oracle."""
+    path, hf = tiny_checkpoint
+    llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=4, block_size=16)
+    first = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(40)).tolist()  # 2 blocks cached
+    ps = [first, first + [1, 5, 9, 2, 6]]
+    tokens = [llm.generate([{"prompt_token_ids": p}], PARAMS)[0].outputs[0].token_ids for p in ps]
+    chunks = llm.engine.runner.chunk_graphs
+    assert [sum(g.replays for g in chunks if g.from_zero == z) for z in (True, False)] == [1, 1]
+    for p, toks in zip(ps, tokens):
+        assert not near_tie_violations(hf, p, toks)
+
+
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_async_equals_sync_with_graphs(tiny_checkpoint, n) -> None:
     arrivals = mixed_arrivals(n, n, vocab_size=512) if n > 1 else {0: [("solo", [5, 9, 2, 7], SamplingParams(

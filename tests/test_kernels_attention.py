@@ -33,6 +33,7 @@ from vtcore.kernels.paged_attention import (  # noqa: E402
     write_kv_cache_ref,
 )
 from vtcore.kernels import paged_attention as pa  # noqa: E402
+from vtcore.layers.attention import causal_attention  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noqa: E402
@@ -172,6 +173,23 @@ def test_references_match_oracle(heads, kv_heads):
     got = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, qsl, pc.context_lens, scale, bs,
                                       max(qlens), max(ctx))
     torch.testing.assert_close(got.double(), _prefill_oracle(q, qsl, pc, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (4, 1)])
+def test_a_prompt_from_position_0_attends_over_its_own_kv_as_the_oracle(heads, kv_heads):
+    """``causal_attention`` (a prompt's first chunk: ``AttentionMetadata.from_zero``) over q/k/v sliced out of
+    a fused qkv row, as the layers hand them over; rows padded after the prompt change no real row."""
+    dim, scale, tokens, padded = 16, 0.3, 13, 16
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    qkv = torch.randn(padded, (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[:, :heads * dim].view(padded, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(padded, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(padded, kv_heads, dim)
+    got = causal_attention(q, k, v, scale)
+    assert got.shape == (padded, heads, dim)
+    want = _oracle(q[:tokens], k[:tokens], v[:tokens], scale)
+    torch.testing.assert_close(got[:tokens].double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), _oracle(q, k, v, scale), atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- decode kernel

@@ -4,7 +4,10 @@ The runner sets one ``AttentionMetadata`` per forward (``set_attention_metadata`
 attention layer of the model reads it. The cache of a layer is ``[num_blocks * block_size,
 kv_heads, head_dim]`` for K and for V, indexed by slot (``block * block_size + offset``).
 On CUDA the Triton kernels of ``vtcore.kernels.paged_attention`` run; elsewhere their torch
-references (the same signatures, so both paths read the same metadata).
+references (the same signatures, so both paths read the same metadata). A step that is one prompt's
+first chunk (``AttentionMetadata.from_zero``) attends over its own K/V instead, through torch's SDPA: no
+cached token can be seen, and on CUDA SDPA's fused kernel (cuDNN's on Hopper) beats the paged kernel on
+whole prompts (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ class AttentionMetadata:
     token and its draft, ``max_query_len`` rows a sequence) ``state_index`` / ``state_continues``
     [seqs] and ``state_out_index`` [seqs, max_query_len] int64: the slot the state after each row is
     written to (-1: not written, a shorter draft's padding; a sequence's last real row: its own slot).
+    ``from_zero``: the step is one sequence whose rows start at position 0 (a prompt's first chunk, no
+    prefix cached): each row sees exactly the rows before it, so attention reads this step's K/V and not
+    the cache. Rows padded at its end see the real rows before them, and no real row sees them.
     """
 
     slot_mapping: torch.Tensor
@@ -60,6 +66,7 @@ class AttentionMetadata:
     state_continues: torch.Tensor | None = None
     state_tokens: torch.Tensor | None = None
     state_out_index: torch.Tensor | None = None
+    from_zero: bool = False
 
     @property
     def decode(self) -> bool:
@@ -106,6 +113,8 @@ class Attention(nn.Module):
         else:
             (kernels.write_kv_cache if q.is_cuda else kernels.write_kv_cache_ref)(
                 k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.from_zero:
+            return causal_attention(q, k, v, self.scale).reshape(-1, self.num_heads * self.head_dim)
         return self.attend(q)
 
     def decode_rope(self, positions: torch.Tensor, rotary: nn.Module, q_norm: nn.Module | None,
@@ -138,3 +147,14 @@ class Attention(nn.Module):
                 q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.context_lens, self.scale,
                 self.block_size, md.max_query_len, md.max_context_len)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q`` [tokens, heads, dim] over ``k``/``v`` [tokens, kv_heads, dim] of the same tokens, each row seeing
+    itself and the rows before it (GQA: query head h reads KV head h // (heads // kv_heads)) -> [tokens,
+    heads, dim]. Torch's SDPA picks the kernel; the [1, heads, tokens, dim] views keep the tokens-major
+    memory, which the fused kernels read as it is."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)

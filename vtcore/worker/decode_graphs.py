@@ -1,21 +1,20 @@
 """Steps padded to fixed shapes, and on CUDA one captured graph per shape.
 
-Each row of a padded step has the same query length q: 1 for pure decode, k + 1 for the verify rows
-of speculative decoding (the fed token and k draft slots; a shorter draft is padded), or (``chunk``)
-a bucket of up to q tokens for a step that is one prefill chunk alone (its launches, hundreds in an
-eager forward, cost the host more than the device spends on a short chunk; logits only at its last
-real token). One flat int64 buffer holds, for padded size P and T = P * q tokens, six sections (ids
-[T], positions [T], KV slots [T], context lengths [P], combine slots [T], mirror slots [P]; chunk: a
-seventh, each row's last real token [P]), then the real rows' block table, then (q > 1) the rows
-that sample and their mirror slots; a step uploads into it with one copy, and the block table
-is copied into the persistent table the kernels read. The combine (-1: the host id is current) runs
-inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context q, no combine,
-the dummy mirror slot; their samples are never written to the mirror. A verify row's (or a chunk's)
-padded tokens: id 0, the row's first position, KV slot -1; its context length counts them, so each
-real token sees exactly the keys before it (the causal rule reads the query length from the uniform
-query starts), and no real token sees a padded one. Verify rows of a model with stateful layers have
-a seventh section, per token the slot its state is written to (padding: -1, none). On CPU the same
-padded forward runs eagerly.
+Each row of a padded step has the same query length q: 1 for pure decode, k + 1 for the verify rows of
+speculative decoding (the fed token and k draft slots; a shorter draft is padded), or (``chunk``) a bucket of
+up to q tokens for a step that is one prefill chunk alone (its launches, hundreds in an eager forward, cost
+the host more than the device spends on a short chunk; logits only at its last real token; a prompt's first
+chunk, from position 0, in graphs of its own: ``from_zero``). One flat int64 buffer holds, for padded size P
+and T = P * q tokens, six sections (ids [T], positions [T], KV slots [T], context lengths [P], combine slots
+[T], mirror slots [P]; chunk: a seventh, each row's last real token [P]), then the real rows' block table,
+then (q > 1) the rows that sample and their mirror slots; a step uploads into it with one copy, and the block
+table is copied into the persistent table the kernels read. The combine (-1: the host id is current) runs
+inside the graph. Padded rows: id 0, position 0, KV slot -1 (never written), context q, no combine, the dummy
+mirror slot; their samples are never written to the mirror. A verify row's (or a chunk's) padded tokens: id 0,
+the row's first position, KV slot -1; its context length counts them, so each real token sees exactly the keys
+before it (the causal rule reads the query length from the uniform query starts), and no real token sees a
+padded one. Verify rows of a model with stateful layers have a seventh section, per token the slot its state
+is written to (padding: -1, none). On CPU the same padded forward runs eagerly.
 
 Drafts made on the device (``vtcore.worker.drafting``) take these paths too: a draft token the device
 holds is combined in like an in-flight token (its combine index points past the mirror, into the
@@ -62,7 +61,8 @@ class PaddedOutputs:
 
 
 #: forward(ids, positions, kv slots, context lens, combine slots, mirror slots, block tables, query starts,
-#: query len, max_context_len, chunk: last rows or None, verify rows' state out slots or None) -> its outputs
+#: query len, max_context_len, chunk: last rows or None, verify rows' state out slots or None, from zero) -> its
+#: outputs
 DecodeForward = Callable[..., PaddedOutputs]
 
 
@@ -84,9 +84,12 @@ class DecodeGraphs:
 
     def __init__(self, forward: DecodeForward, device: torch.device, block_size: int, max_model_len: int,
                  max_num_seqs: int, dummy_slot: int, query_len: int = 1, chunk: bool = False,
-                 drafts: tuple[int, int] = (0, 0), state_out: Callable[[int, int], list[int]] | None = None) -> None:
+                 drafts: tuple[int, int] = (0, 0), state_out: Callable[[int, int], list[int]] | None = None,
+                 from_zero: bool = False) -> None:
         self.forward, self.device, self.block_size, self.q = forward, device, block_size, query_len
         self.chunk = chunk
+        #: (chunk) only a chunk from position 0, whose attention reads its own K/V (``AttentionMetadata.from_zero``)
+        self.from_zero = from_zero
         #: verify rows of a model with stateful layers: (mirror slot, real tokens) -> the slot the state after
         #: each real token is written to (``AttentionMetadata.state_out_index``)
         self.state_out = state_out
@@ -124,17 +127,17 @@ class DecodeGraphs:
         return [self.buffer[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def takes(self, batch: Batch) -> bool:
-        """A batch of decode rows (one fed token, sampling) that fits the largest padded size; for
-        q > 1 verify rows, each with a draft of at most q - 1 tokens and one with a draft at all; for a
-        chunk, one row of at most q tokens and no draft (the caller asks the smallest bucket first)
-        whose state snapshots, if any, fall at its end (the runner copies them after the forward; one
-        inside would split the row's state segment)."""
+        """A batch of decode rows (one fed token, sampling) that fits the largest padded size; for q > 1 verify rows,
+        each with a draft of at most q - 1 tokens and one with a draft at all; for a chunk, one row of at most
+        q tokens and no draft (the caller asks the smallest bucket first; ``from_zero``: its first position 0)
+        whose state snapshots, if any, fall at its end (the runner copies them after the forward; one inside
+        would split the row's state segment)."""
         if not self.sizes or len(batch) > self.sizes[-1]:
             return False
         if self.chunk:
             s = batch[0]
             return (not s.draft and s.num_tokens <= self.q and all(at == s.num_tokens for at, _ in s.saves)
-                    and s.request.prompt_logprobs is None)
+                    and s.request.prompt_logprobs is None and (not self.from_zero or s.start == s.floats == 0))
         if self.q == 1:
             return all(s.num_tokens == 1 and s.samples for s in batch)
         return any(s.draft for s in batch) and all(
@@ -148,7 +151,7 @@ class DecodeGraphs:
     def _run(self, p: int, max_context_len: int) -> PaddedOutputs:
         views = self.views[p]
         return self.forward(*views[:6], self.tables[:p], self.qstart[:p + 1], self.q, max_context_len,
-                            views[6] if self.chunk else None, views[6] if self.state_out else None)
+                            views[6] if self.chunk else None, views[6] if self.state_out else None, self.from_zero)
 
     def capture(self, pool: Any = None) -> Any:
         """Capture one CUDA graph per padded size into the memory pool ``pool`` (None: a new one), largest

@@ -293,13 +293,15 @@ class ModelRunner:
                                               query_len=config.num_speculative_tokens + 1, drafts=drafts,
                                               state_out=self._verify_state_slots if self.stateful_layers else None)
         # a step that is one prefill chunk alone, padded to the next bucket (stateful layers that can: their
-        # state from device tensors too); the smallest bucket is asked first
+        # state from device tensors too); the smallest bucket is asked first, a prompt's first chunk first
+        # by the bucket's from-zero graphs (``AttentionMetadata.from_zero``)
         self.chunk_graphs: list[DecodeGraphs] = []
         if self.decode_graphs is not None and all(m.supports_chunk_graphs for m in self.stateful_layers):
             longest = min(config.max_num_batched_tokens or config.max_model_len, config.max_model_len)
             self.chunk_graphs = [DecodeGraphs(self._decode_forward, self.device, self.block_size, config.max_model_len,
-                                              1, self.dummy_slot, query_len=q, chunk=True, drafts=drafts)
-                                 for q in CHUNK_SIZES if q <= longest]
+                                              1, self.dummy_slot, query_len=q, chunk=True, drafts=drafts,
+                                              from_zero=from_zero)
+                                 for q in CHUNK_SIZES if q <= longest for from_zero in (True, False)]
         # an MTP head or a draft model after each padded path's steps, at their shapes (graphs on CUDA)
         self.drafter_graphs = {i: DrafterGraphs(self.mtp, g, self.dummy_slot)
                                for i, g in enumerate(self._padded)} if self.mtp is not None else {}
@@ -655,7 +657,8 @@ class ModelRunner:
             slot_mapping=d_slots, block_tables=table, context_lens=d_ctx,
             query_start_loc=d_qstart, max_query_len=inputs.max_query_len, max_context_len=inputs.max_context_len,
             seq_rows=state.seq_rows, state_slots=state.state_slots, state_out_slots=state.state_out_slots,
-            has_state=state.has_state)
+            has_state=state.has_state,  # one sequence from position 0: its context is its rows
+            from_zero=inputs.num_seqs == 1 and inputs.max_context_len == inputs.max_query_len)
         set_attention_metadata(md)
         try:
             with torch.inference_mode(), self.scope(input_ids if inputs.stale else None, inputs.stale) as override:
@@ -787,11 +790,12 @@ class ModelRunner:
     def _decode_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: torch.Tensor,
                         combine: torch.Tensor, mirror: torch.Tensor, tables: torch.Tensor, qstart: torch.Tensor,
                         query_len: int, max_context_len: int, last: torch.Tensor | None = None,
-                        state_out: torch.Tensor | None = None) -> PaddedOutputs:
-        """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a
-        graph on CUDA). Stateful layers: one state a row from its mirror slot; a lone chunk's continues where
-        its first position is past 0 and ends after its last real row; a verify row's continues where its
-        first position is past 0, the state after each token written to its ``state_out`` slot."""
+                        state_out: torch.Tensor | None = None, from_zero: bool = False) -> PaddedOutputs:
+        """The padded forward: combine, model, logits (of the ``last`` rows only, when given; captured in a graph on
+        CUDA); ``from_zero``: a chunk from position 0 (``AttentionMetadata.from_zero``). Stateful layers: one
+        state a row from its mirror slot; a lone chunk's continues where its first position is past 0 and ends
+        after its last real row; a verify row's continues where its first position is past 0, the state after
+        each token written to its ``state_out`` slot."""
         fed = torch.where(combine >= 0, self.device_tokens[combine.clamp(min=0)], ids)
         if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(fed, self.tp_group)
@@ -802,7 +806,7 @@ class ModelRunner:
             state_index=mirror if decode or chunk or verify else None,
             state_continues=pos > 0 if decode else pos[:1] > 0 if chunk else pos[::query_len] > 0 if verify else None,
             state_tokens=last + 1 if chunk else None,
-            state_out_index=state_out.view(-1, query_len) if verify else None))
+            state_out_index=state_out.view(-1, query_len) if verify else None, from_zero=from_zero))
         try:
             with self.scope(fed, True) as override:
                 hidden = self.model(ids, pos)
