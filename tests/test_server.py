@@ -303,7 +303,6 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
     ("messages", dict(messages=[])),
     ("messages", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
     ("frequency_penalty", dict(frequency_penalty=-3)),
-    ("add_generation_prompt", dict(extra_body={"add_generation_prompt": False})),
     ("continue_final_message", dict(extra_body={"continue_final_message": True})),
     ("echo", dict(extra_body={"echo": True})),
     ("chat_template_kwargs", dict(extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})),
@@ -661,7 +660,9 @@ def test_vllm_extensions_asking_for_nothing_and_chat_template_kwargs(client: Any
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
         extra_body={"add_generation_prompt": True, "spaces_between_special_tokens": True, "echo": False,
                     "guided_json": None, "some_future_field": 1, "chat_template_kwargs": {"enable_thinking": False}})
-    assert out.choices[0].finish_reason == "length" and seen == [{"enable_thinking": False}]
+    assert out.choices[0].finish_reason == "length" and seen == [{
+        "enable_thinking": False, "chat_template": None, "add_generation_prompt": True,
+        "continue_final_message": False}]
 
 
 def test_generation_config_defaults_fill_unset_fields(client: Any, engine: AsyncLLM, offline: LLM,

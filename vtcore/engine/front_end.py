@@ -49,9 +49,9 @@ class EngineFrontEnd:
         vocabulary, or says the checkpoint has no tokenizer."""
         return self.engine.detokenize(token_ids)
 
-    def chat_prompt(self, messages: list[dict[str, str]], **template_kwargs: Any) -> dict[str, Any]:
-        """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat template,
-        with the generation prompt; ``template_kwargs`` are extra template variables."""
+    def chat_prompt(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> dict[str, Any]:
+        """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat template
+        (``vtcore.engine.prompt_text.PromptText.chat_prompt``: the template, its switches and variables)."""
         return self.engine.chat_prompt(messages, **template_kwargs)
 
     def limits(self) -> EngineLimits:

@@ -89,10 +89,16 @@ class LLM(EngineFrontEnd):
                 raise
         return [final[rid] for rid in ids]
 
-    def chat(self, messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (with the generation prompt) and generate."""
+             use_tqdm: bool = False, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation through the chat template (the tokenizer's, or ``chat_template``; the
+        switches and ``tools`` as vLLM's ``LLM.chat`` and :meth:`chat_prompt` take them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c) for c in conversations]
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [self.chat_prompt(c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, **kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -70,13 +70,24 @@ class PromptText:
         raise ValueError(f"prompt={prompt!r}: expected a string or a dict with 'prompt' (a string) or "
                          "'prompt_token_ids'")
 
-    def chat_prompt(self, messages: list[dict[str, str]], **template_kwargs: Any) -> dict[str, Any]:
-        """A conversation through the tokenizer's chat template, ready for generation;
-        ``template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``)."""
+    def chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    **template_kwargs: Any) -> dict[str, Any]:
+        """A conversation through the chat template (``chat_template``, a Jinja template, in place of the
+        tokenizer's own), with vLLM's and transformers' switches: ``add_generation_prompt`` opens the
+        assistant's turn, ``continue_final_message`` leaves the final message open for the model to go on
+        with (at most one of the two); ``template_kwargs`` are extra template variables (e.g. Qwen3's
+        ``enable_thinking``, or ``tools``)."""
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError(f"chat: the checkpoint {self.config.model!r} has no tokenizer with a chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        if tok is None or not (chat_template or getattr(tok, "chat_template", None)):
+            raise ValueError(f"chat: the checkpoint {self.config.model!r} has no tokenizer with a chat template; "
+                             "pass chat_template")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt=True and continue_final_message=True: expected at most one "
+                             "(open the assistant's turn, or go on with the final message)")
+        text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, **template_kwargs)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -1,9 +1,11 @@
 """``POST /v1/chat/completions``: a conversation through the chat template (``render_chat``, which
-``/tokenize`` shares), text content only, no tools; OpenAI's chat logprobs form; with a reasoning
+``/tokenize`` shares; the server's ``--chat-template``, ``load_chat_template``, else the tokenizer's), text
+content only; tools through the family's tool-call parser; OpenAI's chat logprobs form; with a reasoning
 parser (:mod:`vtcore.server.reasoning`) the thinking block as ``reasoning_content``."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from vtcore.engine.front_end import EngineFrontEnd
@@ -24,11 +26,35 @@ _RESERVED_TEMPLATE_KWARGS = {"chat_template", "conversation", "tokenize", "add_g
                              "continue_final_message", "tools", "documents", "return_dict", "tokenizer_kwargs"}
 
 
-def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage],
-                template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def load_chat_template(value: str) -> str:
+    """``--chat-template`` as vLLM takes it: a file's path (its text), or the Jinja template itself; a
+    template that does not parse is refused here, before the model loads, with Jinja's reason."""
+    import jinja2
+
+    is_file = os.path.isfile(value)
+    if not is_file and not any(mark in value for mark in ("{{", "{%")):
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%')")
+    if is_file:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    else:
+        template = value
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        where = value if is_file else "the template given"
+        raise ValueError(f"--chat-template: {where}, line {exc.lineno}: {exc.message}") from None
+    return template
+
+
+def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None,
+                tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> dict[str, Any]:
     """``{"prompt": text, "prompt_token_ids": ids}`` of a conversation through the chat template
-    (text parts joined by newlines; ``tools`` and the messages' ``tool_calls`` / ``tool_call_id`` passed
-    to it); what is wrong with it is an APIError naming the field."""
+    (``chat_template``: the server's ``--chat-template``, else the tokenizer's; text parts joined by newlines;
+    ``tools`` and the messages' ``tool_calls`` / ``tool_call_id`` passed to it; vLLM's
+    ``add_generation_prompt`` / ``continue_final_message``); what is wrong with it is an APIError naming
+    the field."""
     conversation = []
     for i, m in enumerate(messages):
         if m.content is None and not (m.role == "assistant" and (m.model_extra or {}).get("tool_calls")):
@@ -59,8 +85,18 @@ def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage],
     if reserved:
         raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is not a template variable the server lets a "
                             "request set", "chat_template_kwargs", "unsupported")
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "continue_final_message: true with add_generation_prompt true; expected at most one "
+                            "of them (go on with the final message, or open the assistant's turn)",
+                       "continue_final_message")
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise APIError(400, f"continue_final_message: the final message's role is {conversation[-1]['role']!r}; "
+                            "expected 'assistant' (the message the model goes on with)", "continue_final_message")
     try:
-        return engine.chat_prompt(conversation, **(template_kwargs or {}), **({"tools": tools} if tools else {}))
+        return engine.chat_prompt(conversation, chat_template=chat_template,
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, **(template_kwargs or {}),
+                                  **({"tools": tools} if tools else {}))
     except Exception as exc:  # noqa: BLE001 - the template rejected the conversation
         raise APIError(400, f"messages: the chat template failed: {type(exc).__name__}: {exc}", "messages") from None
 
@@ -130,7 +166,10 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
     def prompts(self, body: ChatCompletionRequest) -> Prompts:
         prompt = render_chat(self.engine, body.messages, body.chat_template_kwargs,
-                             body.tools if body.tool_choice != "none" else None)
+                             body.tools if body.tool_choice != "none" else None,
+                             chat_template=self.serving.chat_template,
+                             add_generation_prompt=body.add_generation_prompt,
+                             continue_final_message=body.continue_final_message)
         return Prompts([(prompt["prompt"], prompt["prompt_token_ids"])], "messages")
 
     def response_choice(self, body: ChatCompletionRequest, choice: Choice) -> dict[str, Any]:

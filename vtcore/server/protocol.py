@@ -32,9 +32,10 @@ UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
     "truncate_prompt_tokens": None, "logits_processors": None, "return_tokens_as_token_ids": False,
-    "length_penalty": 1.0, "spaces_between_special_tokens": True, "add_generation_prompt": True,
-    "continue_final_message": False, "chat_template": None,
+    "length_penalty": 1.0, "spaces_between_special_tokens": True, "chat_template": None,
 }
+#: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
+_TEMPLATE_SWITCHES: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False}
 
 
 #: pydantic's "string_unicode" error, as the server words it: JSON's "\ud800" decodes to such a string
@@ -77,9 +78,8 @@ CompletionLogprobs = _integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
 TopLogprobs = _integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 TopK = _integer(ge=-1)
 Seed = _integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
-#: Boolean fields that take only one value (the other asks for what the server does not do).
+#: A boolean field that takes only false (true asks for what the server does not do).
 OnlyFalse = Annotated[Literal[False], BeforeValidator(_boolean)]
-OnlyTrue = Annotated[Literal[True], BeforeValidator(_boolean)]
 
 
 #: Text that goes to the tokenizer (a prompt, a message).
@@ -194,7 +194,7 @@ class GenerationRequest(BoundedModel):
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_generation_schema)
     #: vLLM extensions refused unless sent at the value that asks for nothing (``json_equal``)
-    refused_extensions: ClassVar[dict[str, Any]] = UNSUPPORTED_EXTENSIONS
+    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, **_TEMPLATE_SWITCHES}
     #: JSON Schema keywords for what the endpoint refuses across fields
     schema_rules: ClassVar[dict[str, Any]] = {}
     #: the fields that count output tokens: each leaves room for a prompt token within the context
@@ -348,6 +348,10 @@ class ChatCompletionRequest(GenerationRequest):
     function_call: str | dict[str, Any] | None = Field(
         None, json_schema_extra={"enum": ["none", None]}, description="Legacy: not served (send tool_choice).")
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    add_generation_prompt: bool = Field(True, description="vLLM's: open the assistant's turn after the messages.")
+    continue_final_message: bool = Field(
+        False, description="vLLM's: leave the final (assistant) message open, for the model to go on with it; "
+                           "needs add_generation_prompt false.")
 
 
 # ------------------------------------------------------------------------------ vLLM's tokenization
@@ -365,8 +369,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: OnlyFalse = Field(
         False, description="vLLM's default is true for a prompt; this server adds no special tokens to a "
                            "prompt, as in /v1/completions.")
-    add_generation_prompt: OnlyTrue = True
-    continue_final_message: OnlyFalse = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: None = None

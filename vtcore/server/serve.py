@@ -49,6 +49,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's thinking block into the chat message's reasoning_content "
                         "(qwen3: <think>...</think>, for Qwen3 and Qwen3.5)")
+    p.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE",
+                   help="the Jinja chat template for /v1/chat/completions and /tokenize, a file or the template "
+                        "itself (default: the tokenizer's)")
     p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, the HTTP server in this one (vLLM V1's "
                         "EngineCore; see vtcore.engine.core_process; default); --no-engine-core-process: on a "
@@ -171,6 +174,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
 
     from vtcore.engine.async_llm import AsyncLLM
     from vtcore.server.app import build_app
+    from vtcore.server.chat import load_chat_template
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected 0..65535")
@@ -184,6 +188,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     if not _is_loopback(args.host) and api_key is None:
         out.write(f"vtcore serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the server\n")
+    chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     sock = listening_socket(args.host, args.port)  # first: a port in use fails before the model loads
     try:
         engine = AsyncLLM(**attrs.asdict(config), engine_core_process=args.engine_core_process)
@@ -191,7 +196,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         sock.close()
         raise
     try:
-        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser)
+        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
                                 access_log=args.log_level == "debug")

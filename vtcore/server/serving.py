@@ -21,9 +21,10 @@ class Serving:
     ...), the served model name, metrics, the engine requests in flight, the draining flag, and the
     threads that prepare requests off the event loop."""
 
-    def __init__(self, engine: AsyncLLM, name: str) -> None:
+    def __init__(self, engine: AsyncLLM, name: str, chat_template: str | None = None) -> None:
         self.engine = engine
         self.name = name
+        self.chat_template = chat_template  # the served chat template (None: the tokenizer's)
         self.created = int(time.time())
         self.limits = engine.limits()
         self.metrics = ServerMetrics(name, engine.stats)

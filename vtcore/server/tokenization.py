@@ -26,7 +26,10 @@ class Tokenization:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt, messages: expected one of them (a text, or a conversation)", "prompt")
         if body.messages is not None:
-            ids = render_chat(self.engine, body.messages, body.chat_template_kwargs)["prompt_token_ids"]
+            ids = render_chat(self.engine, body.messages, body.chat_template_kwargs,
+                              chat_template=self.serving.chat_template,
+                              add_generation_prompt=body.add_generation_prompt,
+                              continue_final_message=body.continue_final_message)["prompt_token_ids"]
         else:
             try:
                 ids = self.engine.tokenize(body.prompt)[1]
