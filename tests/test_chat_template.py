@@ -63,9 +63,8 @@ def test_the_server_renders_the_served_template_and_the_switches(templated: Serv
 
 @pytest.mark.parametrize("path, body, reason", [
     ("/v1/chat/completions", {"messages": STARTED, "continue_final_message": True}, "at most one"),
-    ("/v1/chat/completions", {"messages": ASKED, "add_generation_prompt": False, "continue_final_message": True},
-     "role is 'user'"),
     ("/tokenize", {"messages": STARTED, "continue_final_message": True}, "at most one"),
+    ("/tokenize", {"prompt": "Once upon", "continue_final_message": True}, "at most one"),  # as its document says
 ])
 def test_switches_that_contradict_are_a_400_naming_the_field(templated: ServerThread, path: str, body: dict,
                                                               reason: str) -> None:

@@ -181,6 +181,11 @@ BODIES = [
     ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"prompt": "hi", "continue_final_message": 0}, "continue_final_message"),  # 0 is no false
     ("/tokenize", {"prompt": "hi", "add_generation_prompt": 1}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"prompt": "hi", "continue_final_message": True, "add_generation_prompt": False}, None),
+    ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Oh"}],
+                                   continue_final_message=True, add_generation_prompt=False), None),
     ("/detokenize", {"tokens": [5]}, None),
     ("/detokenize", {"tokens": [5.0]}, None),
     ("/detokenize", {"tokens": [-1]}, "tokens"),

@@ -47,6 +47,15 @@ def load_chat_template(value: str) -> str:
     return template
 
 
+def check_switches(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """At most one of the chat template's switches (``/tokenize`` checks them for a prompt too, as its
+    document says)."""
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "continue_final_message: true with add_generation_prompt true; expected at most one "
+                            "of them (go on with the final message, or open the assistant's turn)",
+                       "continue_final_message")
+
+
 def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage], template_kwargs: dict[str, Any] | None,
                 tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False) -> dict[str, Any]:
@@ -85,13 +94,7 @@ def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage], template_kw
     if reserved:
         raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is not a template variable the server lets a "
                             "request set", "chat_template_kwargs", "unsupported")
-    if add_generation_prompt and continue_final_message:
-        raise APIError(400, "continue_final_message: true with add_generation_prompt true; expected at most one "
-                            "of them (go on with the final message, or open the assistant's turn)",
-                       "continue_final_message")
-    if continue_final_message and conversation[-1]["role"] != "assistant":
-        raise APIError(400, f"continue_final_message: the final message's role is {conversation[-1]['role']!r}; "
-                            "expected 'assistant' (the message the model goes on with)", "continue_final_message")
+    check_switches(add_generation_prompt, continue_final_message)
     try:
         return engine.chat_prompt(conversation, chat_template=chat_template,
                                   add_generation_prompt=add_generation_prompt,

@@ -36,6 +36,11 @@ UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
 }
 #: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
 _TEMPLATE_SWITCHES: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False}
+#: what the switches' fields refuse together, in JSON Schema: continuing the final message opens no new turn
+_ONE_SWITCH = {"if": {"properties": {"continue_final_message": {"const": True}},
+                      "required": ["continue_final_message"]},
+               "then": {"properties": {"add_generation_prompt": {"const": False}},
+                        "required": ["add_generation_prompt"]}}
 
 
 #: pydantic's "string_unicode" error, as the server words it: JSON's "\ud800" decodes to such a string
@@ -326,8 +331,8 @@ class ChatCompletionRequest(GenerationRequest):
     refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
     # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
-    # required or named tool_choice, for tools
-    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [
+    # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [_ONE_SWITCH,
         {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
          "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
         {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
@@ -361,7 +366,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}], "allOf": [_ONE_SWITCH]})
 
     model: str | None = None
     prompt: Text | None = None

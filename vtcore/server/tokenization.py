@@ -2,7 +2,7 @@
 take from a prompt or a conversation, and the text of token ids."""
 from __future__ import annotations
 
-from vtcore.server.chat import render_chat
+from vtcore.server.chat import check_switches, render_chat
 from vtcore.server.errors import APIError
 from vtcore.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from vtcore.server.serving import Serving
@@ -25,6 +25,7 @@ class Tokenization:
         self.serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt, messages: expected one of them (a text, or a conversation)", "prompt")
+        check_switches(body.add_generation_prompt, body.continue_final_message)
         if body.messages is not None:
             ids = render_chat(self.engine, body.messages, body.chat_template_kwargs,
                               chat_template=self.serving.chat_template,
