@@ -307,6 +307,8 @@ def test_an_id_reused_while_its_aborted_request_is_still_in_the_engine_gets_only
         assert [o.request_id for o in again] == ["again"] * len(again)
         assert again[-1].outputs[0].finish_reason == "length" and len(again[-1].outputs[0].token_ids) == 4
         assert await _collect(async_llm, "again", [3], greedy(4)) == again  # greedy: the same tokens again
+        with pytest.raises(ValueError, match=r"^request 'again': the prompt is empty"):  # the caller's id
+            await _collect(async_llm, "again", [], greedy(4))
 
     asyncio.run(main())
 

@@ -33,7 +33,12 @@ from vtcore.kernels.paged_attention import (  # noqa: E402
     write_kv_cache_ref,
 )
 from vtcore.kernels import paged_attention as pa  # noqa: E402
-from vtcore.layers.attention import causal_attention  # noqa: E402
+from vtcore.layers.attention import (  # noqa: E402
+    Attention,
+    AttentionMetadata,
+    causal_attention,
+    set_attention_metadata,
+)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer  # noqa: E402
@@ -190,6 +195,28 @@ def test_a_prompt_from_position_0_attends_over_its_own_kv_as_the_oracle(heads, k
     want = _oracle(q[:tokens], k[:tokens], v[:tokens], scale)
     torch.testing.assert_close(got[:tokens].double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got.double(), _oracle(q, k, v, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_a_padded_prompt_from_position_0_keeps_its_padded_rows_out_of_the_real_ones():
+    """``Attention`` on a from-zero step whose rows past the prompt are padding (KV slot -1): their K/V, which
+    no cache holds and no layer need keep finite, never reach a real row (NaN there: the real rows as the
+    oracle has them)."""
+    heads, kv_heads, dim, tokens, padded, scale = 4, 2, 16, 5, 8, 0.25
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(padded, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    k[tokens:], v[tokens:] = float("nan"), float("inf")
+    layer = Attention(heads, kv_heads, dim, scale)
+    layer.k_cache, layer.v_cache, layer.block_size = torch.zeros(16, kv_heads, dim), torch.zeros(16, kv_heads, dim), 4
+    slots = torch.tensor([3, 4, 5, 6, 7] + [-1] * (padded - tokens))
+    set_attention_metadata(AttentionMetadata(slots, torch.tensor([[0, 1, 2]]), torch.tensor([padded]),
+                                             torch.tensor([0, padded]), padded, padded, from_zero=True))
+    try:
+        out = layer(q, k, v).view(padded, heads, dim)
+    finally:
+        set_attention_metadata(None)
+    torch.testing.assert_close(out[:tokens].double(), _oracle(q[:tokens], k[:tokens], v[:tokens], scale),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.k_cache[3:8], k[:tokens])  # the real rows cached; the padded ones nowhere
 
 
 # ----------------------------------------------------------------------------- decode kernel
@@ -391,6 +418,24 @@ def test_cuda_prefill_bf16_real_shapes(heads, kv_heads):
     _check_prefill("cuda", torch.bfloat16, heads, kv_heads, qlens, ctx, BF16)
     _check_prefill("cuda", torch.bfloat16, heads, kv_heads, [128], [2176], BF16)  # a hit's chunk: key splits
     _check_prefill("cuda", torch.bfloat16, heads, kv_heads, [16, 3], [5000, 70], BF16)  # 8 splits, some empty
+
+
+@cuda
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (16, 8, 128), (16, 2, 256)])
+def test_cuda_causal_attention_bf16_over_fused_qkv_views_matches_the_oracle(heads, kv_heads, dim):
+    """A prompt from position 0 (``causal_attention``, SDPA's fused kernels) over views of a fused qkv row
+    in bfloat16, as the layers hand them over; the path is taken (``fused_sdpa``)."""
+    from vtcore.layers.attention import fused_sdpa
+
+    tokens, scale = 1000, dim ** -0.5
+    g = torch.Generator().manual_seed(heads + dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to("cuda", torch.bfloat16)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    assert fused_sdpa(q) and not fused_sdpa(q.float())
+    got = causal_attention(q, k, v, scale)
+    torch.testing.assert_close(got.double(), _oracle(q, k, v, scale), atol=2e-2, rtol=2e-2)
 
 
 @cuda

@@ -99,7 +99,11 @@ class AsyncLLM(EngineFrontEnd):
         finished = False
         try:
             self._submit(("add", engine_id, prompt, sampling_params or SamplingParams(), added))
-            await asyncio.wrap_future(added)
+            try:
+                await asyncio.wrap_future(added)
+            except Exception as exc:  # a rejection names the request as its caller does
+                exc.args = tuple(a.replace(engine_id, request_id) if isinstance(a, str) else a for a in exc.args)
+                raise
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):

@@ -11,6 +11,7 @@ whole prompts (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import attrs
@@ -113,7 +114,11 @@ class Attention(nn.Module):
         else:
             (kernels.write_kv_cache if q.is_cuda else kernels.write_kv_cache_ref)(
                 k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        if md.from_zero:
+        if md.from_zero and fused_sdpa(q):
+            # a padded row's K/V (never cached) may be anything its layers left: zeroed, no NaN reaches a real row
+            # through a masked product
+            written = (md.slot_mapping >= 0)[:, None, None]
+            k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
             return causal_attention(q, k, v, self.scale).reshape(-1, self.num_heads * self.head_dim)
         return self.attend(q)
 
@@ -147,6 +152,20 @@ class Attention(nn.Module):
                 q, self.k_cache, self.v_cache, md.block_tables, md.query_start_loc, md.context_lens, self.scale,
                 self.block_size, md.max_query_len, md.max_context_len)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def fused_sdpa(q: torch.Tensor) -> bool:
+    """Whether SDPA has a fused kernel for ``q``'s dtype, head size and device: on CUDA, FlashAttention and
+    cuDNN take 16-bit types, head sizes up to 256 and Ampere or newer; otherwise (float32 with GQA, among
+    others) SDPA falls back to its math backend, whose [heads, tokens, tokens] scores a long prompt cannot
+    afford, and the paged kernel runs instead. On CPU SDPA's own kernel takes every case."""
+    return not q.is_cuda or (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+                             and _capability(q.device.index) >= (8, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
