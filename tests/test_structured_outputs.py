@@ -260,3 +260,37 @@ def test_async_compiles_a_constraint_off_the_engine_thread_once_then_sends_its_r
     assert [key for _, key in compiles] == [params[0].structured_outputs.key(), params[2].structured_outputs.key()]
     assert all(thread is not threading.main_thread() for thread, _ in compiles)
     assert [json.loads(t) in (True, False) for t in texts[:2]] == [True, True] and json.loads(texts[2]) is None
+
+
+def test_an_abort_while_its_grammar_compiles_ends_the_request_once_added() -> None:
+    """``AsyncLLM.abort`` of a request whose constraint still compiles (its add not sent yet; the server's
+    shutdown aborts every request so): the request is added and aborted behind it, its stream ends with
+    finish_reason "abort", where the abort once reached the engine first, did nothing, and the request ran
+    to its max_tokens."""
+    import asyncio
+
+    from vtcore.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(device="cpu", max_num_seqs=4)
+    started, release = threading.Event(), threading.Event()
+    original = engine.engine.compile_grammar
+    engine.engine.compile_grammar = lambda c: (started.set(), release.wait(30), original(c))
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="(ab)+"))
+
+    async def run() -> list:
+        async def collect() -> list:
+            return [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id="slow")]
+        task = asyncio.create_task(collect())
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await engine.abort("slow")
+        release.set()
+        return await task
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 500

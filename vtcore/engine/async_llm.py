@@ -49,6 +49,8 @@ class AsyncLLM(EngineFrontEnd):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by engine id
         self._engine_ids: dict[str, str] = {}  # a caller's id -> the engine id of its unfinished request
         self._serial = itertools.count()
+        # engine ids whose add is not sent yet (their grammar compiles) -> whether an abort came meanwhile
+        self._unsent: dict[str, bool] = {}
         # adds sent to the core process and not answered yet, per request id in the order sent (a caller that
         # left before its answer may reuse its id; the core answers adds in order)
         self._adds: dict[str, collections.deque[concurrent.futures.Future]] = {}
@@ -88,6 +90,7 @@ class AsyncLLM(EngineFrontEnd):
                 raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
             engine_id = self._engine_ids[request_id] = f"{request_id}-{next(self._serial)}"
             self._streams[engine_id] = (loop, stream)
+            self._unsent[engine_id] = False
         constraint = None if sampling_params is None else sampling_params.structured_outputs
         if constraint is not None and not self.engine.grammar_compiled(constraint):
             try:  # compiled (once per distinct constraint) off the engine thread; add_request finds it cached
@@ -98,7 +101,11 @@ class AsyncLLM(EngineFrontEnd):
         added: concurrent.futures.Future = concurrent.futures.Future()
         finished = False
         try:
+            with self._lock:
+                aborted = self._unsent.pop(engine_id)
             self._submit(("add", engine_id, prompt, sampling_params or SamplingParams(), added))
+            if aborted:  # while its grammar compiled: aborted once added, so it ends as any aborted request
+                self._submit(("abort", engine_id))
             try:
                 await asyncio.wrap_future(added)
             except Exception as exc:  # a rejection names the request as its caller does
@@ -122,12 +129,16 @@ class AsyncLLM(EngineFrontEnd):
         with self._lock:
             self._streams.pop(engine_id, None)
             self._engine_ids.pop(request_id, None)
+            self._unsent.pop(engine_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason="abort"``. An id with no unfinished request
         is ignored (as vLLM does)."""
         with self._lock:
             engine_id = self._engine_ids.get(request_id)
+            if engine_id in self._unsent:  # its add is not sent: the add sends the abort after it
+                self._unsent[engine_id] = True
+                return
         if engine_id is not None:
             self._submit(("abort", engine_id))
 
