@@ -11,7 +11,9 @@ is top-left aligned, which a chunk after a prefix is not). ``--sweep`` forces (b
 num_stages, num_splits). ``--alternatives`` adds, per case, the same kernel over a contiguous cache (one
 block holding the whole context: what paging costs) and FlashAttention-2 (``aten._flash_attention_forward``,
 varlen, GQA native, bottom-right causal) over contiguous K/V, and with the paged cache gathered first, and,
-for whole prompts, SDPA with its flash and its cuDNN backend forced (K/V expanded to the query heads).
+for whole prompts, SDPA with its flash and its cuDNN backend forced (K/V expanded to the query heads), and
+the engine's own from-zero call (``vtcore.layers.attention.causal_attention``) over q/k/v as a layer hands
+them over (views of one fused qkv row, strided), with the SDPA kernel it ran (torch.profiler).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vtcore.kernels.paged_attention import paged_prefill_attention, prefill_num_splits
+from vtcore.layers.attention import causal_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemv import replay_us  # noqa: E402
@@ -119,6 +122,28 @@ def sdpa_us(qlen: int, layers: int, backend: SDPBackend | None = None) -> float 
         return None
 
 
+def engine_call_us(qlen: int, layers: int) -> dict[str, object]:
+    """``causal_attention`` over views of a fused qkv row per layer (the engine's from-zero call), and the
+    names of the kernels one call launched."""
+    g = torch.Generator().manual_seed(11)
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    views = []
+    for _ in range(layers):
+        qkv = torch.randn(qlen, width, generator=g).to("cuda", torch.bfloat16)
+        views.append((qkv[:, :HEADS * HEAD_DIM].view(qlen, HEADS, HEAD_DIM),
+                      qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].view(qlen, KV_HEADS, HEAD_DIM),
+                      qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].view(qlen, KV_HEADS, HEAD_DIM)))
+
+    def run() -> None:
+        for q, k, v in views:
+            causal_attention(q, k, v, HEAD_DIM ** -0.5).reshape(qlen, -1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        causal_attention(*views[0], HEAD_DIM ** -0.5).reshape(qlen, -1)
+        torch.cuda.synchronize()
+    kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+    return {"engine_call_us": replay_us(run, layers), "engine_call_kernels": kernels}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -141,8 +166,11 @@ def main() -> None:
             if qlen == ctx:
                 rows[-1].update({f"sdpa_{b.name.lower()}_us": sdpa_us(qlen, layers, b)
                                  for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION)})
+                rows[-1].update(engine_call_us(qlen, layers))
             print("    " + ", ".join(f"{k} {v}" if v is None else f"{k} {v:.2f}"
                                   for k, v in rows[-1].items() if k.endswith("_us")), flush=True)
+            if "engine_call_kernels" in rows[-1]:
+                print(f"    engine call's kernels: {rows[-1]['engine_call_kernels']}", flush=True)
         if args.sweep:
             split_choices = (1,) if qlen == ctx else (1, 4)
             for bm, bn, w, s in SWEEP:
