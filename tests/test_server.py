@@ -272,7 +272,8 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": "yes"}})),  # not a list
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [261]})),
     ("bad_words", dict(extra_body={"bad_words": [" fair"]})),
-    ("prompt_logprobs", dict(extra_body={"prompt_logprobs": 1})),
+    ("prompt_logprobs", dict(extra_body={"prompt_logprobs": 21})),  # past vLLM's max_logprobs
+    ("prompt_logprobs", dict(extra_body={"prompt_logprobs": -1})),
     ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": 10})),
     ("response_format", dict(extra_body={"response_format": {"type": "xml"}})),
     ("response_format.json_schema.schema", dict(extra_body={"response_format": {"type": "json_schema",

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 from server_harness import (API_KEY, MODEL, PROMPTS, ServerThread, client, engine, httpx,  # noqa: F401
-                            keyed_server, needs_default_model, server)
+                            keyed_server, needs_default_model, offline, server)
 
-from vtcore import AsyncLLM
+from vtcore import LLM, AsyncLLM, SamplingParams
 
 pytestmark = needs_default_model
 
@@ -94,3 +94,34 @@ def test_the_api_key_guards_tokenization_too(keyed_server: ServerThread) -> None
         assert httpx.post(keyed_server.url + path, json=body).status_code == 401
         r = httpx.post(keyed_server.url + path, json=body, headers={"authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 200, r.text
+
+
+def test_prompt_logprobs_are_the_engines_cut_to_each_count(client: Any, offline: LLM) -> None:  # noqa: F811
+    """vLLM's ``prompt_logprobs`` in /v1/completions: per prompt position null (the first) or the prompt token's
+    logprob, rank and text with the top ones, as the engine gives them offline; beside ``echo`` with other
+    ``logprobs`` each gets its own count; streamed, in each choice's first chunk."""
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    ids = want.prompt_token_ids
+
+    def seen(plp: list) -> list:
+        return [None if pos is None else {int(t): (round(e["logprob"], 4), e["rank"], e["decoded_token"])
+                                          for t, e in pos.items()} for pos in plp]
+
+    def engine(k: int) -> list:
+        return [None if pos is None else {t: (round(lp.logprob, 4), lp.rank, lp.decoded_token) for t, lp in pos.items()
+                                          if t == ids[i] or lp.rank <= k} for i, pos in enumerate(want.prompt_logprobs)]
+
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3})
+    choice = r.choices[0]
+    assert seen(choice.model_extra["prompt_logprobs"]) == engine(3) and engine(3)[0] is None
+    assert all(len(pos) >= 3 for pos in engine(3)[1:])
+    echoed = choice.logprobs.top_logprobs[:len(ids)]
+    assert echoed[0] is None and all(len(top) in (1, 2) for top in echoed[1:])  # echo's own count: 1 (+ the token)
+    assert seen(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0}).choices[0].model_extra[
+        "prompt_logprobs"]) == engine(0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, stream=True,
+                                            extra_body={"prompt_logprobs": 3}))
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert seen(firsts[0]) == engine(3) and not any(firsts[1:])

@@ -1,10 +1,11 @@
 """``POST /v1/completions``: text or token-id prompts (a batch is a choice each, times ``n``),
-``echo`` (the prompt, with its logprobs when asked for, before the text) and OpenAI's logprobs form."""
+``echo`` (the prompt, with its logprobs when asked for, before the text), OpenAI's logprobs form, and
+vLLM's ``prompt_logprobs`` (in a streamed choice's first chunk, as ``echo`` waits for them)."""
 from __future__ import annotations
 
 from typing import Any
 
-from vtcore.outputs import PositionLogprobs
+from vtcore.outputs import Logprob, PositionLogprobs
 from vtcore.server.errors import APIError
 from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Prompts, finite
 from vtcore.server.protocol import CompletionRequest
@@ -30,9 +31,10 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         kw: dict[str, Any] = {"max_tokens": body.max_tokens}
         if body.logprobs is not None:
             kw["logprobs"] = body.logprobs
-            if body.echo:
-                kw["prompt_logprobs"] = body.logprobs
-        return kw, {"prompt_logprobs": "logprobs"}
+        wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        if wanted:  # the engine computes the more of the two; each is cut to its own count
+            kw["prompt_logprobs"] = max(wanted)
+        return kw, {"prompt_logprobs": "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs"}
 
     def prompts(self, body: CompletionRequest) -> Prompts:
         prompt = body.prompt
@@ -54,13 +56,22 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                             for i, t in enumerate(choice.token_ids)]
         if body.echo:
             text = choice.prompt.text + text
-            entries = choice.prompt_entries() + entries
+            entries = _cut(choice.prompt_entries(), body.logprobs) + entries
         logprobs = None if body.logprobs is None else self.logprobs(entries, 0)[0]
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+                "stop_reason": choice.stop_reason, **self.prompt_logprobs(body, choice)}
 
     def stream(self, body: CompletionRequest) -> _CompletionChunks:
         return _CompletionChunks(self, body)
+
+    def prompt_logprobs(self, body: CompletionRequest, choice: Choice) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` of a choice when asked for: per prompt position null (the first) or
+        ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt's token and the top ones."""
+        if body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": [None if pos is None else {
+            str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": self.piece(t, lp)}
+            for t, lp in pos.items()} for _, pos in _cut(choice.prompt_entries(), body.prompt_logprobs)]}
 
     def logprobs(self, entries: Entries, offset: int) -> tuple[dict[str, Any], int]:
         """OpenAI's completions logprobs of ``entries`` whose text starts at character ``offset``,
@@ -90,16 +101,32 @@ class _CompletionChunks:
     def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:
         text = delta.text
         entries: Entries = list(zip(delta.token_ids, delta.logprobs or [None] * len(delta.token_ids)))
-        if self.body.echo and choice.index not in self.echoed:
+        first = {}
+        if (self.body.echo or self.body.prompt_logprobs is not None) and choice.index not in self.echoed:
             if not choice.prompt_logprobs_ready:
                 return []
             self.echoed.add(choice.index)
-            text = choice.prompt.text + text
-            entries = choice.prompt_entries() + entries
-        if not text and not entries and delta.finish_reason is None:
+            first = self.endpoint.prompt_logprobs(self.body, choice)
+            if self.body.echo:
+                text = choice.prompt.text + text
+                entries = _cut(choice.prompt_entries(), self.body.logprobs) + entries
+        if not text and not entries and not first and delta.finish_reason is None:
             return []
         logprobs = None
         if self.body.logprobs is not None:
             logprobs, self.offsets[choice.index] = self.endpoint.logprobs(entries, self.offsets.get(choice.index, 0))
         return [({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
-                  "stop_reason": delta.stop_reason}, delta.num_tokens)]
+                  "stop_reason": delta.stop_reason, **first}, delta.num_tokens)]
+
+
+def _cut(entries: Entries, k: int | None) -> Entries:
+    """Each position's logprobs cut to its token and the top ``k`` (the engine computed the larger count a
+    request asked for: ``echo``'s ``logprobs`` or ``prompt_logprobs``)."""
+    if k is None:
+        return entries
+    return [(t, pos if pos is None else {i: lp for i, lp in pos.items() if i == t or _ranked(lp, k)})
+            for t, pos in entries]
+
+
+def _ranked(lp: Logprob, k: int) -> bool:
+    return lp.rank is not None and lp.rank <= k

@@ -25,6 +25,8 @@ MAX_N = 128
 #: The most alternatives per position: OpenAI's limits (completions 5, chat 20).
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
+#: The most alternatives per prompt position of vLLM's ``prompt_logprobs`` (vLLM's default max_logprobs).
+MAX_PROMPT_LOGPROBS = 20
 
 #: vLLM request fields this server does not implement, each with the value that asks for nothing
 #: (sent with any other value, the request is refused with a 400 naming the field)
@@ -81,6 +83,7 @@ Count = _integer(ge=0)
 Choices = _integer(ge=1, le=MAX_N)
 CompletionLogprobs = _integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
 TopLogprobs = _integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+PromptLogprobs = _integer(ge=0, le=MAX_PROMPT_LOGPROBS)
 TopK = _integer(ge=-1)
 Seed = _integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
 #: A boolean field that takes only false (true asks for what the server does not do).
@@ -240,11 +243,17 @@ class GenerationRequest(BoundedModel):
 
 
 class CompletionRequest(GenerationRequest):
+    refused_extensions: ClassVar[dict[str, Any]] = {
+        k: v for k, v in GenerationRequest.refused_extensions.items() if k != "prompt_logprobs"}
+
     prompt: PromptField = Field(description=_prompt_description(None))
     max_tokens: Count | None = 16  # OpenAI's default for completions
     echo: bool | None = False
     logprobs: CompletionLogprobs | None = None
     suffix: str | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="vLLM's: each prompt position's logprob, rank and decoded token, with this many "
+                          "alternatives, in the choice's prompt_logprobs (the first position has none: null).")
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
