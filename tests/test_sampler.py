@@ -511,6 +511,10 @@ def penalised(logits: torch.Tensor, params: SamplingParams, context: list[int], 
     x = logits.double().clone()
     for tok, b in (params.logit_bias or {}).items():
         x[tok] += b
+    if params.allowed_token_ids is not None:
+        barred = torch.ones_like(x, dtype=torch.bool)
+        barred[params.allowed_token_ids] = False
+        x[barred] = float("-inf")
     if params.repetition_penalty != 1.0:
         for tok in set(context):
             x[tok] = x[tok] / params.repetition_penalty if x[tok] > 0 else x[tok] * params.repetition_penalty
@@ -523,8 +527,9 @@ def penalised(logits: torch.Tensor, params: SamplingParams, context: list[int], 
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.8), dict(repetition_penalty=0.6),
                                 dict(presence_penalty=1.5), dict(frequency_penalty=0.9),
                                 dict(frequency_penalty=-0.6, presence_penalty=0.3),
-                                dict(logit_bias={17: 0.5, 300: -4.0}, repetition_penalty=1.3)],
-                         ids=["rep>1", "rep<1", "presence", "frequency", "freq<0+presence", "bias+rep"])
+                                dict(logit_bias={17: 0.5, 300: -4.0}, repetition_penalty=1.3),
+                                dict(allowed_token_ids=[3, 17, 42, 300, 511], repetition_penalty=1.5)],
+                         ids=["rep>1", "rep<1", "presence", "frequency", "freq<0+presence", "bias+rep", "allowed+rep"])
 def test_penalties_greedy_against_hf(llm: LLM, tiny_checkpoint: tuple[str, Any], kw: dict) -> None:
     """Greedy with penalties: every token is the argmax of HF's logits penalised by hand."""
     _, model = tiny_checkpoint
@@ -556,6 +561,29 @@ def test_logit_bias_forces_a_token(llm: LLM) -> None:
     banned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100.0})
     (tokens,) = sample(llm, [prompt], [banned])
     assert plain[0] not in tokens
+
+
+def test_allowed_token_ids_hold_sampled_rows_too_and_name_a_bad_id(llm: LLM) -> None:
+    allowed = [3, 17, 42]
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed)
+    (tokens,) = sample(llm, [rand_prompt(5, seed=10)], [params])
+    assert set(tokens) <= set(allowed) and len(set(tokens)) > 1
+    with pytest.raises(ValueError, match=r"allowed_token_ids=\[2000\]: expected token ids in \[0, "):
+        llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(allowed_token_ids=[3, 2000]))
+    with pytest.raises(ValueError, match=r"allowed_token_ids=\[\]: expected a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm: LLM) -> None:
+    prompt = rand_prompt(20, seed=11)
+    greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    cut, whole = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt[-6:]}],
+                              [SamplingParams(**greedy, truncate_prompt_tokens=6), SamplingParams(**greedy)])
+    assert cut.prompt_token_ids == prompt[-6:] and cut.outputs[0].token_ids == whole.outputs[0].token_ids
+    (kept,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**greedy, truncate_prompt_tokens=-1))
+    assert kept.prompt_token_ids == prompt  # -1: up to max_model_len
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=0: expected an integer >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)
 
 
 # ============================================================================ engine: stopping

@@ -125,3 +125,30 @@ def test_prompt_logprobs_are_the_engines_cut_to_each_count(client: Any, offline:
                                             extra_body={"prompt_logprobs": 3}))
     firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
     assert seen(firsts[0]) == engine(3) and not any(firsts[1:])
+
+
+def test_allowed_token_ids_and_truncate_prompt_tokens(client: Any, engine: AsyncLLM,  # noqa: F811
+                                                      offline: LLM) -> None:  # noqa: F811
+    """vLLM's ``allowed_token_ids`` (only those sampled) and ``truncate_prompt_tokens`` (the prompt's last k
+    tokens, checked against the context after the cut) on both routes; bad values are a 400 naming them."""
+    allowed = offline.get_tokenizer().encode(" yes no maybe", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert r.choices[0].text and set(offline.get_tokenizer().encode(r.choices[0].text, add_special_tokens=False)) \
+        <= set(allowed)
+    limit = engine.limits().max_model_len
+    long = list(range(1, 101)) * (limit // 100 + 1)  # past the context: the cut makes it fit
+    cut = client.completions.create(model=MODEL, prompt=long, max_tokens=3, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 9, "ignore_eos": True})
+    want = offline.generate({"prompt_token_ids": long[-9:]}, SamplingParams(temperature=0, max_tokens=3,
+                                                                             ignore_eos=True))[0]
+    assert cut.usage.prompt_tokens == 9 and cut.choices[0].text == want.outputs[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+    for body, field in (({"allowed_token_ids": [engine.limits().vocab_size]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
+        bad = httpx.post(client.base_url.join("completions").__str__(),
+                         json={"model": MODEL, "prompt": "hi", "max_tokens": 1, **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text

@@ -42,6 +42,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -104,6 +106,15 @@ class SamplingParams:
             bad = {k: v for k, v in self.logit_bias.items() if v != v or v == float("inf")}
             if bad:
                 raise _bad("logit_bias", bad, "biases that are numbers < inf (-inf bans a token)")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise _bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+        if self.truncate_prompt_tokens is not None and not (
+                _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
+                                                          or self.truncate_prompt_tokens == -1)):
+            raise _bad("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                       "an integer >= 1 (keep the prompt's last k tokens), -1 (the model's context length) or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _bad("output_kind", self.output_kind, "a RequestOutputKind")
 
@@ -140,7 +151,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise _bad(name, bad, f"token ids in [0, {vocab_size})")
@@ -148,6 +160,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
+
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt ids ``truncate_prompt_tokens`` keeps: the last k (-1: the last ``max_model_len``)."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
 def _is_int(value: Any) -> bool:

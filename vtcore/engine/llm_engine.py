@@ -338,6 +338,9 @@ class LLMEngine(PromptText):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
         text, ids = self.tokenize(prompt)
+        kept = params.truncated(ids, self.max_model_len)
+        if len(kept) < len(ids):  # the text no longer spells the prompt the request runs on
+            text, ids = None, kept
         if params.n == 1:
             self._add(request_id, text, ids, params)
             return

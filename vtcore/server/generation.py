@@ -201,12 +201,15 @@ class GenerationEndpoint(ABC, Generic[Body]):
         self.check(body)
         endpoint_kw, renames = self.sampling(body)
         kw = {**self.sampling_kwargs(body), **endpoint_kw, "n": body.n or 1}
-        self.make_params(kw, renames)  # every value checked as the client sent it
+        checked = self.make_params(kw, renames)  # every value checked as the client sent it
         prompts = self.prompts(body)
         tokens_field = renames.get("max_tokens", "max_tokens")
         job_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         engine_prompts = []
         for i, (text, ids) in enumerate(prompts.items):
+            kept = checked.truncated(ids, self.serving.limits.max_model_len)
+            if len(kept) < len(ids):  # (before the length check: the engine runs the kept tokens)
+                text, ids = (None if text is None else self.serving.decode(kept)), kept
             max_tokens = self.check_length(len(ids), kw["max_tokens"], prompts.field, tokens_field)
             params = self.make_params({**kw, "max_tokens": max_tokens}, renames)
             engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n))
@@ -326,7 +329,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         defaults = {k: v for k, v in self.engine.default_sampling().items() if k != "max_tokens"}
         kw: dict[str, Any] = {**defaults, "output_kind": RequestOutputKind.DELTA}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
-                     "repetition_penalty", "min_tokens", "stop", "stop_token_ids"):
+                     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
+                     "truncate_prompt_tokens"):
             value = getattr(body, name)
             if value is not None:
                 kw[name] = value

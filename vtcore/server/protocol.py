@@ -32,8 +32,7 @@ MAX_PROMPT_LOGPROBS = 20
 #: (sent with any other value, the request is refused with a 400 naming the field)
 UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
-    "truncate_prompt_tokens": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+    "bad_words": None, "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False,
     "length_penalty": 1.0, "spaces_between_special_tokens": True, "chat_template": None,
 }
 #: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
@@ -90,6 +89,17 @@ Seed = _integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's an
 OnlyFalse = Annotated[Literal[False], BeforeValidator(_boolean)]
 
 
+def _kept_tokens(value: Any) -> Any:
+    if value != -1 and value < 1:
+        raise PydanticCustomError("truncate_prompt_tokens", "Input should be -1 or an integer >= 1")
+    return value
+
+
+#: vLLM's truncate_prompt_tokens: keep the prompt's last k tokens, or (-1) the last max_model_len
+KeptTokens = Annotated[int, BeforeValidator(_integral), AfterValidator(_kept_tokens), WithJsonSchema(
+    {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]})]
+
+
 #: Text that goes to the tokenizer (a prompt, a message).
 Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
@@ -100,6 +110,11 @@ StopString = Annotated[str, Field(min_length=1)]
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
     token = _integer(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))
     return Annotated[list[token], Field(min_length=min_length)]
+
+
+def _allowed(limits: EngineLimits | None) -> Any:
+    where = "" if limits is None else f" (ids in [0, {limits.vocab_size}))"
+    return Field(None, description=f"vLLM's: the only token ids that may be sampled{where}.")
 
 
 def _prompt(limits: EngineLimits | None) -> Any:
@@ -212,7 +227,8 @@ class GenerationRequest(BoundedModel):
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
         below = _integer(ge=0, lt=limits.max_model_len)
         return {**{name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts},
-                "logit_bias": (LogitBias | None, _logit_bias(limits))}
+                "logit_bias": (LogitBias | None, _logit_bias(limits)),
+                "allowed_token_ids": (_token_ids(limits, 1) | None, _allowed(limits))}
 
     model: str | None = None
     max_tokens: Count | None = None
@@ -237,6 +253,9 @@ class GenerationRequest(BoundedModel):
     min_tokens: Count | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[Count] | None = None
+    allowed_token_ids: _token_ids(None, 1) | None = _allowed(None)
+    truncate_prompt_tokens: KeptTokens | None = Field(
+        None, description="vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).")
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)

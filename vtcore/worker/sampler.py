@@ -1,7 +1,8 @@
 """Turns a step's logits into tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds.
 
-Order, per row: the grammar's allowed tokens (structured outputs), logit_bias, min_tokens (stop ids masked), repetition / presence / frequency
-penalties, then greedy argmax or: temperature, top-k, top-p (over the top-k renormalised),
+Order, per row: the grammar's allowed tokens (structured outputs), logit_bias, allowed_token_ids (every
+other id masked), min_tokens (stop ids masked), repetition / presence / frequency penalties, then greedy
+argmax or: temperature, top-k, top-p (over the top-k renormalised),
 min-p (relative to the top probability), and a draw. A draw is ``argmax(p / q)`` with
 ``q ~ Exp(1)`` per vocabulary entry (the exponential race, equal in law to sampling from p);
 a seeded request draws ``q`` from its own generator, so its draws do not depend on the batch.
@@ -125,6 +126,8 @@ class Sampler:
             if p.logit_bias:
                 edit["bias_ids"] = self._up(list(p.logit_bias))
                 edit["bias"] = self._up(list(p.logit_bias.values()), torch.float32)
+            if p.allowed_token_ids is not None:
+                edit["allowed"] = self._up(p.allowed_token_ids)
             if m.num_outputs < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
@@ -163,6 +166,10 @@ class Sampler:
             p = batch.metas[row].request.params
             if "bias" in e:
                 logits[row].index_add_(0, e["bias_ids"], e["bias"])
+            if "allowed" in e:
+                barred = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
+                barred[e["allowed"]] = False
+                logits[row] = logits[row].masked_fill(barred, float("-inf"))
             if "stops" in e:
                 logits[row, e["stops"]] = float("-inf")
             if "prior" in e:
