@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from vtcore import __version__
 from vtcore.server.chat import ChatEndpoint
@@ -63,13 +64,19 @@ def _add_error_handlers(app: FastAPI) -> None:
         return to_api_error(exc).response()
 
 
+#: vLLM's CORS defaults (``--allowed-origins`` and the rest): any origin, method and header, no credentials
+DEFAULT_CORS: dict[str, Any] = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
+                                "allow_credentials": False}
+
+
 def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 8 << 20, reasoning_parser: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, cors: dict[str, Any] | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine``; see the module docstring. ``app.state.server`` is
     its ``Serving`` (draining, ``abort_all``: ``vtcore serve``'s graceful shutdown uses them).
     ``reasoning_parser``: a name of :data:`vtcore.server.reasoning.REASONING_PARSERS` (None: off);
-    ``chat_template``: a Jinja chat template for every conversation (None: the tokenizer's)."""
+    ``chat_template``: a Jinja chat template for every conversation (None: the tokenizer's); ``cors``:
+    ``CORSMiddleware``'s options over ``DEFAULT_CORS`` (outermost: a browser reads the gate's 401 and 413 too)."""
     if not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected a positive number of bytes")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -134,4 +141,5 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
     fixed_paths = frozenset(route.path for route in app.routes if "{" not in route.path)
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes, metrics=serving.metrics,
                        endpoints=fixed_paths)
+    app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
     return app

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -52,6 +53,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE",
                    help="the Jinja chat template for /v1/chat/completions and /tokenize, a file or the template "
                         "itself (default: the tokenizer's)")
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        p.add_argument(f"--allowed-{flag}", type=_json_list, default=["*"], metavar="JSON",
+                       help=f"CORS: the {what} a browser may use, a JSON list (vLLM's; default: [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: let browsers send credentials")
     p.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own, the HTTP server in this one (vLLM V1's "
                         "EngineCore; see vtcore.engine.core_process; default); --no-engine-core-process: on a "
@@ -122,6 +127,18 @@ def _server_class() -> type:
                     signal.signal(sig, handler)
 
     return Server
+
+
+def _json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form for the CORS flags)."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a JSON list of strings, "
+                                         "e.g. '[\"https://example.com\"]'")
+    return items
 
 
 def _is_loopback(host: str) -> bool:
@@ -196,7 +213,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         sock.close()
         raise
     try:
-        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template)
+        cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
                                 access_log=args.log_level == "debug")
