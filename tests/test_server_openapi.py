@@ -184,6 +184,8 @@ BODIES = [
     ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"prompt": "hi", "continue_final_message": True, "add_generation_prompt": False}, None),
     ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
+    ("/v1/chat/completions", _chat(prompt_logprobs=1), None),
+    ("/v1/chat/completions", _chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Oh"}],
                                    continue_final_message=True, add_generation_prompt=False), None),
     ("/detokenize", {"tokens": [5]}, None),

@@ -125,6 +125,17 @@ def test_prompt_logprobs_are_the_engines_cut_to_each_count(client: Any, offline:
                                             extra_body={"prompt_logprobs": 3}))
     firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
     assert seen(firsts[0]) == engine(3) and not any(firsts[1:])
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, n=2,
+                                          extra_body={"prompt_logprobs": 1})
+    offline_chat = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
+    ids = offline_chat.prompt_token_ids
+    want = [None if pos is None else {t: (round(lp.logprob, 4), lp.rank, lp.decoded_token) for t, lp in pos.items()
+                                      if t == ids[i] or lp.rank <= 1}
+            for i, pos in enumerate(offline_chat.prompt_logprobs)]
+    assert seen(chat.model_extra["prompt_logprobs"]) == want and len(want) == chat.usage.prompt_tokens
+    streamed = httpx.post(client.base_url.join("chat/completions").__str__(), json={
+        "model": MODEL, "messages": MESSAGES, "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_allowed_token_ids_and_truncate_prompt_tokens(client: Any, engine: AsyncLLM,  # noqa: F811

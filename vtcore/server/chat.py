@@ -11,7 +11,7 @@ from typing import Any
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.outputs import PositionLogprobs
 from vtcore.server.errors import APIError
-from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Prompts, finite
+from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Job, Prompts, finite
 from vtcore.server.protocol import ChatCompletionRequest, ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.tool_calls import CallStream, call_id, split_calls
@@ -144,12 +144,17 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         choose(body)  # a bad tool_choice is a 400 before anything runs
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs: not streamed in a chat; send stream=false", "prompt_logprobs",
+                           "unsupported")
 
     def sampling(self, body: ChatCompletionRequest) -> tuple[dict[str, Any], dict[str, str]]:
         given = body.max_completion_tokens is not None
         kw: dict[str, Any] = {"max_tokens": body.max_completion_tokens if given else body.max_tokens}
         if body.logprobs:
             kw["logprobs"] = body.top_logprobs or 0
+        if body.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = body.prompt_logprobs
         forced = choose(body)
         if forced is not None:
             if body.response_format is not None and body.response_format.type != "text":
@@ -174,6 +179,10 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                              add_generation_prompt=body.add_generation_prompt,
                              continue_final_message=body.continue_final_message)
         return Prompts([(prompt["prompt"], prompt["prompt_token_ids"])], "messages")
+
+    def response_extra(self, body: ChatCompletionRequest, job: Job) -> dict[str, Any]:
+        """vLLM's chat response carries its (one) prompt's logprobs beside the choices."""
+        return self.prompt_logprobs(body, job.choices[0])
 
     def response_choice(self, body: ChatCompletionRequest, choice: Choice) -> dict[str, Any]:
         logprobs = self.logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0) if body.logprobs else None

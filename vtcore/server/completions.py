@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vtcore.outputs import Logprob, PositionLogprobs
+from vtcore.outputs import PositionLogprobs
 from vtcore.server.errors import APIError
-from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Prompts, finite
+from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Prompts, cut_logprobs, finite
 from vtcore.server.protocol import CompletionRequest
 
 #: (token, its logprobs) a position; a prompt's first position has none
@@ -56,22 +56,13 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
                             for i, t in enumerate(choice.token_ids)]
         if body.echo:
             text = choice.prompt.text + text
-            entries = _cut(choice.prompt_entries(), body.logprobs) + entries
+            entries = cut_logprobs(choice.prompt_entries(), body.logprobs) + entries
         logprobs = None if body.logprobs is None else self.logprobs(entries, 0)[0]
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason, **self.prompt_logprobs(body, choice)}
 
     def stream(self, body: CompletionRequest) -> _CompletionChunks:
         return _CompletionChunks(self, body)
-
-    def prompt_logprobs(self, body: CompletionRequest, choice: Choice) -> dict[str, Any]:
-        """vLLM's ``prompt_logprobs`` of a choice when asked for: per prompt position null (the first) or
-        ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt's token and the top ones."""
-        if body.prompt_logprobs is None:
-            return {}
-        return {"prompt_logprobs": [None if pos is None else {
-            str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": self.piece(t, lp)}
-            for t, lp in pos.items()} for _, pos in _cut(choice.prompt_entries(), body.prompt_logprobs)]}
 
     def logprobs(self, entries: Entries, offset: int) -> tuple[dict[str, Any], int]:
         """OpenAI's completions logprobs of ``entries`` whose text starts at character ``offset``,
@@ -109,7 +100,7 @@ class _CompletionChunks:
             first = self.endpoint.prompt_logprobs(self.body, choice)
             if self.body.echo:
                 text = choice.prompt.text + text
-                entries = _cut(choice.prompt_entries(), self.body.logprobs) + entries
+                entries = cut_logprobs(choice.prompt_entries(), self.body.logprobs) + entries
         if not text and not entries and not first and delta.finish_reason is None:
             return []
         logprobs = None
@@ -117,16 +108,3 @@ class _CompletionChunks:
             logprobs, self.offsets[choice.index] = self.endpoint.logprobs(entries, self.offsets.get(choice.index, 0))
         return [({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
                   "stop_reason": delta.stop_reason, **first}, delta.num_tokens)]
-
-
-def _cut(entries: Entries, k: int | None) -> Entries:
-    """Each position's logprobs cut to its token and the top ``k`` (the engine computed the larger count a
-    request asked for: ``echo``'s ``logprobs`` or ``prompt_logprobs``)."""
-    if k is None:
-        return entries
-    return [(t, pos if pos is None else {i: lp for i, lp in pos.items() if i == t or _ranked(lp, k)})
-            for t, pos in entries]
-
-
-def _ranked(lp: Logprob, k: int) -> bool:
-    return lp.rank is not None and lp.rank <= k

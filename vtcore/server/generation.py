@@ -191,7 +191,12 @@ class GenerationEndpoint(ABC, Generic[Body]):
         if not await self.run_to_end(job, request):
             return Response(status_code=499)
         return JSONResponse({"id": job.id, "object": self.object, "created": job.created, "model": self.serving.name,
-                             "choices": [self.response_choice(body, c) for c in job.choices], "usage": job.usage()})
+                             "choices": [self.response_choice(body, c) for c in job.choices], "usage": job.usage(),
+                             **self.response_extra(body, job)})
+
+    def response_extra(self, body: Body, job: Job) -> dict[str, Any]:
+        """Fields of a whole (not streamed) response beside its choices."""
+        return {}
 
     def prepare(self, body: Body) -> Job:
         """Check, tokenize and turn into SamplingParams (on a preparing thread unless ``light``)."""
@@ -385,8 +390,29 @@ class GenerationEndpoint(ABC, Generic[Body]):
                            "context_length_exceeded")
         return max_tokens
 
+    def prompt_logprobs(self, body: Body, choice: Choice) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` of a choice's prompt when asked for: per position null (the first) or
+        ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt's token and the top ones."""
+        k = getattr(body, "prompt_logprobs", None)
+        if k is None:
+            return {}
+        return {"prompt_logprobs": [None if pos is None else {
+            str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": self.piece(t, lp)}
+            for t, lp in pos.items()} for _, pos in cut_logprobs(choice.prompt_entries(), k)]}
+
     def piece(self, token: int, logprob: Logprob | None = None) -> str:
         """A token's text, as its logprob entry decoded it if it did."""
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.serving.decode([token])
+
+
+def cut_logprobs(entries: list[tuple[int, PositionLogprobs | None]], k: int | None
+                 ) -> list[tuple[int, PositionLogprobs | None]]:
+    """Each position's logprobs cut to its token and the top ``k`` (the engine computed the largest count a
+    request asked for: completions' ``echo`` with ``logprobs``, or ``prompt_logprobs``)."""
+    if k is None:
+        return entries
+    return [(t, pos if pos is None else {i: lp for i, lp in pos.items()
+                                         if i == t or (lp.rank is not None and lp.rank <= k)})
+            for t, pos in entries]

@@ -261,6 +261,13 @@ class GenerationRequest(BoundedModel):
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)
 
 
+#: vLLM's prompt_logprobs, served by both routes
+_PROMPT_LOGPROBS = Field(
+    None, description="vLLM's: each prompt position's logprob, rank and decoded token, with this many alternatives "
+                      "(the first position has none: null); completions: in each choice, chat: in the response "
+                      "(not streamed).")
+
+
 class CompletionRequest(GenerationRequest):
     refused_extensions: ClassVar[dict[str, Any]] = {
         k: v for k, v in GenerationRequest.refused_extensions.items() if k != "prompt_logprobs"}
@@ -270,9 +277,7 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = False
     logprobs: CompletionLogprobs | None = None
     suffix: str | None = None
-    prompt_logprobs: PromptLogprobs | None = Field(
-        None, description="vLLM's: each prompt position's logprob, rank and decoded token, with this many "
-                          "alternatives, in the choice's prompt_logprobs (the first position has none: null).")
+    prompt_logprobs: PromptLogprobs | None = _PROMPT_LOGPROBS
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
@@ -356,11 +361,15 @@ ToolChoice = Annotated[str | dict[str, Any], AfterValidator(_tool_choice), WithJ
 
 
 class ChatCompletionRequest(GenerationRequest):
-    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False}
+    refused_extensions: ClassVar[dict[str, Any]] = {
+        **{k: v for k, v in UNSUPPORTED_EXTENSIONS.items() if k != "prompt_logprobs"}, "echo": False}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
     # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
-    # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false
-    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [_ONE_SWITCH,
+    # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false;
+    # prompt_logprobs, for no stream
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [_ONE_SWITCH, {
+        "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+        "then": {"properties": {"prompt_logprobs": {"type": "null"}}}},
         {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
          "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
         {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
@@ -382,6 +391,7 @@ class ChatCompletionRequest(GenerationRequest):
         None, json_schema_extra={"enum": ["none", None]}, description="Legacy: not served (send tool_choice).")
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     add_generation_prompt: bool = Field(True, description="vLLM's: open the assistant's turn after the messages.")
+    prompt_logprobs: PromptLogprobs | None = _PROMPT_LOGPROBS
     continue_final_message: bool = Field(
         False, description="vLLM's: leave the final (assistant) message open, for the model to go on with it; "
                            "needs add_generation_prompt false.")
