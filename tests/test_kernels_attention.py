@@ -209,9 +209,18 @@ def test_a_padded_prompt_from_position_0_keeps_its_padded_rows_out_of_the_real_o
     layer.k_cache, layer.v_cache, layer.block_size = torch.zeros(16, kv_heads, dim), torch.zeros(16, kv_heads, dim), 4
     slots = torch.tensor([3, 4, 5, 6, 7] + [-1] * (padded - tokens))
     set_attention_metadata(AttentionMetadata(slots, torch.tensor([[0, 1, 2]]), torch.tensor([padded]),
-                                             torch.tensor([0, padded]), padded, padded, from_zero=True))
+                                             torch.tensor([0, padded]), padded, padded, from_zero=True,
+                                             state_tokens=torch.tensor([tokens])))  # (as the padded chunk path)
     try:
         out = layer(q, k, v).view(padded, heads, dim)
+
+        class OwnAttend(Attention):  # a family's attention of its own kind keeps it on from-zero steps too
+            def attend(self, q):
+                return torch.full((q.shape[0], heads * dim), 7.0)
+
+        own = OwnAttend(heads, kv_heads, dim, scale)
+        own.k_cache, own.v_cache, own.block_size = layer.k_cache.clone(), layer.v_cache.clone(), 4
+        assert torch.equal(own(q, k, v), torch.full((padded, heads * dim), 7.0))
     finally:
         set_attention_metadata(None)
     torch.testing.assert_close(out[:tokens].double(), _oracle(q[:tokens], k[:tokens], v[:tokens], scale),

@@ -114,11 +114,13 @@ class Attention(nn.Module):
         else:
             (kernels.write_kv_cache if q.is_cuda else kernels.write_kv_cache_ref)(
                 k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        if md.from_zero and fused_sdpa(q):
-            # a padded row's K/V (never cached) may be anything its layers left: zeroed, no NaN reaches a real row
-            # through a masked product
-            written = (md.slot_mapping >= 0)[:, None, None]
-            k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
+        # (a layer that overrides ``attend`` keeps it on every step)
+        if md.from_zero and fused_sdpa(q) and type(self).attend is Attention.attend:
+            if md.state_tokens is not None:  # the padded chunk path: rows past the real ones are padding
+                # a padded row's K/V (never cached) may be anything its layers left: zeroed, no NaN reaches a
+                # real row through a masked product
+                written = (md.slot_mapping >= 0)[:, None, None]
+                k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
             return causal_attention(q, k, v, self.scale).reshape(-1, self.num_heads * self.head_dim)
         return self.attend(q)
 

@@ -393,7 +393,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
     def prompt_logprobs(self, body: Body, choice: Choice) -> dict[str, Any]:
         """vLLM's ``prompt_logprobs`` of a choice's prompt when asked for: per position null (the first) or
         ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt's token and the top ones."""
-        k = getattr(body, "prompt_logprobs", None)
+        k = body.prompt_logprobs
         if k is None:
             return {}
         return {"prompt_logprobs": [None if pos is None else {

@@ -32,7 +32,7 @@ MAX_PROMPT_LOGPROBS = 20
 #: (sent with any other value, the request is refused with a 400 naming the field)
 UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "bad_words": None, "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+    "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
     "length_penalty": 1.0, "spaces_between_special_tokens": True, "chat_template": None,
 }
 #: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
@@ -257,27 +257,20 @@ class GenerationRequest(BoundedModel):
     truncate_prompt_tokens: KeptTokens | None = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).")
     include_stop_str_in_output: bool | None = False
+    prompt_logprobs: PromptLogprobs | None = Field(
+        None, description="vLLM's: each prompt position's logprob, rank and decoded token, with this many "
+                          "alternatives (the first position has none: null); completions: in each choice, chat: in "
+                          "the response (not streamed).")
     skip_special_tokens: bool | None = True
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)
 
 
-#: vLLM's prompt_logprobs, served by both routes
-_PROMPT_LOGPROBS = Field(
-    None, description="vLLM's: each prompt position's logprob, rank and decoded token, with this many alternatives "
-                      "(the first position has none: null); completions: in each choice, chat: in the response "
-                      "(not streamed).")
-
-
 class CompletionRequest(GenerationRequest):
-    refused_extensions: ClassVar[dict[str, Any]] = {
-        k: v for k, v in GenerationRequest.refused_extensions.items() if k != "prompt_logprobs"}
-
     prompt: PromptField = Field(description=_prompt_description(None))
     max_tokens: Count | None = 16  # OpenAI's default for completions
     echo: bool | None = False
     logprobs: CompletionLogprobs | None = None
     suffix: str | None = None
-    prompt_logprobs: PromptLogprobs | None = _PROMPT_LOGPROBS
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
@@ -361,8 +354,7 @@ ToolChoice = Annotated[str | dict[str, Any], AfterValidator(_tool_choice), WithJ
 
 
 class ChatCompletionRequest(GenerationRequest):
-    refused_extensions: ClassVar[dict[str, Any]] = {
-        **{k: v for k, v in UNSUPPORTED_EXTENSIONS.items() if k != "prompt_logprobs"}, "echo": False}
+    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
     # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
     # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false;
@@ -391,7 +383,6 @@ class ChatCompletionRequest(GenerationRequest):
         None, json_schema_extra={"enum": ["none", None]}, description="Legacy: not served (send tool_choice).")
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     add_generation_prompt: bool = Field(True, description="vLLM's: open the assistant's turn after the messages.")
-    prompt_logprobs: PromptLogprobs | None = _PROMPT_LOGPROBS
     continue_final_message: bool = Field(
         False, description="vLLM's: leave the final (assistant) message open, for the model to go on with it; "
                            "needs add_generation_prompt false.")
