@@ -139,7 +139,9 @@ def _prefill_oracle(q: torch.Tensor, qsl: torch.Tensor, pc: Paged, scale: float)
 @pytest.mark.parametrize("impl", [pytest.param(write_kv_cache, marks=interp), write_kv_cache_ref],
                          ids=["kernel", "ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_cache_honours_strides_and_skips_negative_slots(impl, dtype):
+def test_write_kv_cache_honours_strides_and_zeroes_the_rows_of_negative_slots(impl, dtype):
+    """Each row to its slot; a padded row (slot -1) to none, its k and v zeroed in place (the from-zero
+    attention reads them), every other row of the fused qkv buffer as it was."""
     g = torch.Generator().manual_seed(0)
     tokens, heads, kv_heads, dim, slots = 7, 4, 2, 32, 20
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -149,12 +151,15 @@ def test_write_kv_cache_honours_strides_and_skips_negative_slots(impl, dtype):
     # row 0 of each buffer guards the memory just before the cache, where slot -1 would land
     k_buf = torch.randn(1 + slots, kv_heads, dim, generator=g).to(dtype)
     v_buf = torch.randn(1 + slots, kv_heads, dim, generator=g).to(dtype)
-    k_want, v_want = k_buf.clone(), v_buf.clone()
+    k_want, v_want, qkv_want = k_buf.clone(), v_buf.clone(), qkv.clone()
     for t, s in enumerate(slot_mapping.tolist()):
         if s >= 0:
             k_want[1 + s], v_want[1 + s] = k[t], v[t]
+        else:
+            qkv_want[t, heads * dim:] = 0
     impl(k, v, k_buf[1:], v_buf[1:], slot_mapping)
     assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want)
+    assert torch.equal(qkv, qkv_want)
 
 
 # ----------------------------------------------------------------------------- references vs oracle

@@ -121,7 +121,8 @@ def _check_rope(device: str, dtype: torch.dtype, tokens: int, nq: int, nkv: int,
                 pos_dtype: torch.dtype = torch.int64, random_cache: bool = False, write_kv: bool = False) -> None:
     """``random_cache``: random cos/sin (RotaryEmbedding's repeat one half), so that a kernel reading
     the wrong half shows. ``write_kv``: the fused KV-cache write too (token 1 skipped with slot -1),
-    which must store exactly the rotated k and the v of each token and touch no other slot."""
+    which must store exactly the rotated k and the v of each token and touch no other slot, and zero
+    token 1's k and v in place."""
     g = _gen(seed)
     width = ((2 if gated else 1) * nq + 2 * nkv) * d + 8  # + 8: padded rows
     buf = (_grid if exact else _randn)((tokens, width), dtype, g, device)
@@ -146,6 +147,8 @@ def _check_rope(device: str, dtype: torch.dtype, tokens: int, nq: int, nkv: int,
         slots = torch.arange(tokens, device=device) * 2 + 1
         slots[1 % tokens] = -1
         cache = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+        _qk_views(expect, nq, nkv, d, gated)[1][1 % tokens] = 0
+        expect[1 % tokens, width - 8 - nkv * d:width - 8] = 0
     q_out, k_out = qk_norm_rope(q, k, *args, **cache)
     assert q_out is q and k_out is k
     if exact:

@@ -65,16 +65,18 @@ def _write_kv_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k_rows = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
+    v_rows = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
+    if slot < 0:  # a padded row: cached nowhere, its k and v zeroed
+        tl.store(k_rows, tl.zeros([BLOCK_H, BLOCK_D], k_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_rows, tl.zeros([BLOCK_H, BLOCK_D], v_ptr.dtype.element_ty), mask=mask)
+        return
     dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
-    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, tl.load(k_rows, mask=mask).to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, tl.load(v_rows, mask=mask).to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -82,8 +84,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """``k_cache[slot_mapping[t]] = k[t]`` (same for v) for every token ``t`` whose slot is >= 0.
 
     ``k``/``v`` [tokens, kv_heads, head_dim], any strides (views into a fused qkv output are fine);
-    ``slot_mapping`` [tokens] int64; a negative slot (a padded row of a graph batch) is skipped.
-    The caches must share one layout.
+    ``slot_mapping`` [tokens] int64; a token whose slot is negative (a padded row of a graph batch) is
+    cached nowhere and its ``k`` and ``v`` rows are zeroed in place: attention over a step's own K/V
+    (``vtcore.layers.attention.causal_attention``) reads padded keys through masked products, where a
+    NaN a layer left in a padded row would reach the real rows. The caches must share one layout.
     """
     tokens, kv_heads, head_dim = k.shape
     if tokens == 0:
@@ -562,9 +566,11 @@ def paged_prefill_attention(
 
 def write_kv_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
-    """:func:`write_kv_cache` in torch. Negative slots are dropped explicitly: indexing with -1
-    would write the last slot."""
+    """:func:`write_kv_cache` in torch, padded rows' ``k`` and ``v`` zeroed in place too. Negative slots
+    are dropped explicitly: indexing with -1 would write the last slot."""
     keep = slot_mapping >= 0
+    k.masked_fill_(~keep[:, None, None], 0)
+    v.masked_fill_(~keep[:, None, None], 0)
     slots = slot_mapping[keep]
     k_cache[slots] = k[keep].to(k_cache.dtype)
     v_cache[slots] = v[keep].to(v_cache.dtype)

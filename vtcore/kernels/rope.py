@@ -97,7 +97,8 @@ def head_epilogue(y, head, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_pt
     qkv GEMV's epilogue, :func:`vtcore.kernels.gemv.gemv_qk_rope`): rounded to ``DT`` as the projection
     would be, then q and k heads normed and rotated as :func:`qk_norm_rope` does (full-width RoPE; only
     the float32 sum of squares may be summed in another order) and written to ``out_ptr``'s head; k
-    and v heads also go to cache slot ``slot_ptr[0]`` (skipped when negative).
+    and v heads also go to cache slot ``slot_ptr[0]`` (when negative: none, and the k and v heads are
+    written as zeros, as :func:`qk_norm_rope` leaves a padded row).
 
     Every rounding here is done with integer ops (``cast``'s interpreter path, ``RNE``): the GEMV
     compiles with FP contraction, under which the float conversions' rounding is not kept
@@ -122,6 +123,8 @@ def head_epilogue(y, head, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos, qw_pt
     else:
         o1, o2 = x1.to(DT), x2.to(DT)
         cache = vc_ptr + slot * stride_ct + (head - NQ - NKV) * stride_ch
+    if head >= NQ and slot < 0:
+        o1, o2 = tl.zeros([HALF], DT), tl.zeros([HALF], DT)
     tl.store(dst + j, o1)
     tl.store(dst + HALF + j, o2)
     if head >= NQ and slot >= 0:
@@ -168,6 +171,14 @@ def _norm_rope_heads(x_ptr, stride_h, w_ptr, c1, c2, s1, s2, eps,
 
 
 @triton.jit
+def _zero_heads(rows, d, dm, r, rm, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                DT: tl.constexpr):
+    """Zeros into one token's heads at ``rows`` (the rotated part ``d`` and the rest ``r``)."""
+    tl.store(rows + d[None, :], tl.zeros([BLOCK_H, 2 * BLOCK_HALF], DT), mask=dm)
+    tl.store(rows + r[None, :], tl.zeros([BLOCK_H, BLOCK_REST], DT), mask=rm)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_pos, stride_ct, stride_ch,
@@ -178,7 +189,8 @@ def _qk_norm_rope_kernel(
     PDL: tl.constexpr,
 ):
     """Program ``(t, part)`` of token ``t``: part 0 its q heads, part 1 its k heads (and, ``WRITE_KV``,
-    their cache slot), part 2 (``WRITE_KV`` only) copies its v heads into the cache."""
+    their cache slot), part 2 (``WRITE_KV`` only) copies its v heads into the cache; ``WRITE_KV`` with a
+    negative slot: parts 1 and 2 zero the token's k and v heads instead."""
     wait_prior(PDL)
     HALF: tl.constexpr = ROT // 2
     DT: tl.constexpr = q_ptr.dtype.element_ty
@@ -188,15 +200,17 @@ def _qk_norm_rope_kernel(
     hm = (h < NKV)[:, None]
     r = ROT + tl.arange(0, BLOCK_REST)
     rm = hm & (r < HEAD_DIM)[None, :]
+    d = tl.arange(0, 2 * BLOCK_HALF)
+    dm = hm & (d < ROT)[None, :]
     if part == 2:
         slot = tl.load(slot_ptr + t).to(tl.int64)
+        src = v_ptr + t * stride_vt + h[:, None] * stride_vh
         if slot >= 0:
-            d = tl.arange(0, 2 * BLOCK_HALF)
-            dm = hm & (d < ROT)[None, :]
-            src = v_ptr + t * stride_vt + h[:, None] * stride_vh
             dst = vc_ptr + slot * stride_ct + h[:, None] * stride_ch
             tl.store(dst + d[None, :], tl.load(src + d[None, :], mask=dm), mask=dm)
             tl.store(dst + r[None, :], tl.load(src + r[None, :], mask=rm), mask=rm)
+        else:
+            _zero_heads(src, d, dm, r, rm, BLOCK_KV, BLOCK_HALF, BLOCK_REST, v_ptr.dtype.element_ty)
         return
     j = tl.arange(0, BLOCK_HALF)
     jm = j < HALF
@@ -217,6 +231,9 @@ def _qk_norm_rope_kernel(
                 tl.store(dst + j[None, :], k1, mask=jm2)
                 tl.store(dst + HALF + j[None, :], k2, mask=jm2)
                 tl.store(dst + r[None, :], kr, mask=rm)
+            else:
+                _zero_heads(k_ptr + t * stride_kt + h[:, None] * stride_kh, d, dm, r, rm, BLOCK_KV, BLOCK_HALF,
+                            BLOCK_REST, DT)
 
 
 @functools.cache
@@ -240,7 +257,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
 
     With ``v``, ``k_cache``, ``v_cache`` and ``slot_mapping`` (all or none) it also does
     :func:`vtcore.kernels.paged_attention.write_kv_cache` in the same launch: the rotated k and v
-    of token ``t`` go to cache slot ``slot_mapping[t]`` (skipped when negative).
+    of token ``t`` go to cache slot ``slot_mapping[t]``; a token whose slot is negative (a padded row) is
+    cached nowhere and its k and v are zeroed in place, as ``write_kv_cache`` does.
     """
     t, nq, head_dim = q.shape
     nkv = k.shape[1]

@@ -114,13 +114,9 @@ class Attention(nn.Module):
         else:
             (kernels.write_kv_cache if q.is_cuda else kernels.write_kv_cache_ref)(
                 k, v, self.k_cache, self.v_cache, md.slot_mapping)
-        # (a layer that overrides ``attend`` keeps it on every step)
+        # (a layer that overrides ``attend`` keeps it on every step; the cache write zeroed the K/V of padded
+        # rows, slot -1, so no NaN they held reaches a real row through causal_attention's masked products)
         if md.from_zero and fused_sdpa(q) and type(self).attend is Attention.attend:
-            if md.state_tokens is not None:  # the padded chunk path: rows past the real ones are padding
-                # a padded row's K/V (never cached) may be anything its layers left: zeroed, no NaN reaches a
-                # real row through a masked product
-                written = (md.slot_mapping >= 0)[:, None, None]
-                k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)
             return causal_attention(q, k, v, self.scale).reshape(-1, self.num_heads * self.head_dim)
         return self.attend(q)
 

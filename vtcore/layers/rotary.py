@@ -57,7 +57,8 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q`` and ``k`` are [tokens, heads, head_dim]; ``positions`` is [tokens]. ``q_norm`` / ``k_norm``
         (per-head ``RMSNorm``, Qwen3's q/k norm) run first. ``kv_cache`` = ``(v, k_cache, v_cache,
-        slot_mapping)`` also writes the rotated k and v into the paged cache (as ``write_kv_cache``).
+        slot_mapping)`` also writes the rotated k and v into the paged cache, and zeroes the k and v of
+        padded rows (negative slots), as ``write_kv_cache`` does.
         On CUDA one fused Triton kernel does all of it, in place in ``q`` and ``k`` (views into the
         fused qkv projection); elsewhere its torch reference and ``write_kv_cache_ref``."""
         weights = (q_norm.weight if q_norm else None, k_norm.weight if k_norm else None)
