@@ -271,7 +271,8 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("guided_choice", dict(extra_body={"guided_choice": ["yes", "no"]})),
     ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": "yes"}})),  # not a list
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [10 ** 9]})),  # past the vocabulary
-    ("bad_words", dict(extra_body={"bad_words": [" fair"]})),
+    ("bad_words", dict(extra_body={"bad_words": [""]})),
+    ("length_penalty", dict(extra_body={"length_penalty": 2.0})),
     ("prompt_logprobs", dict(extra_body={"prompt_logprobs": 21})),  # past vLLM's max_logprobs
     ("prompt_logprobs", dict(extra_body={"prompt_logprobs": -1})),
     ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": -2})),

@@ -163,3 +163,15 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(client: Any, engine: Async
         bad = httpx.post(client.base_url.join("completions").__str__(),
                          json={"model": MODEL, "prompt": "hi", "max_tokens": 1, **body})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
+
+
+def test_bad_words_as_offline(client: Any, offline: LLM) -> None:  # noqa: F811
+    """vLLM's ``bad_words`` through the openai client: the completion the engine gives offline with them, and
+    not the one it gives without."""
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = offline.generate(PROMPTS[0], SamplingParams(**greedy))[0].outputs[0]
+    words = [offline.get_tokenizer().decode(plain.token_ids[:2])]
+    want = offline.generate(PROMPTS[0], SamplingParams(**greedy, bad_words=words))[0].outputs[0].text
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    extra_body={"bad_words": words, "ignore_eos": True}).choices[0].text
+    assert got == want != plain.text

@@ -43,6 +43,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    bad_words: list[str] | None = None  # never generated: a word's last token is banned after the rest (vLLM's)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
     seed: int | None = None
     max_tokens: int | None = 16
@@ -110,6 +111,10 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
                 raise _bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise _bad("bad_words", self.bad_words, "a list of words (strings with more than white space)")
         if self.truncate_prompt_tokens is not None and not (
                 _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)):

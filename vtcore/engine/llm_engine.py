@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from collections import deque
+from functools import partial
 from typing import Any
 
 import attrs
@@ -35,6 +36,7 @@ from vtcore.spec.draft_model import DraftModelProposer
 from vtcore.spec.ngram import NgramProposer
 from vtcore.spec.proposer import Proposer
 from vtcore.spec.stats import SpecDecodeStats
+from vtcore.worker.bad_words import bad_words_token_ids
 from vtcore.worker.model_runner import ModelRunner, RunnerConfig, StepHandle
 from vtcore.worker.mtp import build_draft_head
 from vtcore.worker.step import DEVICE_DRAFT, StepOutput
@@ -369,6 +371,12 @@ class LLMEngine(PromptText):
         req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"SamplingParams.bad_words={params.bad_words!r}: the model has no tokenizer to "
+                                 "spell them with; expected no bad_words")
+            req.bad_words = bad_words_token_ids(partial(self.tokenizer.encode, add_special_tokens=False),
+                                                params.bad_words, self.vocab_size)
         if params.structured_outputs is not None:
             req.grammar = self._grammars().matcher(params.structured_outputs)
         if self.tokenizer is not None and not (self.front_end_text and text_in_front_end(params)):

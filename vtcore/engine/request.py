@@ -62,6 +62,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.generator: Any = None  # a per-request torch.Generator when params.seed is set
         self.grammar: Any = None  # its RequestGrammar when params.structured_outputs is set
+        self.bad_words: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token id spellings
         self.proposed: list[int] = []  # the draft the MTP head made in the step that sampled its last token
         self.drafted = False  # a share of it that samples was scheduled since it was admitted (its head drafted)
         self.verifies: list[Verify] = []  # its verify rows the scheduler has not settled yet

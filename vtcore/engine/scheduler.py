@@ -350,7 +350,8 @@ class Scheduler:
 
 
 def _reads_no_history(req: Request) -> bool:
-    """Whether ``req``'s sampling reads none of its earlier tokens (no penalties, min_tokens reached)."""
+    """Whether ``req``'s sampling reads none of its earlier tokens (no penalties, no bad word of several ids,
+    min_tokens reached)."""
     p = req.params
     return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty \
-        and req.num_outputs_scheduled >= p.min_tokens
+        and req.num_outputs_scheduled >= p.min_tokens and all(len(w) == 1 for w in req.bad_words)

@@ -335,7 +335,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
         kw: dict[str, Any] = {**defaults, "output_kind": RequestOutputKind.DELTA}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
-                     "truncate_prompt_tokens"):
+                     "bad_words", "truncate_prompt_tokens"):
             value = getattr(body, name)
             if value is not None:
                 kw[name] = value

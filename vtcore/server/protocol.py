@@ -32,7 +32,7 @@ MAX_PROMPT_LOGPROBS = 20
 #: (sent with any other value, the request is refused with a 400 naming the field)
 UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+    "logits_processors": None, "return_tokens_as_token_ids": False,
     "length_penalty": 1.0, "spaces_between_special_tokens": True, "chat_template": None,
 }
 #: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
@@ -254,6 +254,9 @@ class GenerationRequest(BoundedModel):
     ignore_eos: bool | None = False
     stop_token_ids: list[Count] | None = None
     allowed_token_ids: _token_ids(None, 1) | None = _allowed(None)
+    bad_words: list[StopString] | None = Field(
+        None, description="vLLM's: words never generated (a word's last token is banned where the output so far "
+                          "ends in the rest of it; each word also as it follows a space).")
     truncate_prompt_tokens: KeptTokens | None = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).")
     include_stop_str_in_output: bool | None = False

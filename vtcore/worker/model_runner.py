@@ -700,9 +700,9 @@ class ModelRunner:
         self.last_sampled_tokens[mirror_slots] = sampled["tokens"]
         if sampling.late:
             rows = to_device(sampling.late, torch.int64, self.device)
-            # (a late row's fed id is read only by its penalties: ``Sampler.prepare`` edits)
-            penalised = any(sampling.metas[r].request.params.penalised for r in sampling.late)
-            out["late"] = (sampled, rows, logits[rows], fed[rows] if penalised else None, mirror_slots[rows])
+            # (a late row's fed id is read only by its penalties and bad words: ``Sampler.prepare`` edits)
+            reads_fed = any(sampling.metas[r].reads_fed for r in sampling.late)
+            out["late"] = (sampled, rows, logits[rows], fed[rows] if reads_fed else None, mirror_slots[rows])
         else:
             self._results_to_host(out, sampled)
         return sampled["tokens"]

@@ -1,7 +1,8 @@
 """Turns a step's logits into tokens, per request: penalties, bias, temperature, top-k/p, min-p, seeds.
 
 Order, per row: the grammar's allowed tokens (structured outputs), logit_bias, allowed_token_ids (every
-other id masked), min_tokens (stop ids masked), repetition / presence / frequency penalties, then greedy
+other id masked), bad_words (``vtcore.worker.bad_words``), min_tokens (stop ids masked), repetition /
+presence / frequency penalties, then greedy
 argmax or: temperature, top-k, top-p (over the top-k renormalised),
 min-p (relative to the top probability), and a draw. A draw is ``argmax(p / q)`` with
 ``q ~ Exp(1)`` per vocabulary entry (the exponential race, equal in law to sampling from p);
@@ -11,7 +12,7 @@ Logprobs are the raw model's log-softmax, before any of the above (vLLM's defaul
 Split in two so the async engine never waits on the device: ``prepare`` decides everything on
 the host and uploads the per-row parameters without blocking; ``sample`` is device work only.
 The token each sampling row was fed (the in-flight token, in async) comes from the device, so
-penalties see it even before the host does.
+penalties and bad words see it even before the host does.
 
 A constrained row whose grammar does not yet stand at its position (its request's previous token
 is in flight) is *late*: ``prepare`` leaves it greedy and unedited, and the runner draws it again
@@ -27,6 +28,7 @@ import torch
 
 from vtcore.kernels.bitmask import unpack_bitmask
 from vtcore.structured.grammar import fill_bitmasks
+from vtcore.worker.bad_words import row_bans
 from vtcore.worker.staging import host_tensor
 from vtcore.worker.step import StepRequest
 
@@ -52,6 +54,17 @@ class SampleMeta:
     @property
     def prior_tokens(self) -> list[int]:
         return self.request.token_ids[:self.prior_end] + list(self.draft_head)
+
+    def tail(self, k: int) -> list[int]:
+        """The last ``k`` (or fewer, at the start) of ``prior_tokens``, without copying the rest."""
+        head = list(self.draft_head[len(self.draft_head) - k:]) if k > 0 else []
+        more = k - len(head)
+        return (self.request.token_ids[max(0, self.prior_end - more):self.prior_end] if more > 0 else []) + head
+
+    @property
+    def reads_fed(self) -> bool:
+        """Whether this row's edits read the token it was fed: penalties, or a bad word of several ids."""
+        return self.request.params.penalised or any(len(w) > 1 for w in self.request.bad_words)
 
     @property
     def awaits_mask(self) -> bool:
@@ -128,6 +141,13 @@ class Sampler:
                 edit["bias"] = self._up(list(p.logit_bias.values()), torch.float32)
             if p.allowed_token_ids is not None:
                 edit["allowed"] = self._up(p.allowed_token_ids)
+            words = m.request.bad_words
+            if words:
+                always, need, last = row_bans(words, m.tail(max(map(len, words)) - 2), m.num_outputs)
+                if always:
+                    edit["banned"] = self._up(always)
+                if need:
+                    edit["bad_need"], edit["bad_last"] = self._up(need), self._up(last)
             if m.num_outputs < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
@@ -170,6 +190,12 @@ class Sampler:
                 barred = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
                 barred[e["allowed"]] = False
                 logits[row] = logits[row].masked_fill(barred, float("-inf"))
+            if "banned" in e:
+                logits[row, e["banned"]] = float("-inf")
+            if "bad_need" in e:  # a bad word's last id, where the fed token completes the rest of it
+                hits = torch.zeros(self.vocab_size, device=self.device).index_add_(
+                    0, e["bad_last"], (e["bad_need"] == fed[row]).float())
+                logits[row] = logits[row].masked_fill(hits > 0, float("-inf"))
             if "stops" in e:
                 logits[row, e["stops"]] = float("-inf")
             if "prior" in e:
@@ -190,7 +216,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch, fed: torch.Tensor | None,
                into: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> dict[str, torch.Tensor]:
         """Device side: ``logits`` [rows, vocab] float32; ``fed`` [rows] the token each row was fed (None when
-        no row is penalised: only penalties read it). ``into``:
+        no row reads it: ``SampleMeta.reads_fed``). ``into``:
         (target, index) pairs where the tokens are also written, ``target[index] = tokens``."""
         if (logits.is_cuda and batch.greedy and not batch.edits and batch.max_logprobs is None
                 and batch.bitmasks is not None and batch.bitmasks.shape[0] == logits.shape[0] and len(into) <= 2):

@@ -25,6 +25,7 @@ class StepRequest(Protocol):
     block_ids: list[int]  # its KV blocks, in position order
     mirror_slot: int  # its stable row of the device mirror and of the state caches while it runs
     params: Any  # its SamplingParams
+    bad_words: tuple[tuple[int, ...], ...]  # its params' bad_words as token id spellings
     prompt_logprobs: Any  # None, or the prompt logprobs collected so far
     prompt_logprobs_scheduled: int  # prompt positions whose logprobs a step already asked for (the runner advances it)
 
