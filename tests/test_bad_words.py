@@ -119,3 +119,22 @@ def test_a_grammars_late_draw_bans_them_too(default_model: tuple[Any, Any]) -> N
     spellings = spell(tok, words)
     for i in range(len(tokens)):
         assert tokens[i] not in banned_by_vllms_rule(spellings, tokens[:i]), (i, tokens)
+
+
+def test_device_drafts_leave_a_request_with_a_word_of_several_ids_alone(default_model: tuple[Any, Any]) -> None:
+    """Async n-gram drafts stay on the device, where the host cannot check a word's prefix over them: a request
+    with a word of several ids gets none (as a penalised one) and its tokens are the engine's without drafts;
+    one without drafts as before."""
+    tok, _ = default_model
+    prompt = PROMPT + " the world is" * 8  # repetitive: the n-gram has something to propose
+    greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(device="cpu", seed=0)
+    words = [spelled_span(tok, plain.generate(prompt, SamplingParams(**greedy))[0].outputs[0].token_ids, 3)]
+    spec = LLM(device="cpu", seed=0, async_scheduling=True,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    stats = spec.engine.spec_stats
+    got = spec.generate(prompt, SamplingParams(**greedy, bad_words=words))[0].outputs[0].token_ids
+    assert stats.num_draft_tokens == 0
+    assert got == plain.generate(prompt, SamplingParams(**greedy, bad_words=words))[0].outputs[0].token_ids
+    spec.generate(prompt, SamplingParams(**greedy))
+    assert stats.num_draft_tokens > 0
