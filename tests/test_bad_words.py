@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ from vtcore.config import DEFAULT_MODEL
 from vtcore.structured import StructuredOutputsParams
 from vtcore.testing.oracle import teacher_forced_logits
 from vtcore.worker.bad_words import bad_words_token_ids, row_bans
+from vtcore.worker.model_runner import _sample_metas
+from vtcore.worker.step import Scheduled
 
 PROMPT = "The meaning of life is"
 
@@ -138,3 +141,33 @@ def test_device_drafts_leave_a_request_with_a_word_of_several_ids_alone(default_
     assert got == plain.generate(prompt, SamplingParams(**greedy, bad_words=words))[0].outputs[0].token_ids
     spec.generate(prompt, SamplingParams(**greedy))
     assert stats.num_draft_tokens > 0
+
+
+def test_a_verify_rows_samples_see_the_tokens_before_each_fed_one() -> None:
+    """A verify row samples after its last token and after each draft token: each sample's history (what
+    penalties and bad words read) is the sequence before the token it was fed, at any tail length."""
+    req = SimpleNamespace(token_ids=[10, 11, 12, 100, 101], num_prompt_tokens=3, bad_words=())
+    s = Scheduled(req, 4, 4, True, draft=(102, 103, 104))  # fed 101 at position 4, then the draft
+    sequence = req.token_ids + [102, 103, 104]
+    metas = _sample_metas(s)
+    assert len(metas) == 4
+    for i, m in enumerate(metas):
+        fed_at = 4 + i
+        assert m.prior_tokens == sequence[:fed_at] and m.num_outputs == fed_at + 1 - 3, i
+        for k in range(1, 8):
+            assert m.tail(k) == sequence[max(0, fed_at - k):fed_at], (i, k)
+
+
+def test_host_drafts_in_the_sync_engine_ban_them_as_plain_decoding(default_model: tuple[Any, Any]) -> None:
+    """The sync engine's n-gram drafts (verify rows whose draft the host knows) ban a word of several ids
+    where plain decoding does: the same tokens, drafts accepted."""
+    tok, _ = default_model
+    prompt = "Repeat:" + " red green blue" * 10
+    greedy = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(device="cpu", seed=0)
+    words = [spelled_span(tok, plain.generate(prompt, SamplingParams(**greedy))[0].outputs[0].token_ids, 3)]
+    want = plain.generate(prompt, SamplingParams(**greedy, bad_words=words))[0].outputs[0].token_ids
+    spec = LLM(device="cpu", seed=0, async_scheduling=False,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert spec.generate(prompt, SamplingParams(**greedy, bad_words=words))[0].outputs[0].token_ids == want
+    assert spec.engine.spec_stats.num_accepted_tokens > 0

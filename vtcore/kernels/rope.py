@@ -221,19 +221,23 @@ def _qk_norm_rope_kernel(
         _norm_rope_heads(q_ptr + t * stride_qt, stride_qh, qw_ptr, c1, c2, s1, s2, eps, NQ, BLOCK_Q, HEAD_DIM, ROT,
                          BLOCK_HALF, BLOCK_REST, HAS_NORM, ZERO_CENTERED, DT, INTERPRET)
     else:
-        k1, k2, kr = _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, c1, c2, s1, s2, eps, NKV, BLOCK_KV,
-                                      HEAD_DIM, ROT, BLOCK_HALF, BLOCK_REST, HAS_NORM, ZERO_CENTERED, DT, INTERPRET)
+        padded = False
         if WRITE_KV:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            if slot >= 0:
+            padded = tl.load(slot_ptr + t) < 0
+        if padded:  # a padded row: its k zeroed, not rotated (no rotated store of it races the zeros)
+            _zero_heads(k_ptr + t * stride_kt + h[:, None] * stride_kh, d, dm, r, rm, BLOCK_KV, BLOCK_HALF,
+                        BLOCK_REST, DT)
+        else:
+            k1, k2, kr = _norm_rope_heads(k_ptr + t * stride_kt, stride_kh, kw_ptr, c1, c2, s1, s2, eps, NKV,
+                                          BLOCK_KV, HEAD_DIM, ROT, BLOCK_HALF, BLOCK_REST, HAS_NORM, ZERO_CENTERED,
+                                          DT, INTERPRET)
+            if WRITE_KV:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
                 jm2 = hm & jm[None, :]
                 dst = kc_ptr + slot * stride_ct + h[:, None] * stride_ch
                 tl.store(dst + j[None, :], k1, mask=jm2)
                 tl.store(dst + HALF + j[None, :], k2, mask=jm2)
                 tl.store(dst + r[None, :], kr, mask=rm)
-            else:
-                _zero_heads(k_ptr + t * stride_kt + h[:, None] * stride_kh, d, dm, r, rm, BLOCK_KV, BLOCK_HALF,
-                            BLOCK_REST, DT)
 
 
 @functools.cache

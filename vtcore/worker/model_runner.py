@@ -931,10 +931,13 @@ def _sample_metas(s: Scheduled) -> list[SampleMeta]:
     """What the sampler needs of each token ``s`` samples: after its last fed token, and in a verify row
     after each draft token too (the history then holds the draft tokens before it)."""
     req, fed = s.request, s.num_tokens - len(s.draft)
+    end, outputs = s.start + fed, s.start + fed - req.num_prompt_tokens
     if not s.draft:  # (most rows: one sample, after the fed tokens)
-        return [SampleMeta(req, s.start + fed - 1, s.start + fed - req.num_prompt_tokens)] if s.samples else []
-    return [SampleMeta(req, s.start + fed - 1, s.start + fed + i - req.num_prompt_tokens, s.draft[:i])
-            for i in range(s.num_sampled)]
+        return [SampleMeta(req, end - 1, outputs)] if s.samples else []
+    # sample i was fed draft[i - 1] (the first, the share's last token): before it, the share's tokens and the
+    # draft tokens before that one
+    return [SampleMeta(req, end - 1, outputs)] + [SampleMeta(req, end, outputs + i, s.draft[:i - 1])
+                                                  for i in range(1, s.num_sampled)]
 
 
 def _plp_entries(t: dict[str, torch.Tensor]) -> list[dict[int, tuple[float, int]]]:

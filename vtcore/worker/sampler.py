@@ -57,7 +57,7 @@ class SampleMeta:
 
     def tail(self, k: int) -> list[int]:
         """The last ``k`` (or fewer, at the start) of ``prior_tokens``, without copying the rest."""
-        head = list(self.draft_head[len(self.draft_head) - k:]) if k > 0 else []
+        head = list(self.draft_head[max(0, len(self.draft_head) - k):]) if k > 0 else []
         more = k - len(head)
         return (self.request.token_ids[max(0, self.prior_end - more):self.prior_end] if more > 0 else []) + head
 
