@@ -49,6 +49,7 @@ from vtcore.engine.request import Request, RequestStatus, Verify
 from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.spec.proposer import Proposer
 from vtcore.errors import RequestRejected
+from vtcore.worker.bad_words import read_outputs
 from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled
 
 __all__ = ["Batch", "Scheduled", "Scheduler"]
@@ -354,4 +355,4 @@ def _reads_no_history(req: Request) -> bool:
     min_tokens reached)."""
     p = req.params
     return p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty \
-        and req.num_outputs_scheduled >= p.min_tokens and all(len(w) == 1 for w in req.bad_words)
+        and req.num_outputs_scheduled >= p.min_tokens and not read_outputs(req.bad_words)

@@ -31,6 +31,12 @@ def bad_words_token_ids(encode: Callable[[str], list[int]], words: Sequence[str]
     return tuple(out)
 
 
+def read_outputs(words: Words) -> bool:
+    """Whether ``words`` ban anything after earlier outputs (a word of several ids): then a row's bans read the
+    token it was fed and the outputs before it."""
+    return any(len(w) > 1 for w in words)
+
+
 def row_bans(words: Words, before: Sequence[int], num_outputs: int) -> tuple[list[int], list[int], list[int]]:
     """For a row whose outputs so far are ``num_outputs`` tokens, the last of them the fed token and
     ``before`` (at least the longest word's length - 2 of) the ones before it: the ids banned whatever the

@@ -28,7 +28,7 @@ import torch
 
 from vtcore.kernels.bitmask import unpack_bitmask
 from vtcore.structured.grammar import fill_bitmasks
-from vtcore.worker.bad_words import row_bans
+from vtcore.worker.bad_words import read_outputs, row_bans
 from vtcore.worker.staging import host_tensor
 from vtcore.worker.step import StepRequest
 
@@ -64,7 +64,7 @@ class SampleMeta:
     @property
     def reads_fed(self) -> bool:
         """Whether this row's edits read the token it was fed: penalties, or a bad word of several ids."""
-        return self.request.params.penalised or any(len(w) > 1 for w in self.request.bad_words)
+        return self.request.params.penalised or read_outputs(self.request.bad_words)
 
     @property
     def awaits_mask(self) -> bool:
