@@ -142,7 +142,8 @@ BODIES = [
     # vLLM's extensions this server refuses: only the value that asks for nothing (JSON's equality)
     ("/v1/completions", _completion(length_penalty=1), None),
     ("/v1/completions", _completion(length_penalty=2.0), "length_penalty"),
-    ("/v1/completions", _completion(return_tokens_as_token_ids=0), "return_tokens_as_token_ids"),
+    ("/v1/completions", _completion(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    ("/v1/completions", _completion(return_tokens_as_token_ids=0), "return_tokens_as_token_ids"),  # a boolean
     ("/v1/chat/completions", _chat(echo=True), "echo"),
     # single-field ranges the sampling parameters check, in the document too
     ("/v1/completions", _completion(stop_token_ids=[-1]), "stop_token_ids"),

@@ -1,5 +1,6 @@
 """vLLM's additions a client of a vLLM server relies on: ``stream_options.continuous_usage_stats``
-(usage in every streamed chunk) and ``POST /tokenize`` / ``POST /detokenize`` (vLLM's field names)."""
+(usage in every streamed chunk), ``POST /tokenize`` / ``POST /detokenize`` (vLLM's field names), the
+sampling extras, ``return_token_ids`` and ``return_tokens_as_token_ids``."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +10,7 @@ from server_harness import (API_KEY, MODEL, PROMPTS, ServerThread, client, engin
                             keyed_server, needs_default_model, offline, server)
 
 from vtcore import LLM, AsyncLLM, SamplingParams
+from vtcore.server.app import build_app
 
 pytestmark = needs_default_model
 
@@ -175,3 +177,82 @@ def test_bad_words_as_offline(client: Any, offline: LLM) -> None:  # noqa: F811
     got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                     extra_body={"bad_words": words, "ignore_eos": True}).choices[0].text
     assert got == want != plain.text
+
+
+def _ids(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {}).get(name)
+
+
+def test_return_token_ids_gives_the_engines_ids_on_both_routes(client: Any, engine: AsyncLLM,
+                                                                offline: LLM) -> None:  # noqa: F811
+    """vLLM's ``return_token_ids``: completions put ``prompt_token_ids`` and ``token_ids`` in each choice, chat
+    the prompt's in the response and the output's in each choice; streamed, the prompt's come once, in the
+    first chunk (of each choice for completions, of the response for chat), and each chunk has its own ids,
+    which together are the whole response's. Without the field none of them appear."""
+    greedy = dict(temperature=0, max_tokens=7, extra_body={"return_token_ids": True, "ignore_eos": True})
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], **greedy)
+    assert _ids(r.choices[0], "prompt_token_ids") == want.prompt_token_ids
+    assert _ids(r.choices[0], "token_ids") == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 7
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **greedy)
+              if c.choices]
+    assert _ids(chunks[0], "prompt_token_ids") == want.prompt_token_ids
+    assert not any(_ids(c, "prompt_token_ids") for c in chunks[1:])
+    assert [t for c in chunks for t in _ids(c, "token_ids")] == want.outputs[0].token_ids
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    assert _ids(plain.choices[0], "token_ids") is None and _ids(plain.choices[0], "prompt_token_ids") is None
+
+    chat_want = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **greedy)
+    assert _ids(chat, "prompt_token_ids") == chat_want.prompt_token_ids == \
+        engine.chat_prompt(MESSAGES)["prompt_token_ids"]
+    assert _ids(chat.choices[0], "token_ids") == chat_want.outputs[0].token_ids
+    streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **greedy))
+    assert _ids(streamed[0], "prompt_token_ids") == chat_want.prompt_token_ids
+    assert not any(_ids(c, "prompt_token_ids") for c in streamed[1:])
+    assert [t for c in streamed for ch in c.choices for t in (_ids(ch, "token_ids") or [])] == \
+        chat_want.outputs[0].token_ids
+
+
+def test_return_tokens_as_token_ids_names_logprobs_by_id(client: Any, engine: AsyncLLM) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token (chosen and alternatives)
+    ``token_id:{id}``, of the ids the response carries; the logprobs, completions' text offsets and chat's
+    bytes stay those of the run without it."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+    text = client.completions.create(**kw).choices[0].logprobs
+    r = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    ids, lp = _ids(r.choices[0], "token_ids"), r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids] != text.tokens
+    assert lp.token_logprobs == text.token_logprobs and lp.text_offset == text.text_offset
+    assert all(f"token_id:{t}" in top and all(k.startswith("token_id:") for k in top)
+               for t, top in zip(ids, lp.top_logprobs))
+    assert [sorted(top.values()) for top in lp.top_logprobs] == [sorted(top.values()) for top in text.top_logprobs]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        **kw, stream=True, extra_body={"return_tokens_as_token_ids": True}) if c.choices and c.choices[0].logprobs]
+    assert [t for lp in streamed for t in lp.tokens] == lp.tokens
+
+    chat_kw = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**chat_kw).choices[0].logprobs.content
+    chat = client.chat.completions.create(**chat_kw, extra_body={"return_tokens_as_token_ids": True,
+                                                                   "return_token_ids": True})
+    ids, content = _ids(chat.choices[0], "token_ids"), chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in ids]
+    assert [(e.logprob, e.bytes) for e in content] == [(e.logprob, e.bytes) for e in plain]
+    assert [e.bytes for e in content] == [list(engine.detokenize([t]).encode()) for t in ids]
+    assert all(a.token.startswith("token_id:") for e in content for a in e.top_logprobs)
+    streamed = [e.token for c in client.chat.completions.create(
+        **chat_kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
+        for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
+def test_the_servers_return_tokens_as_token_ids_is_a_default_a_request_overrides(engine: AsyncLLM) -> None:
+    """``vtcore serve --return-tokens-as-token-ids`` (``build_app``'s ``return_tokens_as_token_ids``): ids where a
+    request leaves the field out, text where it says false."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    with ServerThread(build_app(engine, MODEL, None, 1 << 20, return_tokens_as_token_ids=True)) as srv:
+        by_default = httpx.post(srv.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+        as_text = httpx.post(srv.url + "/v1/completions", json={**body, "return_tokens_as_token_ids": False}
+                             ).json()["choices"][0]["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in by_default) and len(by_default) == 3
+    assert not any(t.startswith("token_id:") for t in as_text) and len(as_text) == 3

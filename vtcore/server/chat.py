@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from vtcore.engine.front_end import EngineFrontEnd
-from vtcore.outputs import PositionLogprobs
+from vtcore.outputs import Logprob, PositionLogprobs
 from vtcore.server.errors import APIError
 from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Job, Prompts, finite
 from vtcore.server.protocol import ChatCompletionRequest, ChatMessage
@@ -181,11 +181,15 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         return Prompts([(prompt["prompt"], prompt["prompt_token_ids"])], "messages")
 
     def response_extra(self, body: ChatCompletionRequest, job: Job) -> dict[str, Any]:
-        """vLLM's chat response carries its (one) prompt's logprobs beside the choices."""
-        return self.prompt_logprobs(body, job.choices[0])
+        """vLLM's chat response carries its (one) prompt's logprobs and token ids beside the choices."""
+        return {**self.prompt_logprobs(body, job.choices[0]), **self.first_chunk_extra(body, job)}
+
+    def first_chunk_extra(self, body: ChatCompletionRequest, job: Job) -> dict[str, Any]:
+        return {"prompt_token_ids": job.prompts[0].ids} if body.return_token_ids else {}
 
     def response_choice(self, body: ChatCompletionRequest, choice: Choice) -> dict[str, Any]:
-        logprobs = self.logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0) if body.logprobs else None
+        logprobs = self.logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0,
+                                 self.tokens_as_ids(body)) if body.logprobs else None
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         if self.reasoning_parser is not None:
             message["reasoning_content"], message["content"] = split_reasoning(self.reasoning_parser(), choice.text)
@@ -196,23 +200,25 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             message["tool_calls"] = [_call_entry(name, args) for name, args in calls]
             if calls and finish == "stop":
                 finish = "tool_calls"
+        ids = {"token_ids": choice.token_ids} if body.return_token_ids else {}
         return {"index": choice.index, "message": message,
-                "logprobs": logprobs, "finish_reason": finish, "stop_reason": choice.stop_reason}
+                "logprobs": logprobs, "finish_reason": finish, "stop_reason": choice.stop_reason, **ids}
 
     def stream(self, body: ChatCompletionRequest) -> _ChatChunks:
         return _ChatChunks(self, body)
 
-    def logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], k: int) -> dict[str, Any]:
-        """OpenAI's chat logprobs: each token with its ``k`` most likely alternatives."""
+    def logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], k: int,
+                 as_ids: bool = False) -> dict[str, Any]:
+        """OpenAI's chat logprobs: each token with its ``k`` most likely alternatives; ``as_ids``: tokens
+        named ``token_id:{id}`` (``bytes`` still those of the token's text)."""
+        def entry(t: int, lp: Logprob | None) -> dict[str, Any]:
+            return {"token": self.label(t, lp, as_ids), "logprob": finite(lp.logprob) if lp else NO_LOGPROB,
+                    "bytes": list(self.piece(t, lp).encode())}
+
         content = []
         for tid, pos in zip(token_ids, entries):
-            chosen = pos.get(tid)
-            tok = self.piece(tid, chosen)
             top = sorted((lp.rank, t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= k)[:k]
-            content.append({"token": tok, "logprob": finite(chosen.logprob) if chosen else NO_LOGPROB,
-                            "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": self.piece(t, lp), "logprob": finite(lp.logprob),
-                                              "bytes": list(self.piece(t, lp).encode())} for _, t, lp in top]})
+            content.append({**entry(tid, pos.get(tid)), "top_logprobs": [entry(t, lp) for _, t, lp in top]})
         return {"content": content}
 
 
@@ -223,6 +229,7 @@ class _ChatChunks:
         self.endpoint = endpoint
         self.body = body
         self.opened: set[int] = set()
+        self.as_ids = endpoint.tokens_as_ids(body)
         parser = endpoint.reasoning_parser
         self.splitters: dict[int, ThinkSplitter] | None = None if parser is None else {}
         self.tools = endpoint.tool_parser if offers_tools(body) else None
@@ -238,7 +245,8 @@ class _ChatChunks:
             return out
         logprobs = None
         if self.body.logprobs and delta.token_ids:
-            logprobs = self.endpoint.logprobs(delta.token_ids, delta.logprobs, self.body.top_logprobs or 0)
+            logprobs = self.endpoint.logprobs(delta.token_ids, delta.logprobs, self.body.top_logprobs or 0,
+                                              self.as_ids)
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         if self.splitters is not None:
             content = self._split(choice.index, delta.text, delta.finish_reason is not None)
@@ -247,8 +255,9 @@ class _ChatChunks:
             content, called = self._tool_calls(choice.index, content, finish is not None)
             if called and finish == "stop":
                 finish = "tool_calls"
+        ids = {"token_ids": delta.token_ids} if self.body.return_token_ids else {}
         out.append(({"index": choice.index, "delta": content, "logprobs": logprobs,
-                     "finish_reason": finish, "stop_reason": delta.stop_reason}, delta.num_tokens))
+                     "finish_reason": finish, "stop_reason": delta.stop_reason, **ids}, delta.num_tokens))
         return out
 
     def _tool_calls(self, index: int, delta: dict[str, Any], last: bool) -> tuple[dict[str, Any], bool]:

@@ -57,25 +57,26 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         if body.echo:
             text = choice.prompt.text + text
             entries = cut_logprobs(choice.prompt_entries(), body.logprobs) + entries
-        logprobs = None if body.logprobs is None else self.logprobs(entries, 0)[0]
+        logprobs = None if body.logprobs is None else self.logprobs(entries, 0, self.tokens_as_ids(body))[0]
+        ids = {"prompt_token_ids": choice.prompt.ids, "token_ids": choice.token_ids} if body.return_token_ids else {}
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason, **self.prompt_logprobs(body, choice)}
+                "stop_reason": choice.stop_reason, **self.prompt_logprobs(body, choice), **ids}
 
     def stream(self, body: CompletionRequest) -> _CompletionChunks:
         return _CompletionChunks(self, body)
 
-    def logprobs(self, entries: Entries, offset: int) -> tuple[dict[str, Any], int]:
+    def logprobs(self, entries: Entries, offset: int, as_ids: bool = False) -> tuple[dict[str, Any], int]:
         """OpenAI's completions logprobs of ``entries`` whose text starts at character ``offset``,
-        and the offset after them."""
+        and the offset after them; ``as_ids``: tokens named ``token_id:{id}`` (offsets still count text)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, pos in entries:
             chosen = pos.get(tid) if pos else None
-            tok = self.piece(tid, chosen)
-            tokens.append(tok)
+            tokens.append(self.label(tid, chosen, as_ids))
             token_lps.append(None if chosen is None else finite(chosen.logprob))
-            tops.append(None if pos is None else {self.piece(t, lp): finite(lp.logprob) for t, lp in pos.items()})
+            tops.append(None if pos is None else {self.label(t, lp, as_ids): finite(lp.logprob)
+                                                  for t, lp in pos.items()})
             offsets.append(offset)
-            offset += len(tok)
+            offset += len(self.piece(tid, chosen))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
@@ -88,23 +89,31 @@ class _CompletionChunks:
         self.body = body
         self.echoed: set[int] = set()
         self.offsets: dict[int, int] = {}
+        self.as_ids = endpoint.tokens_as_ids(body)
+        self.ids_sent: set[int] = set()  # choices whose prompt ids went out (return_token_ids)
 
     def chunks(self, choice: Choice, delta: Delta) -> list[tuple[dict[str, Any], int]]:
         text = delta.text
         entries: Entries = list(zip(delta.token_ids, delta.logprobs or [None] * len(delta.token_ids)))
-        first = {}
+        extra: dict[str, Any] = {}
         if (self.body.echo or self.body.prompt_logprobs is not None) and choice.index not in self.echoed:
             if not choice.prompt_logprobs_ready:
                 return []
             self.echoed.add(choice.index)
-            first = self.endpoint.prompt_logprobs(self.body, choice)
+            extra = self.endpoint.prompt_logprobs(self.body, choice)
             if self.body.echo:
                 text = choice.prompt.text + text
                 entries = cut_logprobs(choice.prompt_entries(), self.body.logprobs) + entries
-        if not text and not entries and not first and delta.finish_reason is None:
+        if not text and not entries and not extra and delta.finish_reason is None:
             return []
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs, self.offsets[choice.index] = self.endpoint.logprobs(entries, self.offsets.get(choice.index, 0))
+            logprobs, self.offsets[choice.index] = self.endpoint.logprobs(entries, self.offsets.get(choice.index, 0),
+                                                                          self.as_ids)
+        if self.body.return_token_ids:
+            if choice.index not in self.ids_sent:
+                self.ids_sent.add(choice.index)
+                extra["prompt_token_ids"] = choice.prompt.ids
+            extra["token_ids"] = delta.token_ids
         return [({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
-                  "stop_reason": delta.stop_reason, **first}, delta.num_tokens)]
+                  "stop_reason": delta.stop_reason, **extra}, delta.num_tokens)]

@@ -198,6 +198,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
         """Fields of a whole (not streamed) response beside its choices."""
         return {}
 
+    def first_chunk_extra(self, body: Body, job: Job) -> dict[str, Any]:
+        """Fields of a streamed response's first chunk beside its choices."""
+        return {}
+
     def prepare(self, body: Body) -> Job:
         """Check, tokenize and turn into SamplingParams (on a preparing thread unless ``light``)."""
         self.serving.check_serving()
@@ -227,10 +231,12 @@ class GenerationEndpoint(ABC, Generic[Body]):
         continuous = include_usage and bool(options.continuous_usage_stats)
         head = {"id": job.id, "object": self.chunk_object, "created": job.created, "model": self.serving.name}
         stream = self.stream(body)
+        extra = self.first_chunk_extra(body, job)
         async with contextlib.aclosing(self.merged(job)) as it:
             async for choice, delta in it:
                 for entry, completion_tokens in stream.chunks(choice, delta):
-                    chunk = {**head, "choices": [entry]}
+                    chunk = {**head, "choices": [entry], **extra}
+                    extra = {}
                     if include_usage:
                         chunk["usage"] = usage(len(choice.prompt.ids), completion_tokens,
                                                choice.prompt.num_cached_tokens) if continuous else None
@@ -405,6 +411,16 @@ class GenerationEndpoint(ABC, Generic[Body]):
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.serving.decode([token])
+
+    def tokens_as_ids(self, body: Body) -> bool:
+        """Whether ``body``'s logprobs name tokens by id (vLLM's ``return_tokens_as_token_ids``; left out: the
+        server's default)."""
+        asked = body.return_tokens_as_token_ids
+        return self.serving.tokens_as_ids if asked is None else asked
+
+    def label(self, token: int, logprob: Logprob | None, as_ids: bool) -> str:
+        """A token as logprobs name it: ``token_id:{id}`` (two tokens of one text stay apart), or its text."""
+        return f"token_id:{token}" if as_ids else self.piece(token, logprob)
 
 
 def cut_logprobs(entries: list[tuple[int, PositionLogprobs | None]], k: int | None

@@ -32,7 +32,7 @@ MAX_PROMPT_LOGPROBS = 20
 #: (sent with any other value, the request is refused with a 400 naming the field)
 UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "logits_processors": None, "return_tokens_as_token_ids": False,
+    "logits_processors": None,
     "length_penalty": 1.0, "spaces_between_special_tokens": True, "chat_template": None,
 }
 #: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
@@ -265,6 +265,12 @@ class GenerationRequest(BoundedModel):
                           "alternatives (the first position has none: null); completions: in each choice, chat: in "
                           "the response (not streamed).")
     skip_special_tokens: bool | None = True
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="vLLM's: logprobs name each token 'token_id:{id}' instead of its text (null: the server's "
+                          "--return-tokens-as-token-ids).")
+    return_token_ids: bool | None = Field(
+        None, description="vLLM's: the prompt's token ids (`prompt_token_ids`) and the generated ones (`token_ids`) "
+                          "beside the text; streamed, the prompt's come in the first chunk and each chunk has its own.")
     response_format: ResponseFormat | None = None  # text, json_object, json_schema (vLLM takes it on both routes)
 
 

@@ -50,6 +50,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's thinking block into the chat message's reasoning_content "
                         "(qwen3: <think>...</think>, for Qwen3 and Qwen3.5)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:{id}' instead of its text, unless a request's "
+                        "return_tokens_as_token_ids says otherwise (vLLM's flag)")
     p.add_argument("--chat-template", default=None, metavar="PATH|TEMPLATE",
                    help="the Jinja chat template for /v1/chat/completions and /tokenize, a file or the template "
                         "itself (default: the tokenizer's)")
@@ -215,7 +218,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     try:
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                 "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
-        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors)
+        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,
+                        args.return_tokens_as_token_ids)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
                                 access_log=args.log_level == "debug")

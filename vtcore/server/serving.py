@@ -21,10 +21,12 @@ class Serving:
     ...), the served model name, metrics, the engine requests in flight, the draining flag, and the
     threads that prepare requests off the event loop."""
 
-    def __init__(self, engine: AsyncLLM, name: str, chat_template: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, name: str, chat_template: str | None = None,
+                 tokens_as_ids: bool = False) -> None:
         self.engine = engine
         self.name = name
         self.chat_template = chat_template  # the served chat template (None: the tokenizer's)
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:{id}" unless a request says otherwise
         self.created = int(time.time())
         self.limits = engine.limits()
         self.metrics = ServerMetrics(name, engine.stats)
