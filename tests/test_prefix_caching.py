@@ -178,3 +178,27 @@ def test_sync_and_async_register_a_block_filled_by_an_output_at_the_same_step(ti
     arrivals = {0: [("a", prompt, greedy(8))], arrive: [("b", prompt + first[:1] + [3, 4], greedy(4))]}
     sync = run_engine(build_engine(tiny_checkpoint[0], "sync", **KNOBS), arrivals)
     assert run_engine(build_engine(tiny_checkpoint[0], "async", **KNOBS), arrivals) == sync
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt(tiny_checkpoint) -> None:
+    """vLLM's ``cache_salt`` in a prompt dict: a salted prompt finds no block of an unsalted one nor of another
+    salt, and all of its own salt's; the tokens are those of an uncached run. A salt that is not a non-empty
+    string is refused, naming it."""
+    from vtcore import LLM
+
+    llm = LLM(tiny_checkpoint[0], **KNOBS)
+    ids = _prompt(4 * BS + 1, seed=9)
+    want = llm.generate({"prompt_token_ids": ids}, greedy())[0].outputs[0].token_ids
+    cached = {}
+    for name, salt in (("salted", "alice"), ("same salt", "alice"), ("other salt", "bob"), ("unsalted", None),
+                       ("n=2, same salt", "alice")):
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2) if name.startswith("n=2") \
+            else greedy()
+        out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, params)[0]
+        assert [o.token_ids for o in out.outputs] == [want] * params.n, name
+        cached[name] = out.num_cached_tokens
+    assert cached == {"salted": 0, "same salt": 4 * BS, "other salt": 0, "unsalted": 4 * BS,
+                      "n=2, same salt": 4 * BS}
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt_token_ids": ids, "cache_salt": bad}, greedy())

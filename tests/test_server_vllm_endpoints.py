@@ -256,3 +256,25 @@ def test_the_servers_return_tokens_as_token_ids_is_a_default_a_request_overrides
                              ).json()["choices"][0]["logprobs"]["tokens"]
     assert all(t.startswith("token_id:") for t in by_default) and len(by_default) == 3
     assert not any(t.startswith("token_id:") for t in as_text) and len(as_text) == 3
+
+
+def test_cache_salt_keeps_prefix_hits_within_a_salt(server: ServerThread, client: Any, engine: AsyncLLM) -> None:
+    """vLLM's ``cache_salt``: ``usage.prompt_tokens_details.cached_tokens`` counts only blocks cached by requests
+    of the same salt, on both routes; an empty or non-string salt is a 400 naming it."""
+    block = engine.limits().block_size
+    ids = [(7 * i + 11) % 900 + 50 for i in range(3 * block + 2)]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(s) for s in ("red", "red", "blue", None, "blue")] == [0, 3 * block, 0, 0, 3 * block]
+    chat = [client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                           extra_body={"cache_salt": "green"}).usage for _ in range(2)]
+    full = chat[1].prompt_tokens // block * block
+    assert chat[0].prompt_tokens_details.cached_tokens == 0 < chat[1].prompt_tokens_details.cached_tokens
+    assert chat[1].prompt_tokens_details.cached_tokens in (full, full - block)  # the last prompt token is computed
+    for bad in ("", 5):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "cache_salt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

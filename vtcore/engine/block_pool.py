@@ -72,18 +72,28 @@ class BlockPool:
                     self._free.move_to_end(block, last=False)  # nothing to keep: handed out first
         block_ids.clear()
 
-    def hashes(self, tokens: Sequence[int], known: list[BlockHash], num_blocks: int) -> list[BlockHash]:
-        """``known`` (the hashes of the first blocks of ``tokens``) extended in place to ``num_blocks``."""
+    def hashes(self, tokens: Sequence[int], known: list[BlockHash], num_blocks: int,
+               cache_salt: str | None = None) -> list[BlockHash]:
+        """``known`` (the hashes of the first blocks of ``tokens``) extended in place to ``num_blocks``.
+        ``cache_salt`` (a request's, vLLM's): its blocks chain from a root of their own, so only requests
+        with the same salt share them."""
         bs, start = self.block_size, len(known)
         if start >= num_blocks:
             return known
-        # a block's hash: sha256 of its parent's hash (the salt for the first block) and its int64 token ids
+        # a block's hash: sha256 of its parent's hash (the root for the first block) and its int64 token ids
         data = struct.pack(f"{(num_blocks - start) * bs}q", *tokens[start * bs:num_blocks * bs])
-        parent, width = (known[-1] if known else self.salt), 8 * bs
+        parent, width = (known[-1] if known else self.root(cache_salt)), 8 * bs
         for offset in range(0, len(data), width):
             parent = hashlib.sha256(parent + data[offset:offset + width]).digest()
             known.append(parent)
         return known
+
+    def root(self, cache_salt: str | None) -> bytes:
+        """The first block's parent: the pool's salt, or a digest of it and a request's ``cache_salt`` (no
+        chain of another salt, or of none, passes through it)."""
+        if cache_salt is None:
+            return self.salt
+        return hashlib.sha256(self.salt + b"\0cache_salt\0" + cache_salt.encode()).digest()
 
     def match(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes``, each with one more reference."""

@@ -18,7 +18,7 @@ from vtcore.engine.compile_watch import watch_triton_compiles
 from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.front_end_text import text_in_front_end
 from vtcore.engine.capacity import EngineLimits, EngineStats
-from vtcore.engine.prompt_text import Prompt, PromptText
+from vtcore.engine.prompt_text import Prompt, PromptText, prompt_cache_salt
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.snapshot_pool import SnapshotPool
@@ -339,12 +339,13 @@ class LLMEngine(PromptText):
             raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
+        salt = prompt_cache_salt(prompt)
         text, ids = self.tokenize(prompt)
         kept = params.truncated(ids, self.max_model_len)
         if len(kept) < len(ids):  # the text no longer spells the prompt the request runs on
             text, ids = None, kept
         if params.n == 1:
-            self._add(request_id, text, ids, params)
+            self._add(request_id, text, ids, params, salt)
             return
         children: list[Request] = []
         try:
@@ -355,7 +356,7 @@ class LLMEngine(PromptText):
                                      "by an unfinished request")
                 sample = params.sample(i)
                 children.append(self._add(child, text, ids, sample if i == 0 else attrs.evolve(sample,
-                                                                                          prompt_logprobs=None)))
+                                                                                          prompt_logprobs=None), salt))
         except Exception:
             for c in children:
                 self.drop_request(c.request_id)
@@ -364,11 +365,13 @@ class LLMEngine(PromptText):
         for i, c in enumerate(children):
             self._sample_of[c.request_id] = (request_id, i)
 
-    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> Request:
+    def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+             cache_salt: str | None = None) -> Request:
         if not ids:
             raise RequestRejected(f"request {request_id!r}: the prompt is empty; expected at least one token")
         params.check_vocab(self.vocab_size)
         req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
+        req.cache_salt = cache_salt
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.bad_words:

@@ -15,8 +15,18 @@ if TYPE_CHECKING:
     from vtcore.structured.grammar import GrammarCache
     from vtcore.structured.params import StructuredOutputsParams
 
-#: A prompt: text, ``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``).
+#: A prompt: text, ``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``);
+#: a dict may carry vLLM's ``"cache_salt"`` (:func:`prompt_cache_salt`).
 Prompt = str | dict[str, Any]
+
+
+def prompt_cache_salt(prompt: Prompt) -> str | None:
+    """A prompt dict's ``"cache_salt"`` (vLLM's: only requests of the same salt share prefix-cache blocks), or
+    None; anything but a non-empty string is refused."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt={salt!r}: expected a non-empty string")
+    return salt
 
 
 class PromptText:

@@ -46,6 +46,7 @@ class Request:
         self.mirror_slot = -1  # this request's stable row in the runner's last_sampled_tokens while running
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache hashes of the first full blocks of token_ids
+        self.cache_salt: str | None = None  # only requests of the same salt share cached blocks (vLLM's)
         self.num_registered_blocks = 0  # of block_ids, those the prefix cache can find
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
         self.restore_snapshot = -1  # the state snapshot its cached prefix resumes from (hybrid families)

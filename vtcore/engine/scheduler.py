@@ -116,7 +116,7 @@ class Scheduler:
         if not self.pool.caching or req.params.prompt_logprobs is not None:
             return
         bs = self.pool.block_size
-        hashes = self.pool.hashes(req.token_ids, req.block_hashes, (req.num_tokens - 1) // bs)
+        hashes = self.pool.hashes(req.token_ids, req.block_hashes, (req.num_tokens - 1) // bs, req.cache_salt)
         blocks = self.pool.match(hashes)
         if self.snapshots is not None:  # only as far as a snapshot of every layer's state exists
             keep = self._restorable(req, hashes, len(blocks))
@@ -164,7 +164,7 @@ class Scheduler:
         full = min(req.num_computed_tokens, known) // self.pool.block_size
         done = req.num_registered_blocks
         if full > done:
-            hashes = self.pool.hashes(req.token_ids, req.block_hashes, full)
+            hashes = self.pool.hashes(req.token_ids, req.block_hashes, full, req.cache_salt)
             self.pool.cache(req.block_ids[done:full], hashes[done:full])
             req.num_registered_blocks = full
         pending = req.pending_snapshots

@@ -60,10 +60,12 @@ class Delta:
 class EnginePrompt:
     """One prompt of a request: one engine request, whose samples are ``choices``."""
 
-    def __init__(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, first_index: int) -> None:
+    def __init__(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, first_index: int,
+                 cache_salt: str | None = None) -> None:
         self.rid = rid
         self.text = text
         self.ids = ids
+        self.cache_salt = cache_salt
         self.params = params
         self.choices = [Choice(first_index + j, self) for j in range(params.n)]
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
@@ -221,7 +223,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 text, ids = (None if text is None else self.serving.decode(kept)), kept
             max_tokens = self.check_length(len(ids), kw["max_tokens"], prompts.field, tokens_field)
             params = self.make_params({**kw, "max_tokens": max_tokens}, renames)
-            engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n))
+            engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n, body.cache_salt))
         return Job(job_id, int(time.time()), engine_prompts, renames)
 
     async def events(self, body: Body, job: Job) -> AsyncIterator[str]:
@@ -250,8 +252,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         failed = False
         self.serving.live.add(prompt.rid)
         try:
-            async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids},
-                                                  prompt.params, prompt.rid):
+            async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids,
+                                                   "cache_salt": prompt.cache_salt}, prompt.params, prompt.rid):
                 prompt.num_cached_tokens = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt.prompt_logprobs = out.prompt_logprobs

@@ -268,6 +268,9 @@ class GenerationRequest(BoundedModel):
     return_tokens_as_token_ids: bool | None = Field(
         None, description="vLLM's: logprobs name each token 'token_id:{id}' instead of its text (null: the server's "
                           "--return-tokens-as-token-ids).")
+    cache_salt: NonEmptyText | None = Field(
+        None, description="vLLM's: only requests with the same salt share prefix-cache blocks (a secret per user "
+                          "keeps others from timing which prompts are cached).")
     return_token_ids: bool | None = Field(
         None, description="vLLM's: the prompt's token ids (`prompt_token_ids`) and the generated ones (`token_ids`) "
                           "beside the text; streamed, the prompt's come in the first chunk and each chunk has its own.")
