@@ -629,11 +629,11 @@ def test_tokenizing_a_prompt_does_not_stall_the_server(server: ServerThread, eng
     entered, release = threading.Event(), threading.Event()
     tokenize = engine.tokenize
 
-    def held(prompt: Any) -> Any:
+    def held(prompt: Any, *args: Any) -> Any:
         if prompt == "HOLD":
             entered.set()
             release.wait(20)
-        return tokenize(prompt)
+        return tokenize(prompt, *args)
 
     monkeypatch.setattr(engine, "tokenize", held)
     slow: dict[str, Any] = {}

@@ -179,7 +179,12 @@ BODIES = [
     ("/tokenize", {"prompt": "hi"}, None),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
-    ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, None),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}, None),
+    ("/v1/completions", _completion(add_special_tokens=False), None),
+    ("/v1/completions", _completion(add_special_tokens=0), "add_special_tokens"),
     ("/tokenize", {"prompt": "hi", "continue_final_message": 0}, "continue_final_message"),  # 0 is no false
     ("/tokenize", {"prompt": "hi", "add_generation_prompt": 1}, "add_generation_prompt"),
     ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message"),

@@ -78,7 +78,7 @@ def test_detokenize_inverts_tokenize(server: ServerThread) -> None:
     ("/tokenize", {"model": "gpt-nope", "prompt": "hi"}, 404, "model"),
     ("/tokenize", {"model": MODEL}, 400, "prompt"),  # neither prompt nor messages
     ("/tokenize", {"prompt": "hi", "messages": MESSAGES}, 400, "prompt"),  # both
-    ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, 400, "add_special_tokens"),
+    ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/detokenize", {"tokens": [5, 10 ** 9]}, 400, "tokens"),

@@ -39,10 +39,11 @@ class EngineFrontEnd:
 
         return get_plugins().pm.hook.vtcore_tool_parser(family=self.engine.family)
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt exactly as ``generate`` would take it (no special tokens
-        added); a ``ValueError`` names what is wrong (ids outside the vocabulary, no tokenizer)."""
-        return self.engine.tokenize(prompt)
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt exactly as ``generate`` would take it (text with the tokenizer's
+        special tokens unless ``add_special_tokens`` is False); a ``ValueError`` names what is wrong (ids
+        outside the vocabulary, no tokenizer)."""
+        return self.engine.tokenize(prompt, add_special_tokens)
 
     def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens included; a ``ValueError`` names ids outside the

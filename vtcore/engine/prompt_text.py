@@ -58,16 +58,18 @@ class PromptText:
             self._grammar_cache = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammar_cache
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt (a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``);
-        ids are checked against the vocabulary."""
+        ids are checked against the vocabulary. Text is encoded with the tokenizer's special tokens (a
+        BOS where the tokenizer adds one), as vLLM and ``tokenizer(text)`` do, unless ``add_special_tokens``
+        is False; ids are taken as given."""
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"text prompt given, but the checkpoint {self.config.model!r} has no tokenizer; "
                                  "pass {'prompt_token_ids': [...]} instead")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or []
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) or []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             # (type and range checked in C loops: this runs before a long prompt's first step)

@@ -42,7 +42,8 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         items = []
         for p in batch:
             try:
-                text, ids = self.engine.tokenize(p if isinstance(p, str) else {"prompt_token_ids": list(p)})
+                text, ids = self.engine.tokenize(p if isinstance(p, str) else {"prompt_token_ids": list(p)},
+                                                 body.add_special_tokens)
             except ValueError as exc:
                 raise APIError(400, f"prompt: {exc}", "prompt") from None
             if text is None and body.echo:  # ids alone: their text only for the echo (decoding costs the GIL)

@@ -13,7 +13,7 @@ context.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model
 from pydantic_core import PydanticCustomError
@@ -64,13 +64,6 @@ def _integral(value: Any) -> Any:
     return int(value) if type(value) is float and value.is_integer() else value
 
 
-def _boolean(value: Any) -> Any:
-    """A JSON boolean for a ``Literal`` of one (which would take 0 for false: they compare equal)."""
-    if type(value) is not bool:
-        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
-    return value
-
-
 def _integer(**bounds: int) -> Any:
     """An integer field's type with ``bounds`` (see ``_integral``); the bounds go inside the validator, where
     the document can state them (outside it, pydantic writes its own names for them)."""
@@ -85,8 +78,6 @@ TopLogprobs = _integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 PromptLogprobs = _integer(ge=0, le=MAX_PROMPT_LOGPROBS)
 TopK = _integer(ge=-1)
 Seed = _integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
-#: A boolean field that takes only false (true asks for what the server does not do).
-OnlyFalse = Annotated[Literal[False], BeforeValidator(_boolean)]
 
 
 def _kept_tokens(value: Any) -> Any:
@@ -282,6 +273,8 @@ class CompletionRequest(GenerationRequest):
     max_tokens: Count | None = 16  # OpenAI's default for completions
     echo: bool | None = False
     logprobs: CompletionLogprobs | None = None
+    add_special_tokens: bool = Field(True, description="vLLM's: a text prompt is encoded with the tokenizer's "
+                                                       "special tokens (a BOS where it adds one).")
     suffix: str | None = None
 
     @classmethod
@@ -407,14 +400,16 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}], "allOf": [_ONE_SWITCH]})
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}], "allOf": [_ONE_SWITCH, {
+            "if": {"required": ["messages"]},
+            "then": {"properties": {"add_special_tokens": {"enum": [False, None]}}}}]})
 
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: OnlyFalse = Field(
-        False, description="vLLM's default is true for a prompt; this server adds no special tokens to a "
-                           "prompt, as in /v1/completions.")
+    add_special_tokens: bool | None = Field(
+        None, description="vLLM's: a prompt is encoded with the tokenizer's special tokens unless false, as in "
+                          "/v1/completions; a conversation's come from its chat template only (true is refused).")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: None = None

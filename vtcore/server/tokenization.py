@@ -27,13 +27,16 @@ class Tokenization:
             raise APIError(400, "prompt, messages: expected one of them (a text, or a conversation)", "prompt")
         check_switches(body.add_generation_prompt, body.continue_final_message)
         if body.messages is not None:
+            if body.add_special_tokens:
+                raise APIError(400, "add_special_tokens=true with messages: a conversation's special tokens are the "
+                                    "chat template's; expected false or none", "add_special_tokens")
             ids = render_chat(self.engine, body.messages, body.chat_template_kwargs,
                               chat_template=self.serving.chat_template,
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message)["prompt_token_ids"]
         else:
             try:
-                ids = self.engine.tokenize(body.prompt)[1]
+                ids = self.engine.tokenize(body.prompt, body.add_special_tokens is not False)[1]
             except ValueError as exc:
                 raise APIError(400, f"prompt: {exc}", "prompt") from None
         strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
