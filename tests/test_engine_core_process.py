@@ -215,7 +215,7 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     client._send_lock, client.text = threading.Lock(), FrontEndText(None)
     client._sender = _Sender(writer, pickled=True)
     sender = client._sender
-    big = ("add", "r", {"prompt_token_ids": list(range(300_000))}, SamplingParams())  # more than a pipe holds
+    big = ("add", "r", {"prompt_token_ids": list(range(300_000))}, SamplingParams(), 0)  # more than a pipe holds
     started = time.monotonic()
     for msg in (big, ("abort", "r"), ("stop",)):
         client.send(msg)

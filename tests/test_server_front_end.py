@@ -35,9 +35,9 @@ class FrontEndOnly:
             raise AttributeError(f"the server used AsyncLLM.{name}, which is not the engine's front end")
         return getattr(self._engine, name)
 
-    def generate(self, prompt: Any, params: SamplingParams, request_id: str) -> Any:
+    def generate(self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0) -> Any:
         self.generated.append((request_id, params))
-        return self._engine.generate(prompt, params, request_id)
+        return self._engine.generate(prompt, params, request_id, priority=priority)
 
 
 @pytest.fixture(scope="module")

@@ -278,3 +278,25 @@ def test_cache_salt_keeps_prefix_hits_within_a_salt(server: ServerThread, client
     for bad in ("", 5):
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "cache_salt": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_priority_is_served_under_the_priority_policy_and_refused_otherwise(server: ServerThread,
+                                                                            offline: LLM) -> None:  # noqa: F811
+    """vLLM's ``priority``: a 400 naming it where the server schedules first come, first served (0 passes);
+    under ``--scheduling-policy priority`` a prioritised request gets the tokens the engine gives offline."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json={**body, "priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert httpx.post(server.url + "/v1/completions", json={**body, "priority": 0}).status_code == 200
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    engine = AsyncLLM(scheduling_policy="priority", device="cpu", num_kv_blocks=64)
+    try:
+        with ServerThread(build_app(engine, MODEL, None, 1 << 20)) as srv:
+            for rank in (-3, 7):
+                r = httpx.post(srv.url + "/v1/completions", json={**body, "priority": rank})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text, r.text
+            bad = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
+                                                                      "priority": 1.5})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+    finally:
+        engine.shutdown()

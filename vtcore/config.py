@@ -143,6 +143,15 @@ def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
                          + (" (or None: the family decides)" if attribute.name == "async_scheduling" else ""))
 
 
+#: the scheduling policies (vLLM's ``scheduling_policy``)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _policy(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in SCHEDULING_POLICIES:
+        raise ValueError(f"{attribute.name}={value!r}: expected one of {list(SCHEDULING_POLICIES)}")
+
+
 def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in ("auto", "vllm") and not (isinstance(value, str) and os.path.isfile(
             os.path.join(value, "generation_config.json"))):
@@ -180,6 +189,10 @@ class EngineConfig:
         "default_help": "the checkpoint's max_position_embeddings"})
     max_num_seqs: int = attrs.field(default=256, validator=positive, metadata={
         "help": "the most sequences in one step, and the largest padded decode batch (one CUDA graph each)"})
+    scheduling_policy: str = attrs.field(default="fcfs", validator=_policy, metadata={
+        "help": "fcfs: requests are served in arrival order; priority: by each request's priority (lower first, "
+                "then arrival), and the KV pool running short preempts the lowest-priority running request",
+        "choices": SCHEDULING_POLICIES})
     tensor_parallel_size: int = attrs.field(default=1, validator=positive, metadata={
         "help": "ranks the model is split over (tensor parallelism, one process each: this one is rank 0; "
                 "gloo on CPU, NCCL on CUDA)"})

@@ -9,8 +9,9 @@ from vtcore.outputs import CompletionOutput
 from vtcore.engine.scheduler import Batch
 from vtcore.sampling_params import SamplingParams
 
-#: Requests arriving before the n-th ``step()`` call: {n: [(request_id, prompt ids, params)]}.
-Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
+#: Requests arriving before the n-th ``step()`` call: {n: [(request_id, prompt ids, params)]}, each tuple
+#: optionally ending in the request's priority (``scheduling_policy="priority"``).
+Arrivals = dict[int, list[tuple[Any, ...]]]
 MODES = ("sync", "async", "mirror-off")
 
 
@@ -46,8 +47,8 @@ def run_engine(engine: LLMEngine, arrivals: Arrivals, observe: Callable[[Batch],
     call = 0
     try:
         while call <= max(arrivals, default=0) or engine.has_unfinished_requests():
-            for rid, ids, params in arrivals.get(call, []):
-                engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            for rid, ids, params, *priority in arrivals.get(call, []):
+                engine.add_request(rid, {"prompt_token_ids": ids}, params, *priority)
             for out in engine.step():
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids

@@ -75,8 +75,9 @@ class AsyncLLM(EngineFrontEnd):
             raise EngineDeadError("the engine is shut down")
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative, or deltas with ``output_kind=DELTA``) until it finishes.
+        ``priority`` (vLLM's): under ``scheduling_policy="priority"``, lower values are scheduled first.
 
         Leaving the loop early (a client that disconnects) aborts the request and frees its blocks.
         """
@@ -103,7 +104,7 @@ class AsyncLLM(EngineFrontEnd):
         try:
             with self._lock:
                 aborted = self._unsent.pop(engine_id)
-            self._submit(("add", engine_id, prompt, sampling_params or SamplingParams(), added))
+            self._submit(("add", engine_id, prompt, sampling_params or SamplingParams(), priority, added))
             if aborted:  # while its grammar compiled: aborted once added, so it ends as any aborted request
                 self._submit(("abort", engine_id))
             try:
@@ -202,11 +203,11 @@ class AsyncLLM(EngineFrontEnd):
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, prompt, params, added = msg
+                _, rid, prompt, params, priority, added = msg
                 if not added.set_running_or_notify_cancel():  # its caller left before it was added
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, priority)
                 except Exception as exc:  # a bad request fails alone
                     added.set_exception(exc)
                 else:
@@ -267,8 +268,8 @@ class AsyncLLM(EngineFrontEnd):
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if msg[0] == "add" and msg[4].set_running_or_notify_cancel():
-                msg[4].set_exception(err)
+            if msg[0] == "add" and msg[-1].set_running_or_notify_cancel():
+                msg[-1].set_exception(err)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

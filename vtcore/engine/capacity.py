@@ -14,6 +14,7 @@ class EngineLimits:
     max_num_batched_tokens: int  # tokens one step computes
     block_size: int  # tokens a KV block holds
     num_kv_blocks: int  # KV blocks in the pool, shared by every running request
+    by_priority: bool = False  # scheduling_policy="priority": requests may carry a priority other than 0
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         """KV blocks a request of ``num_tokens`` tokens (prompt + output) holds at its longest."""

@@ -7,7 +7,7 @@ and the front end keeps only what it needs of it (``CoreClient``: the tokenizer,
 sampling values, the family, the latest load), so tokenizing, chat templates and the HTTP work stay in
 the server's process.
 
-One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params)``, ``("abort",
+One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params, priority)``, ``("abort",
 id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
 ``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [packed RequestOutput],
 EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in its first output,
@@ -159,7 +159,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                     sender.send(("rejected", msg[1], EngineDeadError("the engine is shutting down")))
                 elif msg[0] == "add":
                     try:
-                        engine.add_request(msg[1], msg[2], msg[3])
+                        engine.add_request(msg[1], msg[2], msg[3], msg[4])
                     except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                         sender.send(("rejected", msg[1], _sendable(exc)))
                     else:

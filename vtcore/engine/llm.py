@@ -40,10 +40,11 @@ class LLM(EngineFrontEnd):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         Every prompt is validated before any runs, so a bad one raises without leaving work behind.
+        ``priority`` (vLLM's): one per prompt, for ``scheduling_policy="priority"`` (lower first).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -62,13 +63,16 @@ class LLM(EngineFrontEnd):
         final_only = {id(p): attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in params if isinstance(p, SamplingParams)}  # once per distinct object
         params = [final_only.get(id(p), p) for p in params]
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries, expected one per prompt ({len(prompts)})")
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priorities):
                 ids.append(str(self._counter))
                 self._counter += 1
-                engine.add_request(ids[-1], prompt, p)
+                engine.add_request(ids[-1], prompt, p, rank)
         except Exception:
             for rid in ids[:-1]:
                 engine.drop_request(rid)

@@ -224,7 +224,8 @@ class LLMEngine(PromptText):
         self.pool = BlockPool(self.runner.num_kv_blocks, config.block_size, caching, _cache_salt(self.dtype, hf))
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                    snapshots, proposer, spec.num_speculative_tokens if spec else 0,
-                                   device_drafts=drafts_on_device(config), lookahead=self.runner.lookahead)
+                                   device_drafts=drafts_on_device(config), lookahead=self.runner.lookahead,
+                                   by_priority=config.scheduling_policy == "priority")
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -329,8 +330,9 @@ class LLMEngine(PromptText):
         return sorted(set(ids))
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Validate and queue a request; a bad one raises here and leaves the others untouched.
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:
+        """Validate and queue a request; a bad one raises here and leaves the others untouched. ``priority``
+        (vLLM's): under ``scheduling_policy="priority"``, lower values are scheduled first; otherwise only 0.
 
         ``params.n > 1`` runs ``n`` samples of the prompt as requests ``"{i}_{request_id}"`` (seed ``seed
         + i`` when seeded, prompt logprobs in sample 0 only), reported under ``request_id`` with the
@@ -339,13 +341,14 @@ class LLMEngine(PromptText):
             raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
+        self._check_priority(priority)
         salt = prompt_cache_salt(prompt)
         text, ids = self.tokenize(prompt)
         kept = params.truncated(ids, self.max_model_len)
         if len(kept) < len(ids):  # the text no longer spells the prompt the request runs on
             text, ids = None, kept
         if params.n == 1:
-            self._add(request_id, text, ids, params, salt)
+            self._add(request_id, text, ids, params, salt, priority)
             return
         children: list[Request] = []
         try:
@@ -356,7 +359,8 @@ class LLMEngine(PromptText):
                                      "by an unfinished request")
                 sample = params.sample(i)
                 children.append(self._add(child, text, ids, sample if i == 0 else attrs.evolve(sample,
-                                                                                          prompt_logprobs=None), salt))
+                                                                                          prompt_logprobs=None),
+                                          salt, priority))
         except Exception:
             for c in children:
                 self.drop_request(c.request_id)
@@ -366,12 +370,12 @@ class LLMEngine(PromptText):
             self._sample_of[c.request_id] = (request_id, i)
 
     def _add(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-             cache_salt: str | None = None) -> Request:
+             cache_salt: str | None = None, priority: int = 0) -> Request:
         if not ids:
             raise RequestRejected(f"request {request_id!r}: the prompt is empty; expected at least one token")
         params.check_vocab(self.vocab_size)
         req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
-        req.cache_salt = cache_salt
+        req.cache_salt, req.priority = cache_salt, priority
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.bad_words:
@@ -392,6 +396,14 @@ class LLMEngine(PromptText):
         if req.max_output == 0 and params.prompt_logprobs is None:
             self.scheduler.finish(req, "length")
         return req
+
+    def _check_priority(self, priority: Any) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r}: expected an integer")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority}: this engine's scheduling_policy is "
+                             f"{self.config.scheduling_policy!r}; a priority other than 0 needs "
+                             "scheduling_policy='priority'")
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.fanouts
@@ -612,7 +624,8 @@ class LLMEngine(PromptText):
     def limits(self) -> EngineLimits:
         """The fixed limits a request must fit (see ``Scheduler.add``)."""
         return EngineLimits(self.max_model_len, self.vocab_size, self.scheduler.max_num_seqs,
-                            self.max_num_batched_tokens, self.pool.block_size, self.pool.num_blocks)
+                            self.max_num_batched_tokens, self.pool.block_size, self.pool.num_blocks,
+                            self.scheduler.by_priority)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and state snapshot (vLLM's ``reset_prefix_cache``); True when caching is on."""

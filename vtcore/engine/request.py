@@ -40,6 +40,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival = arrival
+        self.priority = 0  # under the priority scheduling policy, lower values are served first
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
         self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
         self.num_inflight = 0  # sampled tokens of scheduled steps whose values the host has not seen yet

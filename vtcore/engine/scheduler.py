@@ -5,7 +5,9 @@ One scheduler serves the sync and the async engine. Each step spends at most
 of a prefill), oldest first, then waiting requests in arrival order while at most
 ``max_num_seqs`` run. When the block pool runs dry, the newest running request is preempted: its
 blocks are freed and it re-enters the queue to recompute prompt and output so far. ``add``
-rejects what could never fit, so preemption always makes progress.
+rejects what could never fit, so preemption always makes progress. Under the priority policy
+(vLLM's ``scheduling_policy="priority"``) "oldest" and "arrival order" read "by (priority, arrival)":
+both queues are kept in that order, so the request preempted is the lowest-priority newest one.
 
 Prefix caching (``BlockPool.caching``): a request admitted with nothing computed (new, or preempted)
 starts from the longest chain of cached blocks its known tokens match, never its last token (whose
@@ -42,6 +44,7 @@ one stream: a later step's writes always land after an earlier step's.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from vtcore.engine.block_pool import BlockPool
@@ -61,10 +64,12 @@ _UNKNOWN_AFTER_SCHEDULE = 2
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  snapshots: SnapshotPool | None = None, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0, device_drafts: bool = False, lookahead: int = 0) -> None:
+                 num_speculative_tokens: int = 0, device_drafts: bool = False, lookahead: int = 0,
+                 by_priority: bool = False) -> None:
         """``proposer``: asked for drafts each step; ``device_drafts``: instead the drafts are made on the
         device in the step before (an MTP head, the device n-gram); ``lookahead``: tokens past what a step
-        computes that a request's blocks reach, up to its own end (an MTP head's draft chain writes there)."""
+        computes that a request's blocks reach, up to its own end (an MTP head's draft chain writes there);
+        ``by_priority``: the priority policy."""
         self.pool = pool
         self.snapshots = snapshots
         self.proposer = proposer
@@ -77,6 +82,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.by_priority = by_priority
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         #: ended (device drafts): seat, blocks and mirror slot kept until its verify rows settle, as the async
@@ -95,7 +101,10 @@ class Scheduler:
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request {req.request_id!r}: up to {longest} tokens need {need} KV blocks, "
                                   f"but the pool holds {self.pool.num_blocks} (raise num_kv_blocks or lower max_tokens)")
-        self.waiting.append(req)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.ending)
@@ -181,7 +190,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.appendleft(req)
 
     def _ahead(self, req: Request, tokens: int) -> int:
         """The tokens ``req``'s blocks must hold after a step computing up to ``tokens``: ``lookahead`` more
@@ -325,7 +337,10 @@ class Scheduler:
                 self.pool.hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             req.mirror_slot = self.free_mirror_slots.pop()
-            self.running.append(req)
+            if self.by_priority:
+                bisect.insort(self.running, req, key=_rank)
+            else:
+                self.running.append(req)
             batch.append(self._take(req, n))
             budget -= n
         if self.pool.caching:
@@ -348,6 +363,11 @@ class Scheduler:
             self.pool.free(req.block_ids)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+
+
+def _rank(req: Request) -> tuple[int, int]:
+    """A request's place under the priority policy: lower priority values first, then arrival."""
+    return req.priority, req.arrival
 
 
 def _reads_no_history(req: Request) -> bool:

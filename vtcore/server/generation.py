@@ -61,8 +61,9 @@ class EnginePrompt:
     """One prompt of a request: one engine request, whose samples are ``choices``."""
 
     def __init__(self, rid: str, text: str | None, ids: list[int], params: SamplingParams, first_index: int,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, priority: int = 0) -> None:
         self.rid = rid
+        self.priority = priority
         self.text = text
         self.ids = ids
         self.cache_salt = cache_salt
@@ -209,6 +210,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
         self.serving.check_serving()
         self.serving.check_model(body.model)
         self.check_unsupported(body)
+        if body.priority and not self.serving.limits.by_priority:
+            raise APIError(400, f"priority={body.priority}: this server schedules first come, first served; a "
+                                "priority other than 0 needs vtcore serve --scheduling-policy priority", "priority")
         self.check(body)
         endpoint_kw, renames = self.sampling(body)
         kw = {**self.sampling_kwargs(body), **endpoint_kw, "n": body.n or 1}
@@ -223,7 +227,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 text, ids = (None if text is None else self.serving.decode(kept)), kept
             max_tokens = self.check_length(len(ids), kw["max_tokens"], prompts.field, tokens_field)
             params = self.make_params({**kw, "max_tokens": max_tokens}, renames)
-            engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n, body.cache_salt))
+            engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n, body.cache_salt,
+                                               body.priority))
         return Job(job_id, int(time.time()), engine_prompts, renames)
 
     async def events(self, body: Body, job: Job) -> AsyncIterator[str]:
@@ -253,7 +258,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         self.serving.live.add(prompt.rid)
         try:
             async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids,
-                                                   "cache_salt": prompt.cache_salt}, prompt.params, prompt.rid):
+                                                   "cache_salt": prompt.cache_salt}, prompt.params, prompt.rid,
+                                                  priority=prompt.priority):
                 prompt.num_cached_tokens = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt.prompt_logprobs = out.prompt_logprobs

@@ -259,6 +259,8 @@ class GenerationRequest(BoundedModel):
     return_tokens_as_token_ids: bool | None = Field(
         None, description="vLLM's: logprobs name each token 'token_id:{id}' instead of its text (null: the server's "
                           "--return-tokens-as-token-ids).")
+    priority: Seed = Field(0, description="vLLM's: under `vtcore serve --scheduling-policy priority`, lower values "
+                                          "are scheduled first; otherwise only 0.")
     cache_salt: NonEmptyText | None = Field(
         None, description="vLLM's: only requests with the same salt share prefix-cache blocks (a secret per user "
                           "keeps others from timing which prompts are cached).")
