@@ -153,3 +153,30 @@ def test_token_id_completions_are_prepared_on_the_event_loop_and_text_on_a_prepa
         assert r.status_code == 200, r.text
     assert [name.startswith("vtcore-prepare") for name in threads] == [False, True, False, True]
     assert_400(post_json(url, {"model": MODEL, "max_tokens": 2000, "prompt": [5, 6, 7]}), "max_tokens")
+
+
+def test_bodies_are_parsed_by_orjson_and_what_it_refuses_by_json(server: ServerThread,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every route reads its JSON body through orjson (``JSONBodyRoute``); a body orjson refuses (NaN here) goes
+    to ``json``, and is answered as before (the non-finite logit_bias test above holds it to that)."""
+    import orjson
+
+    from vtcore.server import json_body
+
+    parsed: list[bytes] = []
+
+    class Counting:
+        JSONDecodeError = orjson.JSONDecodeError
+
+        @staticmethod
+        def loads(body: bytes) -> Any:
+            parsed.append(body)
+            return orjson.loads(body)
+
+    monkeypatch.setattr(json_body, "orjson", Counting)
+    body = {"model": MODEL, "prompt": list(range(5, 905)), "max_tokens": 1}
+    assert post_json(server.url + "/v1/completions", body).status_code == 200
+    assert post_json(server.url + "/tokenize", {"prompt": "hi"}).status_code == 200
+    assert len(parsed) == 2 and b'"max_tokens": 1' in parsed[0]
+    r = post_json(server.url + "/v1/completions", {**body, "logit_bias": {"35": float("nan")}})
+    assert len(parsed) == 3 and assert_400(r, "logit_bias")

@@ -6,13 +6,14 @@ Each request is a streamed ``/v1/completions`` of ``--input-len`` random token i
 ``ignore_eos`` (vLLM's extension) and ``stream_options.include_usage``; with ``--structured-share``, that
 share of them (interleaved) also carry vLLM's ``structured_outputs: {"json": ...}`` with the bench's schema
 (``vtcore.bench.structured_share``), and each run reports the two groups apart. Timestamps are taken as each
-server-sent event arrives (``time.perf_counter``): TTFT is the first event with a choice (new tokens), ITL
-the gaps between such events, TPOT ``(latency - TTFT) / (completion_tokens - 1)`` with the token count
-from the final usage chunk (an event may carry several tokens). The statistics have the in-process
-bench's names, so the two compare field by field. The client is ``vtcore.bench.http_stream`` (plain HTTP/1.1
-over asyncio, one kept-alive connection a stream). A concurrency is driven by several client processes
-(``client_processes``; ``--client-processes``), started together on a barrier, their requests merged: one
-process parsing every stream's events would measure itself.
+server-sent event arrives (``time.perf_counter``, from the moment the request's encoded body starts out: the
+client's JSON encoding of 1,024 ids, 0.14 ms on the 2-core dev CPU, is not the server's time): TTFT is the
+first event with a choice (new tokens), ITL the gaps between such events, TPOT ``(latency - TTFT) /
+(completion_tokens - 1)`` with the token count from the final usage chunk (an event may carry several
+tokens). The statistics have the in-process bench's names, so the two compare field by field. The client is
+``vtcore.bench.http_stream`` (plain HTTP/1.1 over asyncio, one kept-alive connection a stream). A
+concurrency is driven by several client processes (``client_processes``; ``--client-processes``), started
+together on a barrier, their requests merged: one process parsing every stream's events would measure itself.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 from vtcore.bench.http_stream import StreamingConnection, plain_http
 from vtcore.bench.structured_share import bench_schema, constrained_flags, format_groups, groups
-from vtcore.bench.summary import summarize
+from vtcore.bench.summary import requests_per_concurrency, summarize
 
 PROMPT_ID_BOUND = 1000
 
@@ -41,11 +42,12 @@ async def _one(connection: StreamingConnection, model: str, prompt: list[int], o
             "stream": True, "stream_options": {"include_usage": True}}
     if schema is not None:
         body["structured_outputs"] = {"json": schema}
+    payload = json.dumps(body).encode()  # before the clock: the client's encoding is not the server's time
     arrivals: list[float] = []
     tokens = None
     finish = None
     sent = time.perf_counter()
-    async for data in connection.events(body):
+    async for data in connection.events(payload):
         if data == b"[DONE]":
             continue
         now = time.perf_counter()
@@ -186,7 +188,7 @@ def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None,
     plain_http(base_url)
     model = model or served_model(base_url)
     rng = random.Random(seed)
-    runs = [_concurrency(base_url, model, c, max(num_prompts or 4 * c, c), input_len, output_len, rng,
+    runs = [_concurrency(base_url, model, c, requests_per_concurrency(c, num_prompts), input_len, output_len, rng,
                          client_processes(c, processes), warm_up, structured_share, schema_len or output_len)
             for c in concurrency]
     return {"mode": "http", "base_url": base_url, "model": model, "input_len": input_len, "output_len": output_len,

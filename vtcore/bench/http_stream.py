@@ -38,10 +38,11 @@ class StreamingConnection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def events(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        """POST ``body`` and yield each ``data:`` payload of the streamed response as it arrives (the
-        request is written once the connection is open, so a caller's clock may start before this)."""
-        payload = json.dumps(body).encode()
+    async def events(self, body: dict[str, Any] | bytes) -> AsyncIterator[bytes]:
+        """POST ``body`` (a JSON object, or its encoding: a caller that times the server encodes first) and
+        yield each ``data:`` payload of the streamed response as it arrives (the request is written once
+        the connection is open, so a caller's clock may start before this)."""
+        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
         if self._writer is None or self._writer.is_closing():
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         reader = self._reader

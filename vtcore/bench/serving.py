@@ -2,7 +2,7 @@
 
 For each concurrency ``c`` the benchmark keeps ``c`` requests in flight (random prompt token ids of
 ``--input-len``, ``max_tokens=--output-len``, ``ignore_eos=True``, greedy) until ``--num-prompts``
-requests (default ``4*c``, at least ``c``) have completed. Every statistic comes from
+requests (default ``4*c`` and at least 16, at least ``c``) have completed. Every statistic comes from
 ``time.perf_counter`` timestamps taken on the caller's event loop as outputs arrive:
 
 * TTFT: first output token arrival - request send;
@@ -79,7 +79,7 @@ from vtcore.bench.speculative import DEFAULT_KS, format_speculative
 from vtcore.bench.step_stats import (NO_CUDA, StepTimer, count_triton_compiles, init_profiler_on_this_thread,
                                      probe_decode, unavailable)
 from vtcore.bench.structured_share import bench_schema, check_share, constrained_flags, format_groups, groups
-from vtcore.bench.summary import summarize
+from vtcore.bench.summary import MIN_REQUESTS, requests_per_concurrency, summarize
 from vtcore.config import EngineConfig
 from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
 from vtcore.structured import StructuredOutputsParams
@@ -135,7 +135,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="one shared prefix of N random tokens before every prompt of a run (its --input-len "
                         "tokens follow), for prefix caching (default: 0)")
     p.add_argument("--num-prompts", type=positive_int("--num-prompts"), default=None,
-                   help="requests completed per concurrency (default: 4*c; at least c)")
+                   help=f"requests completed per concurrency (default: 4*c, at least {MIN_REQUESTS}; at least c)")
     p.add_argument("--turns", type=positive_int("--turns"), default=1, metavar="T",
                    help="multi-turn chat replay: each of --num-prompts conversations sends T requests in turn, "
                         "each resending the conversation so far (prompts and outputs) plus --input-len new "
@@ -470,7 +470,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         runs = []
         for c in concurrency:
             await warm_up(c)
-            n = max(args.num_prompts or 4 * c, c)
+            n = requests_per_concurrency(c, args.num_prompts)
             with count_triton_compiles() as compiled:
                 runs.append(await _run_concurrency(engine, c, n, input_len, args.output_len, inner.vocab_size, rng,
                                                    progress, random.Random(config.seed * 1_000_003 + c), prefix_len,

@@ -1,7 +1,18 @@
-"""Latency statistics the benchmarks report: mean, median, p90, p99."""
+"""Latency statistics the benchmarks report (mean, median, p90, p99), and how many requests a
+concurrency runs."""
 from __future__ import annotations
 
 from typing import Sequence
+
+#: the fewest requests a concurrency runs by default: a median of 4 (concurrency 1's 4 * c) moved by
+#: more than a millisecond between runs of the served TTFT (docs/BENCHMARKS.md)
+MIN_REQUESTS = 16
+
+
+def requests_per_concurrency(c: int, num_prompts: int | None) -> int:
+    """Requests completed at concurrency ``c``: ``--num-prompts`` when given (at least ``c``), else
+    ``4 * c`` and at least ``MIN_REQUESTS``."""
+    return max(num_prompts or max(4 * c, MIN_REQUESTS), c)
 
 
 def _percentile(sorted_xs: list[float], q: float) -> float:

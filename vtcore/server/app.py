@@ -27,6 +27,7 @@ from vtcore.server.chat import ChatEndpoint
 from vtcore.server.completions import CompletionsEndpoint
 from vtcore.server.errors import APIError, to_api_error, validation_error
 from vtcore.server.gate import Gate
+from vtcore.server.json_body import JSONBodyRoute
 from vtcore.server.metrics import CONTENT_TYPE
 from vtcore.server.openapi import errors, json_or_stream, openapi_document
 from vtcore.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -93,6 +94,7 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
                   description=f"OpenAI-compatible API (vLLM's shape) serving {served_model_name!r}.")
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.state.server = serving
+    app.router.route_class = JSONBodyRoute
     _add_error_handlers(app)
 
     @app.post("/v1/completions", response_model=None, responses={
