@@ -332,6 +332,29 @@ def test_prefill_floor_counts_the_default_models_operations(bench_doc):
     assert f"prefill floor: {n}-token prompt, {expected / 1e12:.3f} TFLOP" in table
 
 
+def test_the_closed_loop_floor_adds_the_prompts_admitted_meanwhile(bench_doc):
+    """Each concurrency's closed-loop floor: the KV read at copy bandwidth plus the larger of the weights at
+    copy bandwidth and the matrix operations of c decode tokens (the config's, LM head included) and
+    (c - 1) / output_len prompts at the matmul rate; concurrency 1 admits none meanwhile."""
+    doc, table = bench_doc
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        cfg = json.load(f)
+    h, i, nq, nkv, hd = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim"))
+    token = 2 * cfg["num_hidden_layers"] * (h * (nq + 2 * nkv) * hd + nq * hd * h + 3 * h * i) \
+        + 2 * cfg["vocab_size"] * h
+    bw, rate = doc["roofline"]["copy_bandwidth_bytes_s"], doc["prefill_floor"]["matmul"]["flop_s"]
+    for run in doc["runs"]:
+        c, r = run["concurrency"], run["roofline"]
+        cl = r["closed_loop"]
+        assert cl["prompts_per_step"] == pytest.approx((c - 1) / OUTPUT_LEN)
+        matmul_ms = (c * token + cl["prompts_per_step"] * doc["prefill_floor"]["flops"]) / rate * 1e3
+        assert cl["matmul_ms"] == pytest.approx(matmul_ms)
+        assert cl["floor_ms"] == pytest.approx(r["kv_bytes"] / bw * 1e3 + max(r["param_bytes"] / bw * 1e3, matmul_ms))
+        assert cl["tpot_over_floor"] == pytest.approx(run["tpot_s"]["mean"] * 1e3 / cl["floor_ms"])
+        assert f"closed-loop floor c={c}: {cl['floor_ms']:.3f} ms" in table
+
+
 def test_prefill_flops_counts_a_tokens_share_of_routed_experts_and_refuses_packed_weights():
     import torch
 

@@ -20,6 +20,13 @@ from scratch needs at least, and :func:`measure_matmul_rate` times a square matm
 on the device before the engine is built (CUDA: 8192 on a side, the rate a large prefill GEMM can reach;
 CPU: 256); the floor is
 ``flops / rate``, and the benchmark reports ``TTFT / floor`` for a lone prompt (concurrency 1).
+
+The closed loop's step (:func:`closed_loop_floor`): while a request decodes, the other ``c - 1`` requests of
+the loop finish and are replaced, each new one computing its prompt once; over a request's ``output_len``
+steps that is ``(c - 1) / output_len`` prompts a step, which the decode-bytes roofline leaves out. The
+step's floor is the KV read at copy bandwidth (attention) plus the larger of the weights at copy bandwidth
+and the step's matrix operations at the matmul rate (its GEMMs read the weights once for the decode rows and
+the prompts' rows together, so those two overlap), and the benchmark reports ``TPOT / closed-loop floor``.
 """
 from __future__ import annotations
 
@@ -134,6 +141,23 @@ def roofline_for_run(step: dict[str, int], bandwidth_bytes_s: float, tpot_s: flo
     roof_s = step["bytes"] / bandwidth_bytes_s
     return {**step, "roofline_ms": roof_s * 1e3,
             "tpot_over_roofline": (tpot_s / roof_s) if tpot_s is not None else None}
+
+
+def closed_loop_floor(step: dict[str, int], bandwidth_bytes_s: float, token_flops: int | None,
+                      prompt_flops: int | None, flop_s: float, concurrency: int, output_len: int,
+                      tpot_s: float | None) -> dict[str, Any] | None:
+    """One concurrency's closed-loop step floor (module docstring): ``kv / bandwidth + max(params / bandwidth,
+    (c * token_flops + (c - 1) / output_len * prompt_flops) / flop_s)``; None without the flop counts
+    (packed weights). ``token_flops``: a decode token's matrix operations (``prefill_flops`` of one token)."""
+    if token_flops is None or prompt_flops is None:
+        return None
+    prompts = (concurrency - 1) / output_len
+    matmul_s = (concurrency * token_flops + prompts * prompt_flops) / flop_s
+    kv_s, weights_s = step["kv_bytes"] / bandwidth_bytes_s, step["param_bytes"] / bandwidth_bytes_s
+    floor_s = kv_s + max(weights_s, matmul_s)
+    return {"prompts_per_step": prompts, "kv_ms": kv_s * 1e3, "weights_ms": weights_s * 1e3,
+            "matmul_ms": matmul_s * 1e3, "floor_ms": floor_s * 1e3,
+            "tpot_over_floor": None if tpot_s is None else tpot_s / floor_s}
 
 
 def prefill_flops(model: torch.nn.Module, attention_layers: list[Any], prompt_len: int) -> int | None:

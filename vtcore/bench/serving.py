@@ -24,7 +24,8 @@ concurrency was measured (each a stall; see :func:`vtcore.bench.step_stats.count
 
 * ``roofline`` (always): the device copy bandwidth, measured before the engine is built, and per
   concurrency the bytes one decode step must move (parameters + KV read) with ``roofline_ms`` and
-  ``TPOT / roofline``; see :mod:`vtcore.bench.roofline`.
+  ``TPOT / roofline``, and ``closed_loop``: that step's floor with the prompts the loop admits meanwhile
+  (``TPOT / floor``); see :mod:`vtcore.bench.roofline`.
 * ``prefill_floor`` (always): the compute floor of one prompt of ``--prefix-len + --input-len`` tokens
   computed from scratch (its operations at the rate of a square matmul of the model's dtype timed on the
   device before the engine is built, as the copy is) and the concurrency-1 run's median TTFT over it (a cached prefix
@@ -401,9 +402,9 @@ def _resolved_config(args: argparse.Namespace) -> tuple[EngineConfig, Any, dict[
 
 def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
     """Build the engine, run every concurrency, return every number (the --json document)."""
-    from vtcore.bench.roofline import (decode_step_bytes, kv_bytes_per_token, measure_copy_bandwidth,
-                                       measure_matmul_rate, parameter_bytes, prefill_flops, prefill_floor,
-                                       roofline_for_run)
+    from vtcore.bench.roofline import (closed_loop_floor, decode_step_bytes, kv_bytes_per_token,
+                                       measure_copy_bandwidth, measure_matmul_rate, parameter_bytes, prefill_flops,
+                                       prefill_floor, roofline_for_run)
     from vtcore.engine.async_llm import AsyncLLM
     from vtcore.engine.llm_engine import resolve_device, resolve_dtype
     from vtcore.sampling_params import SamplingParams
@@ -481,6 +482,10 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     try:
         floor = prefill_floor(prefill_flops(model_obj, inner.runner.attention_layers, prefix_len + input_len),
                               matmul, prefix_len + input_len)
+        token_flops = prefill_flops(model_obj, [], 1)
+        # a prompt's new tokens at least (a shared prefix may be cached): the closed loop's floor stays a floor
+        new_flops = floor["flops"] if not prefix_len else prefill_flops(model_obj, inner.runner.attention_layers,
+                                                                        input_len)
         runs = asyncio.run(main())
     finally:
         engine.shutdown()
@@ -490,6 +495,9 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         step = decode_step_bytes(parameter_bytes(model_obj, r["concurrency"]), kv_per_token, r["concurrency"],
                                  prefix_len + input_len, args.output_len)
         r["roofline"] = roofline_for_run(step, copy["bandwidth_bytes_s"], r["tpot_s"]["mean"])
+        r["roofline"]["closed_loop"] = closed_loop_floor(step, copy["bandwidth_bytes_s"], token_flops, new_flops,
+                                                         matmul["flop_s"], r["concurrency"], args.output_len,
+                                                         r["tpot_s"]["mean"])
     doc = {
         **header, "mode": "serving", "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "input_len": input_len, "input_len_clamped": clamped, "output_len": args.output_len, "prefix_len": prefix_len,
@@ -583,6 +591,13 @@ def format_table(doc: dict[str, Any]) -> str:
             f"{pf['flops'] / 1e12:.3f} TFLOP at {mm['flop_s'] / 1e12:.1f} TFLOP/s ({mm['dtype']} {mm['side']}^3 "
             f"matmul, median of {len(mm['times_s'])}): {pf['floor_ms']:.3f} ms; TTFT median at c=1 / floor: "
             f"{_num(pf['ttft_median_over_floor'], '.2f')}"))
+    for r in doc["runs"]:
+        cl = r["roofline"].get("closed_loop")
+        if cl is not None:
+            lines.append(f"closed-loop floor c={r['concurrency']}: {cl['floor_ms']:.3f} ms a step = KV "
+                         f"{cl['kv_ms']:.3f} + max(weights {cl['weights_ms']:.3f}, matmuls {cl['matmul_ms']:.3f}: "
+                         f"{cl['prompts_per_step']:.2f} prompts a step beside the decode rows); TPOT mean / floor "
+                         f"{_num(cl['tpot_over_floor'], '.2f')}")
     for r in doc["runs"]:
         d = r["decode_device"]
         lines.append(f"decode step c={r['concurrency']}: host {_ms(r['step_host_s']['decode']['median'])} ms median"
