@@ -199,6 +199,7 @@ def test_a_cache_salt_shares_blocks_only_with_its_own_salt(tiny_checkpoint) -> N
         cached[name] = out.num_cached_tokens
     assert cached == {"salted": 0, "same salt": 4 * BS, "other salt": 0, "unsalted": 4 * BS,
                       "n=2, same salt": 4 * BS}
-    for bad in ("", 7):
+    for bad in ("", 7, "a\ud800"):  # (a lone surrogate has no UTF-8 to hash: it once killed the step)
         with pytest.raises(ValueError, match="cache_salt"):
             llm.generate({"prompt_token_ids": ids, "cache_salt": bad}, greedy())
+    assert llm.generate({"prompt_token_ids": ids, "cache_salt": "alice"}, greedy())[0].num_cached_tokens == 4 * BS

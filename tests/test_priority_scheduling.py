@@ -92,6 +92,8 @@ def test_priority_needs_the_priority_policy_and_an_integer(tiny_checkpoint) -> N
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="priority has 2 entries"):
         llm.generate(prompt, greedy(2), priority=[0, 0])
+    with pytest.raises(ValueError, match="priority=3: expected a list"):
+        llm.generate(prompt, greedy(2), priority=3)
     assert llm.generate(prompt, greedy(2), priority=[0])[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="scheduling_policy='lifo'"):
         LLM(tiny_checkpoint[0], **KNOBS, scheduling_policy="lifo")

@@ -145,6 +145,9 @@ BODIES = [
     ("/v1/completions", _completion(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     ("/v1/completions", _completion(return_tokens_as_token_ids=0), "return_tokens_as_token_ids"),  # a boolean
     ("/v1/chat/completions", _chat(echo=True), "echo"),
+    ("/v1/chat/completions", _chat(add_special_tokens=True), "add_special_tokens"),  # the template's only
+    ("/v1/chat/completions", _chat(add_special_tokens=False), None),
+    ("/v1/completions", _completion(seed=-2 ** 63 - 1), "seed"),  # orjson reads it as a float: not rounded in
     # single-field ranges the sampling parameters check, in the document too
     ("/v1/completions", _completion(stop_token_ids=[-1]), "stop_token_ids"),
     ("/v1/completions", _completion(repetition_penalty=0.0), "repetition_penalty"),

@@ -210,6 +210,10 @@ def test_return_token_ids_gives_the_engines_ids_on_both_routes(client: Any, engi
     streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **greedy))
     assert _ids(streamed[0], "prompt_token_ids") == chat_want.prompt_token_ids
     assert not any(_ids(c, "prompt_token_ids") for c in streamed[1:])
+    two = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, n=2, **greedy)
+           if _ids(c, "prompt_token_ids")]  # as vLLM: in each choice's first (role) chunk
+    assert sorted(c.choices[0].index for c in two) == [0, 1]
+    assert all(_ids(c, "prompt_token_ids") == chat_want.prompt_token_ids and c.choices[0].delta.role for c in two)
     assert [t for c in streamed for ch in c.choices for t in (_ids(ch, "token_ids") or [])] == \
         chat_want.outputs[0].token_ids
 
@@ -290,11 +294,19 @@ def test_priority_is_served_under_the_priority_policy_and_refused_otherwise(serv
     assert httpx.post(server.url + "/v1/completions", json={**body, "priority": 0}).status_code == 200
     want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     engine = AsyncLLM(scheduling_policy="priority", device="cpu", num_kv_blocks=64)
+    seen: list[int] = []
+    add = engine.engine.add_request
+
+    def recorded(rid: str, prompt: Any, params: SamplingParams, priority: int = 0) -> None:
+        seen.append(priority)
+        add(rid, prompt, params, priority)
+    engine.engine.add_request = recorded
     try:
         with ServerThread(build_app(engine, MODEL, None, 1 << 20)) as srv:
             for rank in (-3, 7):
                 r = httpx.post(srv.url + "/v1/completions", json={**body, "priority": rank})
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.outputs[0].text, r.text
+            assert seen == [-3, 7]  # the engine got each request's priority
             bad = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
                                                                       "priority": 1.5})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"

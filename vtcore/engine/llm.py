@@ -63,6 +63,8 @@ class LLM(EngineFrontEnd):
         final_only = {id(p): attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in params if isinstance(p, SamplingParams)}  # once per distinct object
         params = [final_only.get(id(p), p) for p in params]
+        if priority is not None and not isinstance(priority, Sequence):
+            raise ValueError(f"priority={priority!r}: expected a list of one integer per prompt")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries, expected one per prompt ({len(prompts)})")

@@ -24,9 +24,20 @@ def prompt_cache_salt(prompt: Prompt) -> str | None:
     """A prompt dict's ``"cache_salt"`` (vLLM's: only requests of the same salt share prefix-cache blocks), or
     None; anything but a non-empty string is refused."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and not (isinstance(salt, str) and salt):
-        raise ValueError(f"cache_salt={salt!r}: expected a non-empty string")
+    if salt is not None and not _unicode(salt):
+        raise ValueError(f"cache_salt={salt!r}: expected a non-empty string of valid Unicode (no lone surrogate)")
     return salt
+
+
+def _unicode(text: Any) -> bool:
+    """Whether ``text`` is a non-empty string UTF-8 can encode (a lone surrogate cannot be hashed)."""
+    if not isinstance(text, str) or not text:
+        return False
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class PromptText:

@@ -202,7 +202,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         return {}
 
     def first_chunk_extra(self, body: Body, job: Job) -> dict[str, Any]:
-        """Fields of a streamed response's first chunk beside its choices."""
+        """Fields beside the choices of each choice's first streamed chunk (vLLM's chat puts the prompt's
+        token ids in every choice's role chunk)."""
         return {}
 
     def prepare(self, body: Body) -> Job:
@@ -239,11 +240,14 @@ class GenerationEndpoint(ABC, Generic[Body]):
         head = {"id": job.id, "object": self.chunk_object, "created": job.created, "model": self.serving.name}
         stream = self.stream(body)
         extra = self.first_chunk_extra(body, job)
+        started: set[int] = set()  # choices with a chunk sent
         async with contextlib.aclosing(self.merged(job)) as it:
             async for choice, delta in it:
                 for entry, completion_tokens in stream.chunks(choice, delta):
-                    chunk = {**head, "choices": [entry], **extra}
-                    extra = {}
+                    chunk = {**head, "choices": [entry]}
+                    if choice.index not in started:
+                        started.add(choice.index)
+                        chunk.update(extra)
                     if include_usage:
                         chunk["usage"] = usage(len(choice.prompt.ids), completion_tokens,
                                                choice.prompt.num_cached_tokens) if continuous else None

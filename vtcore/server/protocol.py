@@ -60,8 +60,10 @@ def _encodable(text: str) -> str:
 
 def _integral(value: Any) -> Any:
     """JSON Schema's integer: a number without a fraction, 5.0 as well as 5 (pydantic's strict int takes
-    only the second)."""
-    return int(value) if type(value) is float and value.is_integer() else value
+    only the second). Only below 2**53 in size, where a float names one integer: past it (and orjson reads
+    an integer literal past 64 bits as a float) the value is refused as not an integer rather than rounded
+    into a field's range."""
+    return int(value) if type(value) is float and value.is_integer() and abs(value) < 2 ** 53 else value
 
 
 def _integer(**bounds: int) -> Any:
@@ -361,7 +363,8 @@ ToolChoice = Annotated[str | dict[str, Any], AfterValidator(_tool_choice), WithJ
 
 
 class ChatCompletionRequest(GenerationRequest):
-    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False}
+    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False,
+                                                    "add_special_tokens": False}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
     # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
     # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false;
