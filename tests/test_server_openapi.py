@@ -147,6 +147,8 @@ BODIES = [
     ("/v1/chat/completions", _chat(echo=True), "echo"),
     ("/v1/chat/completions", _chat(add_special_tokens=True), "add_special_tokens"),  # the template's only
     ("/v1/chat/completions", _chat(add_special_tokens=False), None),
+    ("/v1/chat/completions", _chat(priority=0.0), None),
+    ("/v1/chat/completions", _chat(priority=2), "priority"),  # this server schedules first come, first served
     ("/v1/completions", _completion(seed=-2 ** 63 - 1), "seed"),  # orjson reads it as a float: not rounded in
     # single-field ranges the sampling parameters check, in the document too
     ("/v1/completions", _completion(stop_token_ids=[-1]), "stop_token_ids"),

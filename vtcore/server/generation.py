@@ -211,9 +211,6 @@ class GenerationEndpoint(ABC, Generic[Body]):
         self.serving.check_serving()
         self.serving.check_model(body.model)
         self.check_unsupported(body)
-        if body.priority and not self.serving.limits.by_priority:
-            raise APIError(400, f"priority={body.priority}: this server schedules first come, first served; a "
-                                "priority other than 0 needs vtcore serve --scheduling-policy priority", "priority")
         self.check(body)
         endpoint_kw, renames = self.sampling(body)
         kw = {**self.sampling_kwargs(body), **endpoint_kw, "n": body.n or 1}

@@ -100,6 +100,18 @@ NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1)]
 
 
+def _first_come(value: int) -> int:
+    if value != 0:
+        raise PydanticCustomError("priority", "a priority other than 0 needs vtcore serve --scheduling-policy "
+                                              "priority; this server schedules first come, first served")
+    return value
+
+
+#: vLLM's priority where the engine schedules first come, first served: 0 only (as vLLM refuses others)
+FirstComePriority = Annotated[int, BeforeValidator(_integral), AfterValidator(_first_come),
+                              WithJsonSchema({"const": 0})]
+
+
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
     token = _integer(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))
     return Annotated[list[token], Field(min_length=min_length)]
@@ -221,7 +233,9 @@ class GenerationRequest(BoundedModel):
         below = _integer(ge=0, lt=limits.max_model_len)
         return {**{name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts},
                 "logit_bias": (LogitBias | None, _logit_bias(limits)),
-                "allowed_token_ids": (_token_ids(limits, 1) | None, _allowed(limits))}
+                "allowed_token_ids": (_token_ids(limits, 1) | None, _allowed(limits)),
+                "priority": (Seed if limits.by_priority else FirstComePriority,
+                             Field(0, description=cls.model_fields["priority"].description))}
 
     model: str | None = None
     max_tokens: Count | None = None
