@@ -661,3 +661,11 @@ def test_a_structured_share_is_reported_apart(tmp_path) -> None:
     assert "c=2 constrained: 2 requests" in table
     with pytest.raises(ValueError, match="--structured-share=1.5: expected a fraction"):
         _run(tmp_path, ["--concurrency", "1", "--structured-share", "1.5", "--copy-mib", COPY_MIB])
+
+
+def test_a_concurrency_runs_4c_requests_and_at_least_16_unless_asked() -> None:
+    from vtcore.bench.summary import MIN_REQUESTS, requests_per_concurrency
+
+    assert MIN_REQUESTS == 16
+    assert [requests_per_concurrency(c, None) for c in (1, 4, 5, 128)] == [16, 16, 20, 512]
+    assert [requests_per_concurrency(c, n) for c, n in ((1, 4), (8, 3), (2, 7))] == [4, 8, 7]  # at least c

@@ -56,9 +56,9 @@ def test_events_come_whole_across_chunks_on_a_kept_then_reopened_connection() ->
         server = await _serve(responses, seen)
         port = server.sockets[0].getsockname()[1]
         connection = StreamingConnection(f"http://127.0.0.1:{port}/v1/completions")
-        got = [[e async for e in connection.events({"n": i})] for i in range(3)]
+        got = [[e async for e in connection.events(json.dumps({"n": i}).encode())] for i in range(3)]
         with pytest.raises(HTTPError, match=r'HTTP 400: \{"error": "no"\}'):
-            [e async for e in connection.events({"n": 3})]
+            [e async for e in connection.events(json.dumps({"n": 3}).encode())]
         connection.close()
         server.close()
         return got

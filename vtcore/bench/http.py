@@ -7,7 +7,7 @@ Each request is a streamed ``/v1/completions`` of ``--input-len`` random token i
 share of them (interleaved) also carry vLLM's ``structured_outputs: {"json": ...}`` with the bench's schema
 (``vtcore.bench.structured_share``), and each run reports the two groups apart. Timestamps are taken as each
 server-sent event arrives (``time.perf_counter``, from the moment the request's encoded body starts out: the
-client's JSON encoding of 1,024 ids, 0.14 ms on the 2-core dev CPU, is not the server's time): TTFT is the
+client's JSON encoding of its ids, ``scripts/json_body_cost.py``, is not the server's time): TTFT is the
 first event with a choice (new tokens), ITL the gaps between such events, TPOT ``(latency - TTFT) /
 (completion_tokens - 1)`` with the token count from the final usage chunk (an event may carry several
 tokens). The statistics have the in-process bench's names, so the two compare field by field. The client is

@@ -9,8 +9,7 @@ on this machine or its network, not TLS.
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 from urllib.parse import SplitResult, urlsplit
 
 
@@ -38,11 +37,10 @@ class StreamingConnection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def events(self, body: dict[str, Any] | bytes) -> AsyncIterator[bytes]:
-        """POST ``body`` (a JSON object, or its encoding: a caller that times the server encodes first) and
-        yield each ``data:`` payload of the streamed response as it arrives (the request is written once
-        the connection is open, so a caller's clock may start before this)."""
-        payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async def events(self, payload: bytes) -> AsyncIterator[bytes]:
+        """POST ``payload`` (an encoded JSON body: a caller that times the server encodes it first) and yield
+        each ``data:`` payload of the streamed response as it arrives (the request is written once the
+        connection is open, so a caller's clock may start before this)."""
         if self._writer is None or self._writer.is_closing():
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         reader = self._reader

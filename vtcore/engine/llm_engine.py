@@ -400,7 +400,7 @@ class LLMEngine(PromptText):
     def _check_priority(self, priority: Any) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority={priority!r}: expected an integer")
-        if priority and self.config.scheduling_policy != "priority":
+        if priority and not self.scheduler.by_priority:
             raise ValueError(f"priority={priority}: this engine's scheduling_policy is "
                              f"{self.config.scheduling_policy!r}; a priority other than 0 needs "
                              "scheduling_policy='priority'")

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from typing import Callable
 
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.request import Request, RequestStatus, Verify
@@ -101,10 +102,16 @@ class Scheduler:
         if need > self.pool.num_blocks:
             raise RequestRejected(f"request {req.request_id!r}: up to {longest} tokens need {need} KV blocks, "
                                   f"but the pool holds {self.pool.num_blocks} (raise num_kv_blocks or lower max_tokens)")
+        self._insert(self.waiting, req, self.waiting.append)
+
+    def _insert(self, queue: deque[Request] | list[Request], req: Request,
+                first_come: Callable[[Request], None]) -> None:
+        """Put ``req`` into ``queue``: by (priority, arrival) under the priority policy, else by ``first_come``
+        (the queue's append or appendleft)."""
         if self.by_priority:
-            bisect.insort(self.waiting, req, key=_rank)
+            bisect.insort(queue, req, key=_rank)
         else:
-            self.waiting.append(req)
+            first_come(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.ending)
@@ -190,10 +197,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if self.by_priority:
-            bisect.insort(self.waiting, req, key=_rank)
-        else:
-            self.waiting.appendleft(req)
+        self._insert(self.waiting, req, self.waiting.appendleft)
 
     def _ahead(self, req: Request, tokens: int) -> int:
         """The tokens ``req``'s blocks must hold after a step computing up to ``tokens``: ``lookahead`` more
@@ -337,10 +341,7 @@ class Scheduler:
                 self.pool.hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             req.mirror_slot = self.free_mirror_slots.pop()
-            if self.by_priority:
-                bisect.insort(self.running, req, key=_rank)
-            else:
-                self.running.append(req)
+            self._insert(self.running, req, self.running.append)
             batch.append(self._take(req, n))
             budget -= n
         if self.pool.caching:

@@ -1,6 +1,6 @@
-"""``JSONBodyRoute``: the app's routes parse a JSON request body with orjson, about three times as fast as
-the standard library on a prompt of 1,024 token ids (0.042 against 0.133 ms on the 2-core dev CPU), which
-every served request pays before it reaches the engine.
+"""``JSONBodyRoute``: the app's routes parse a JSON request body with orjson, several times as fast as the
+standard library on a prompt of token ids (``scripts/json_body_cost.py``; docs/BENCHMARKS.md), a cost every
+served request pays before it reaches the engine.
 
 A body orjson refuses (NaN or Infinity, a lone surrogate) is parsed by ``json`` instead, so the server
 accepts and refuses what it did with ``json`` alone, with the same error for a body neither takes. (orjson
