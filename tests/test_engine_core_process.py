@@ -159,18 +159,41 @@ def test_a_core_that_dies_ends_every_pending_request_and_shutdown_leaves_no_proc
     async def main() -> None:
         gens = [llm.generate(p, greedy(5000), f"x{i}") for i, p in enumerate(PROMPTS)]
         await gens[0].__anext__()
+        os.kill(llm.engine.process.pid, signal.SIGSTOP)  # so that no answer comes to the reset sent now
+        pending = asyncio.ensure_future(llm.reset_prefix_cache())
+        await asyncio.sleep(0.05)
         os.kill(llm.engine.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"engine core process exited \(exit code -9\)"):
+            await pending
         for gen in gens:
             with pytest.raises(EngineDeadError, match=r"engine core process exited \(exit code -9\)"):
                 async for _ in gen:
                     pass
         with pytest.raises(EngineDeadError):
             await _collect(llm, "later", PROMPTS[0], greedy(2))
+        with pytest.raises(EngineDeadError):
+            await llm.reset_prefix_cache()
 
     asyncio.run(main())
     assert not llm.healthy
     llm.shutdown()
     assert llm.engine.process not in multiprocessing.active_children()
+
+
+def test_a_reset_reaches_the_core_between_its_steps(core: AsyncLLM) -> None:
+    """``reset_prefix_cache`` is answered in order by the core: the next request recomputes its prefix."""
+    prompt = {"prompt_token_ids": list(range(300, 340))}  # two full 16-token blocks to reuse
+
+    async def cached(rid: str) -> int:
+        return (await _collect(core, rid, prompt, greedy(2)))[-1].num_cached_tokens
+
+    async def main() -> list[Any]:
+        first, hit = await cached("r0"), await cached("r1")
+        answers = await asyncio.gather(core.reset_prefix_cache(), core.reset_prefix_cache())
+        return [first, hit, answers, await cached("r2"), await cached("r3")]
+
+    first, hit, answers, after, again = asyncio.run(main())
+    assert (first, hit, answers, after, again) == (0, 32, [True, True], 0, 32)
 
 
 def test_a_core_starts_its_tensor_parallel_workers(core: AsyncLLM) -> None:

@@ -54,6 +54,7 @@ class AsyncLLM(EngineFrontEnd):
         # adds sent to the core process and not answered yet, per request id in the order sent (a caller that
         # left before its answer may reuse its id; the core answers adds in order)
         self._adds: dict[str, collections.deque[concurrent.futures.Future]] = {}
+        self._resets: collections.deque[concurrent.futures.Future] = collections.deque()  # sent, not answered
         self._stopping = False
         self.dead: BaseException | None = None
         if self.core is None:  # the engine loop shares this process's GIL with the caller's event loop
@@ -126,6 +127,15 @@ class AsyncLLM(EngineFrontEnd):
             if not finished and not added.cancelled() and not (added.done() and added.exception() is not None):
                 self._submit(("abort", engine_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and state snapshot between two of the engine's steps (vLLM's); requests
+        running meanwhile keep their blocks, which are no longer offered to later prompts. True when prefix
+        caching is on."""
+        self._check_alive()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("reset", done))
+        return await asyncio.wrap_future(done)
+
     def _forget(self, request_id: str, engine_id: str) -> None:
         with self._lock:
             self._streams.pop(engine_id, None)
@@ -144,19 +154,22 @@ class AsyncLLM(EngineFrontEnd):
             self._submit(("abort", engine_id))
 
     def _submit(self, msg: tuple) -> None:
-        """An add (its last item the future ``generate`` awaits) or an abort: into the engine thread's inbox,
-        or straight to the core process (an add's future is then running: only the core's answer ends it)."""
+        """An add or a reset (its last item the future its caller awaits) or an abort: into the engine thread's
+        inbox, or straight to the core process (the future is then running: only the core's answer ends it)."""
         if self.core is None:
             self._inbox.put(msg)
             self._wake.set()
             return
-        if msg[0] == "add":
-            added = msg[-1]
-            added.set_running_or_notify_cancel()
+        if msg[0] in ("add", "reset"):
+            answer = msg[-1]
+            answer.set_running_or_notify_cancel()
             with self._lock:
-                if self.dead is not None:  # died since the caller checked: no one would answer this add
+                if self.dead is not None:  # died since the caller checked: no one would answer this message
                     raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
-                self._adds.setdefault(msg[1], collections.deque()).append(added)
+                if msg[0] == "add":
+                    self._adds.setdefault(msg[1], collections.deque()).append(answer)
+                else:
+                    self._resets.append(answer)
             msg = msg[:-1]
         try:
             self.core.send(msg)
@@ -212,6 +225,9 @@ class AsyncLLM(EngineFrontEnd):
                     added.set_exception(exc)
                 else:
                     added.set_result(None)
+            elif msg[0] == "reset":
+                if msg[1].set_running_or_notify_cancel():
+                    msg[1].set_result(self.engine.reset_prefix_cache())
             else:
                 self.engine.abort_request(msg[1])
 
@@ -242,6 +258,10 @@ class AsyncLLM(EngineFrontEnd):
                     with self._lock:
                         added = self._answered(msg[1])
                     added.set_result(None) if msg[0] == "added" else added.set_exception(msg[2])
+                elif msg[0] == "reset":
+                    with self._lock:
+                        done = self._resets.popleft()
+                    done.set_result(msg[1])
                 elif msg[0] == "stopped":
                     return
                 else:
@@ -258,17 +278,18 @@ class AsyncLLM(EngineFrontEnd):
         log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
         with self._lock:
             ids = list(self._streams)
-            adds, self._adds = [a for waiting in self._adds.values() for a in waiting], {}
+            answers = [a for waiting in self._adds.values() for a in waiting] + list(self._resets)
+            self._adds, self._resets = {}, collections.deque()
         err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
         self._deliver([(rid, err) for rid in ids])
-        for added in adds:
-            added.set_exception(err)
+        for answer in answers:
+            answer.set_exception(err)
         while True:  # requests that arrived after the death
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if msg[0] == "add" and msg[-1].set_running_or_notify_cancel():
+            if msg[0] in ("add", "reset") and msg[-1].set_running_or_notify_cancel():
                 msg[-1].set_exception(err)
 
 

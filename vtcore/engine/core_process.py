@@ -8,8 +8,9 @@ sampling values, the family, the latest load), so tokenizing, chat templates and
 the server's process.
 
 One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params, priority)``, ``("abort",
-id)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
-``("rejected", id, error)`` for each add (a bad request fails alone), ``("outputs", [packed RequestOutput],
+id)``, ``("reset",)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
+``("rejected", id, error)`` for each add (a bad request fails alone), ``("reset", caching)`` for each reset (the
+prefix cache forgotten between two steps; answered in order), ``("outputs", [packed RequestOutput],
 EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in its first output,
 its text only if it has stop strings: the front end detokenizes the others, ``vtcore.engine.front_end_text``;
 written by a sender thread, so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every
@@ -166,6 +167,8 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                         sender.send(("added", msg[1]))
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
+                elif msg[0] == "reset":
+                    sender.send(("reset", engine.reset_prefix_cache()))
                 else:  # stop: abort everything, finish the steps in flight
                     stopping = True
                     for rid in list(engine.requests):

@@ -2,7 +2,8 @@
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``GET /v1/models``,
 vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``
-and ``GET /openapi.json``.
+and ``GET /openapi.json``; with ``dev_mode`` (``vtcore serve`` under ``VTCORE_SERVER_DEV_MODE=1``, as vLLM's
+``VLLM_SERVER_DEV_MODE``) also vLLM's ``POST /reset_prefix_cache`` (benchmarks that start each run cold).
 
 - Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a bad field is a
   400 naming it (FastAPI's own 422 is turned into that 400), an unknown model a 404.
@@ -16,7 +17,7 @@ and ``GET /openapi.json``.
 from importlib.metadata import PackageNotFoundError, version as dist_version
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -73,13 +74,14 @@ DEFAULT_CORS: dict[str, Any] = {"allow_origins": ["*"], "allow_methods": ["*"], 
 def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 8 << 20, reasoning_parser: str | None = None,
               chat_template: str | None = None, cors: dict[str, Any] | None = None,
-              return_tokens_as_token_ids: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, dev_mode: bool = False) -> FastAPI:
     """The OpenAI-compatible app over ``engine``; see the module docstring. ``app.state.server`` is
     its ``Serving`` (draining, ``abort_all``: ``vtcore serve``'s graceful shutdown uses them).
     ``reasoning_parser``: a name of :data:`vtcore.server.reasoning.REASONING_PARSERS` (None: off);
     ``chat_template``: a Jinja chat template for every conversation (None: the tokenizer's); ``cors``:
     ``CORSMiddleware``'s options over ``DEFAULT_CORS`` (outermost: a browser reads the gate's 401 and 413 too);
-    ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:{id}`` where a request leaves the field out."""
+    ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:{id}`` where a request leaves the field out;
+    ``dev_mode``: also the development endpoints (the module docstring)."""
     if not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected a positive number of bytes")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -141,6 +143,19 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
         200: {"description": "Prometheus' text exposition format 0.0.4.", "content": {"text/plain": {}}}})
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+    if dev_mode:
+        @app.post("/reset_prefix_cache", response_class=Response, responses={
+            200: {"description": "The prefix cache is forgotten (no body)."}, **errors(400, 401, 503)})
+        async def reset_prefix_cache(
+                reset_running_requests: bool = Query(False, description=(
+                    "vLLM's: also the blocks of running requests. They are always forgotten here (a running "
+                    "request keeps its blocks, which no later prompt is offered), so the reset never fails.")),
+                reset_external: bool = Query(False, description=(
+                    "vLLM's: also a KV connector's cache; this server has none."))) -> Response:
+            serving.check_serving()
+            await serving.engine.reset_prefix_cache()
+            return Response(status_code=200)
 
     fixed_paths = frozenset(route.path for route in app.routes if "{" not in route.path)
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes, metrics=serving.metrics,

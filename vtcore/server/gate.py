@@ -12,8 +12,8 @@ from vtcore.server.metrics import ServerMetrics
 #: A body over the limit is still read (and dropped) up to this much more, so that the client, which
 #: writes its whole body before it reads, sees the 413 instead of a reset connection.
 DRAIN_BYTES = 8 << 20
-#: Paths that need the API key when one is set: the OpenAI API and vLLM's tokenizer endpoints.
-GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+#: Paths that need the API key when one is set: the OpenAI API, vLLM's tokenizer endpoints and its prefix-cache reset.
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache")
 
 
 

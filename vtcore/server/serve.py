@@ -41,7 +41,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help=f"the model name clients send (default: MODEL as given, or {DEFAULT_MODEL_NAME!r})")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $VTCORE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /reset_prefix_cache "
+                        "(default: $VTCORE_API_KEY, else none)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -219,7 +220,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                 "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
         app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,
-                        args.return_tokens_as_token_ids)
+                        args.return_tokens_as_token_ids, dev_mode=os.environ.get("VTCORE_SERVER_DEV_MODE") == "1")
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
                                 access_log=args.log_level == "debug")
