@@ -160,6 +160,41 @@ def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) ->
                          "generation_config.json")
 
 
+@attrs.frozen
+class ProfilerConfig:
+    """``profiler_config`` (vLLM's name and keys): ``profiler`` "torch" (``torch.profiler``, the one this engine
+    has) and ``torch_profiler_dir``, the folder ``stop_profile`` writes each trace to."""
+
+    profiler: str
+    torch_profiler_dir: str
+
+    @classmethod
+    def parse(cls, value: "ProfilerConfig | dict[str, Any] | str | None") -> "ProfilerConfig | None":
+        """From a dict (or its JSON text, as ``--profiler-config`` takes it); None stays None. A bad key or value
+        is refused naming it and what is expected."""
+        if value is None or isinstance(value, ProfilerConfig):
+            return value
+        example = '{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}'
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"profiler_config={value!r}: not valid JSON ({exc}); expected such as {example}") \
+                    from None
+        if not isinstance(value, dict):
+            raise ValueError(f"profiler_config={value!r}: expected a dict such as {example}")
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"profiler_config: unknown key(s) {unknown}; expected {sorted(known)}")
+        if value.get("profiler") != "torch":
+            raise ValueError(f"profiler_config: profiler={value.get('profiler')!r}, expected 'torch'")
+        folder = value.get("torch_profiler_dir")
+        if not isinstance(folder, str) or not folder:
+            raise ValueError(f"profiler_config: torch_profiler_dir={folder!r}, expected the folder traces go to")
+        return cls(profiler="torch", torch_profiler_dir=folder)
+
+
 @attrs.define(kw_only=True)
 class EngineConfig:
     """The engine's knobs (vLLM's names). ``None`` means "derive from the checkpoint or device".
@@ -223,6 +258,11 @@ class EngineConfig:
                     'registered family of the same vocabulary proposes) or {"method": "mtp", '
                     '"num_speculative_tokens": K} (the checkpoint\'s own MTP head)', "default_help": "off",
             "metavar": "JSON"})
+    profiler_config: ProfilerConfig | None = attrs.field(
+        default=None, converter=ProfilerConfig.parse, metadata={
+            "help": 'torch.profiler traces of the steps between start_profile and stop_profile (LLM, AsyncLLM, and '
+                    'the server\'s POST /start_profile and /stop_profile), as JSON: {"profiler": "torch", '
+                    '"torch_profiler_dir": DIR}', "default_help": "off", "metavar": "JSON"})
     enforce_eager: bool = attrs.field(default=False, validator=_bool, metadata={
         "help": "run every step eagerly, without CUDA graphs (decode, verify and lone prefill-chunk steps)"})
     async_scheduling: bool | None = attrs.field(default=None, validator=_bool, metadata={

@@ -23,7 +23,7 @@ import threading
 from typing import Any, AsyncIterator
 
 from vtcore.engine.arg_utils import engine_config
-from vtcore.engine.core_process import CoreClient
+from vtcore.engine.core_process import ENGINE_CALLS, CoreClient
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.gil import favour_engine_thread
 from vtcore.engine.llm_engine import LLMEngine, Prompt
@@ -54,7 +54,7 @@ class AsyncLLM(EngineFrontEnd):
         # adds sent to the core process and not answered yet, per request id in the order sent (a caller that
         # left before its answer may reuse its id; the core answers adds in order)
         self._adds: dict[str, collections.deque[concurrent.futures.Future]] = {}
-        self._resets: collections.deque[concurrent.futures.Future] = collections.deque()  # sent, not answered
+        self._calls: collections.deque[concurrent.futures.Future] = collections.deque()  # sent, not answered
         self._stopping = False
         self.dead: BaseException | None = None
         if self.core is None:  # the engine loop shares this process's GIL with the caller's event loop
@@ -131,9 +131,24 @@ class AsyncLLM(EngineFrontEnd):
         """Forget every cached KV block and state snapshot between two of the engine's steps (vLLM's); requests
         running meanwhile keep their blocks, which are no longer offered to later prompts. True when prefix
         caching is on."""
+        return await self._call("reset_prefix_cache")
+
+    async def start_profile(self) -> None:
+        """Record the engine's steps from now on with torch.profiler (vLLM's; needs ``profiler_config``)."""
+        await self._call("start_profile")
+
+    async def stop_profile(self) -> str:
+        """End the recording; returns the trace file's path (:mod:`vtcore.engine.profiler`)."""
+        return await self._call("stop_profile")
+
+    async def _call(self, method: str) -> Any:
+        """``engine.<method>()`` between two of its steps (on the engine thread, or in the core process); what
+        it raises is raised here."""
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"AsyncLLM: {method!r} is not an engine call; expected one of {ENGINE_CALLS}")
         self._check_alive()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("reset", done))
+        self._submit(("call", method, done))
         return await asyncio.wrap_future(done)
 
     def _forget(self, request_id: str, engine_id: str) -> None:
@@ -154,13 +169,13 @@ class AsyncLLM(EngineFrontEnd):
             self._submit(("abort", engine_id))
 
     def _submit(self, msg: tuple) -> None:
-        """An add or a reset (its last item the future its caller awaits) or an abort: into the engine thread's
+        """An add or an engine call (its last item the future its caller awaits) or an abort: into the engine thread's
         inbox, or straight to the core process (the future is then running: only the core's answer ends it)."""
         if self.core is None:
             self._inbox.put(msg)
             self._wake.set()
             return
-        if msg[0] in ("add", "reset"):
+        if msg[0] in ("add", "call"):
             answer = msg[-1]
             answer.set_running_or_notify_cancel()
             with self._lock:
@@ -169,7 +184,7 @@ class AsyncLLM(EngineFrontEnd):
                 if msg[0] == "add":
                     self._adds.setdefault(msg[1], collections.deque()).append(answer)
                 else:
-                    self._resets.append(answer)
+                    self._calls.append(answer)
             msg = msg[:-1]
         try:
             self.core.send(msg)
@@ -225,9 +240,13 @@ class AsyncLLM(EngineFrontEnd):
                     added.set_exception(exc)
                 else:
                     added.set_result(None)
-            elif msg[0] == "reset":
-                if msg[1].set_running_or_notify_cancel():
-                    msg[1].set_result(self.engine.reset_prefix_cache())
+            elif msg[0] == "call":
+                done = msg[2]
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(getattr(self.engine, msg[1])())
+                    except Exception as exc:  # noqa: BLE001 - the caller's (a profile not started, ...)
+                        done.set_exception(exc)
             else:
                 self.engine.abort_request(msg[1])
 
@@ -258,10 +277,10 @@ class AsyncLLM(EngineFrontEnd):
                     with self._lock:
                         added = self._answered(msg[1])
                     added.set_result(None) if msg[0] == "added" else added.set_exception(msg[2])
-                elif msg[0] == "reset":
+                elif msg[0] in ("answer", "failed"):
                     with self._lock:
-                        done = self._resets.popleft()
-                    done.set_result(msg[1])
+                        done = self._calls.popleft()
+                    done.set_result(msg[1]) if msg[0] == "answer" else done.set_exception(msg[1])
                 elif msg[0] == "stopped":
                     return
                 else:
@@ -278,8 +297,8 @@ class AsyncLLM(EngineFrontEnd):
         log.error("vtcore: engine loop died: %s: %s", type(exc).__name__, exc)
         with self._lock:
             ids = list(self._streams)
-            answers = [a for waiting in self._adds.values() for a in waiting] + list(self._resets)
-            self._adds, self._resets = {}, collections.deque()
+            answers = [a for waiting in self._adds.values() for a in waiting] + list(self._calls)
+            self._adds, self._calls = {}, collections.deque()
         err = EngineDeadError(f"the engine loop died: {type(exc).__name__}: {exc}")
         self._deliver([(rid, err) for rid in ids])
         for answer in answers:
@@ -289,7 +308,7 @@ class AsyncLLM(EngineFrontEnd):
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if msg[0] in ("add", "reset") and msg[-1].set_running_or_notify_cancel():
+            if msg[0] in ("add", "call") and msg[-1].set_running_or_notify_cancel():
                 msg[-1].set_exception(err)
 
 

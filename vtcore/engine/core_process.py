@@ -8,14 +8,14 @@ sampling values, the family, the latest load), so tokenizing, chat templates and
 the server's process.
 
 One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params, priority)``, ``("abort",
-id)``, ``("reset",)``, ``("stop",)``. Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or
-``("rejected", id, error)`` for each add (a bad request fails alone), ``("reset", caching)`` for each reset (the
-prefix cache forgotten between two steps; answered in order), ``("outputs", [packed RequestOutput],
-EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in its first output,
-its text only if it has stop strings: the front end detokenizes the others, ``vtcore.engine.front_end_text``;
-written by a sender thread, so a slow reader never stalls the steps), ``("stopped",)`` after a stop (every
-request aborted and finished; an add after a stop is rejected), or ``("dead", error)`` when the engine
-raised (then it exits).
+id)``, ``("call", method)`` (one of ``ENGINE_CALLS``: the engine's method run between two steps), ``("stop",)``.
+Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or ``("rejected", id, error)`` for each add
+(a bad request fails alone), ``("answer", value)`` or ``("failed", error)`` for each call, in order, ``("outputs",
+[packed RequestOutput], EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in
+its first output, its text only if it has stop strings: the front end detokenizes the others,
+``vtcore.engine.front_end_text``; written by a sender thread, so a slow reader never stalls the steps),
+``("stopped",)`` after a stop (every request aborted and finished; an add after a stop is rejected), or ``("dead",
+error)`` when the engine raised (then it exits).
 Between steps the core takes every message waiting; with no work it blocks on the pipe.
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 #: seconds ``shutdown`` waits for the core to finish its requests and exit before it is killed
 STOP_TIMEOUT_S = 30
+#: the engine methods a front end may call between steps (``AsyncLLM``'s of the same names)
+ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile")
 
 
 @attrs.frozen
@@ -167,8 +169,13 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                         sender.send(("added", msg[1]))
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
-                elif msg[0] == "reset":
-                    sender.send(("reset", engine.reset_prefix_cache()))
+                elif msg[0] == "call":
+                    try:
+                        if msg[1] not in ENGINE_CALLS:
+                            raise ValueError(f"{msg[1]!r} is not an engine call; expected one of {ENGINE_CALLS}")
+                        sender.send(("answer", getattr(engine, msg[1])()))
+                    except Exception as exc:  # noqa: BLE001 - the caller's to raise (a profile not started, ...)
+                        sender.send(("failed", _sendable(exc)))
                 else:  # stop: abort everything, finish the steps in flight
                     stopping = True
                     for rid in list(engine.requests):

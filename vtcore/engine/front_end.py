@@ -29,6 +29,11 @@ class EngineFrontEnd:
         return self.engine.config.model
 
     @property
+    def profiling(self) -> bool:
+        """Whether ``start_profile`` can record: the engine was given a ``profiler_config``."""
+        return self.engine.config.profiler_config is not None
+
+    @property
     def tokenizer(self) -> Any:
         """The checkpoint's Hugging Face tokenizer, or None when it has none."""
         return self.engine.tokenizer

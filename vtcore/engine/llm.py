@@ -29,6 +29,15 @@ class LLM(EngineFrontEnd):
         when prefix caching is on."""
         return self.engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """Record what the engine does from now on with torch.profiler (vLLM's; the engine needs
+        ``profiler_config``); ``stop_profile`` writes the trace."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> str:
+        """End the recording; returns the trace file's path (in ``profiler_config``'s ``torch_profiler_dir``)."""
+        return self.engine.stop_profile()
+
     def shutdown(self) -> None:
         """Stop the engine's threads and tensor-parallel worker processes (also done at interpreter exit)."""
         self.engine.shutdown()

@@ -18,6 +18,7 @@ from vtcore.engine.compile_watch import watch_triton_compiles
 from vtcore.engine.detokenizer import IncrementalDetokenizer
 from vtcore.engine.front_end_text import text_in_front_end
 from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.engine.profiler import StepProfiler
 from vtcore.engine.prompt_text import Prompt, PromptText, prompt_cache_salt
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
@@ -227,6 +228,7 @@ class LLMEngine(PromptText):
                                    device_drafts=drafts_on_device(config), lookahead=self.runner.lookahead,
                                    by_priority=config.scheduling_policy == "priority")
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
+        self.profiler = StepProfiler(config.profiler_config, self.device)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         #: an engine core process's: requests without stop strings get no text here (``front_end_text``)
@@ -633,6 +635,15 @@ class LLMEngine(PromptText):
         if self.scheduler.snapshots is not None:
             self.scheduler.snapshots.reset()
         return self.pool.caching
+
+    def start_profile(self) -> None:
+        """Record the steps from now on with torch.profiler (vLLM's; needs ``profiler_config``):
+        :mod:`vtcore.engine.profiler`."""
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """End the recording started by ``start_profile``; returns the trace file's path."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         """Stop the runner's threads and tensor-parallel workers, and a draft model's (idempotent)."""

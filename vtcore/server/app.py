@@ -3,7 +3,9 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``GET /v1/models``,
 vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``
 and ``GET /openapi.json``; with ``dev_mode`` (``vtcore serve`` under ``VTCORE_SERVER_DEV_MODE=1``, as vLLM's
-``VLLM_SERVER_DEV_MODE``) also vLLM's ``POST /reset_prefix_cache`` (benchmarks that start each run cold).
+``VLLM_SERVER_DEV_MODE``) also vLLM's ``POST /reset_prefix_cache`` (benchmarks that start each run cold); with an
+engine given a ``profiler_config``, vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (a torch.profiler
+trace of the steps between them, written to the configured folder).
 
 - Every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; a bad field is a
   400 naming it (FastAPI's own 422 is turned into that 400), an unknown model a 404.
@@ -64,6 +66,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         return to_api_error(exc).response()
+
+
+async def _profile(call: Any) -> None:
+    """A profiler call; starting while recording, or stopping while not, is a 409 saying so."""
+    try:
+        await call()
+    except RuntimeError as exc:
+        raise APIError(409, str(exc), code="conflict") from None
 
 
 #: vLLM's CORS defaults (``--allowed-origins`` and the rest): any origin, method and header, no credentials
@@ -155,6 +165,19 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
                     "vLLM's: also a KV connector's cache; this server has none."))) -> Response:
             serving.check_serving()
             await serving.engine.reset_prefix_cache()
+            return Response(status_code=200)
+
+    if engine.profiling:
+        @app.post("/start_profile", response_class=Response, responses={
+            200: {"description": "Recording (no body)."}, **errors(401, 409)})
+        async def start_profile() -> Response:
+            await _profile(engine.start_profile)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile", response_class=Response, responses={
+            200: {"description": "The trace is written to the profiler's folder (no body)."}, **errors(401, 409)})
+        async def stop_profile() -> Response:
+            await _profile(engine.stop_profile)
             return Response(status_code=200)
 
     fixed_paths = frozenset(route.path for route in app.routes if "{" not in route.path)

@@ -12,8 +12,9 @@ from vtcore.server.metrics import ServerMetrics
 #: A body over the limit is still read (and dropped) up to this much more, so that the client, which
 #: writes its whole body before it reads, sees the 413 instead of a reset connection.
 DRAIN_BYTES = 8 << 20
-#: Paths that need the API key when one is set: the OpenAI API, vLLM's tokenizer endpoints and its prefix-cache reset.
-GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache")
+#: Paths that need the API key when one is set: the OpenAI API, vLLM's tokenizer endpoints, its prefix-cache reset
+#: and its profiler switches.
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache", "/start_profile", "/stop_profile")
 
 
 

@@ -14,6 +14,7 @@ _ERRORS = {
     400: "A bad request: the message says what is wrong and `param` names the field.",
     401: "No valid API key (`Authorization: Bearer <key>`); only when the server has one.",
     404: "An unknown model (`param`: model) or path.",
+    409: "The profiler is already recording (start), or is not (stop).",
     413: "The body is over the server's size limit.",
     500: "The engine failed (`code`: engine_dead when its loop died).",
     503: "The server is shutting down.",

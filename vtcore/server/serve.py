@@ -41,8 +41,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help=f"the model name clients send (default: MODEL as given, or {DEFAULT_MODEL_NAME!r})")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /reset_prefix_cache "
-                        "(default: $VTCORE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /reset_prefix_cache, "
+                        "/start_profile and /stop_profile (default: $VTCORE_API_KEY, else none)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
