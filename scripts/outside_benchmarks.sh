@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Two outside benchmark clients against a running `vtcore serve` (README, "Serving"): guidellm (synthetic
 # prompts with a shared prefix over /v1/completions, Poisson arrivals; then chat at concurrency 4) and NVIDIA's
-# aiperf (chat and completions, streamed; --reset-kv-cache, which needs the server's development endpoints:
-# VTCORE_SERVER_DEV_MODE=1). Each must finish every request with no error; their reports go to OUTDIR.
+# aiperf (chat and completions, streamed; --reset-kv-cache and --server-profiler, which need the server's development
+# endpoints and its profiler: VTCORE_SERVER_DEV_MODE=1 vtcore serve --profiler-config JSON). Each must finish every
+# request with no error; their reports go to OUTDIR.
 #   bash scripts/outside_benchmarks.sh URL MODEL_DIR OUTDIR   (guidellm and aiperf on PATH; offline is fine)
 # MODEL_DIR is the served checkpoint: both clients load its tokenizer, guidellm by the served model's name
 # (a link of that name to MODEL_DIR, in a scratch folder it runs from), aiperf through a hub cache it is given.
@@ -33,10 +34,11 @@ guidellm run --backend "kind=openai_http,target=$url" --profile kind=concurrent,
     --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --constraint kind=max_requests,count=16 \
     --disable-progress --output "kind=json,path=$out/guidellm-chat.json" | tail -n 12
 for endpoint in chat completions; do
-    echo "== aiperf: $endpoint, streamed, concurrency 4, 64 in, 32 out, the prefix cache reset first"
+    echo "== aiperf: $endpoint, streamed, concurrency 4, 64 in, 32 out, the prefix cache reset first, profiled"
     aiperf profile -m "$name" --tokenizer local/served --url "$url" --endpoint-type "$endpoint" --streaming \
         --concurrency 4 --request-count 16 --synthetic-input-tokens-mean 64 --output-tokens-mean 32 \
-        --extra-inputs ignore_eos:true --reset-kv-cache --artifact-dir "$out/aiperf-$endpoint" --ui-type none \
+        --extra-inputs ignore_eos:true --reset-kv-cache --server-profiler --artifact-dir "$out/aiperf-$endpoint" \
+        --ui-type none \
         | grep -E "Request Error Rate|Completed Requests|Time to First Token|Request Latency"
 done
 python3 - "$out" <<'PY'
