@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Two outside benchmark clients against a running `vtcore serve` (README, "Serving"): guidellm (synthetic
-# prompts with a shared prefix over /v1/completions, Poisson arrivals; then chat at concurrency 4) and NVIDIA's
-# aiperf (chat and completions, streamed; --reset-kv-cache and --server-profiler, which need the server's development
-# endpoints and its profiler: VTCORE_SERVER_DEV_MODE=1 vtcore serve --profiler-config JSON). Each must finish every
-# request with no error; their reports go to OUTDIR.
+# Two outside benchmark clients against a running `vtcore serve` (README, "Serving"): guidellm (synthetic prompts
+# with a shared prefix over /v1/completions, Poisson arrivals; then chat and responses at concurrency 4) and
+# NVIDIA's aiperf (chat, completions and responses, streamed; --reset-kv-cache and --server-profiler, which need the
+# server's development endpoints and its profiler: VTCORE_SERVER_DEV_MODE=1 vtcore serve --profiler-config JSON).
+# Each must finish every request with no error; their reports go to OUTDIR.
 #   bash scripts/outside_benchmarks.sh URL MODEL_DIR OUTDIR   (guidellm and aiperf on PATH; offline is fine)
 # MODEL_DIR is the served checkpoint: both clients load its tokenizer, guidellm by the served model's name
 # (a link of that name to MODEL_DIR, in a scratch folder it runs from), aiperf through a hub cache it is given.
@@ -33,7 +33,11 @@ echo "== guidellm: /v1/chat/completions, concurrency 4, 64 in, 32 out"
 guidellm run --backend "kind=openai_http,target=$url" --profile kind=concurrent,streams=4 \
     --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --constraint kind=max_requests,count=16 \
     --disable-progress --output "kind=json,path=$out/guidellm-chat.json" | tail -n 12
-for endpoint in chat completions; do
+echo "== guidellm: /v1/responses, concurrency 4, 64 in, 32 out"
+guidellm run --backend "kind=openai_http,target=$url,request_format=/v1/responses" --profile kind=concurrent,streams=4 \
+    --data kind=synthetic_text,prompt_tokens=64,output_tokens=32 --constraint kind=max_requests,count=12 \
+    --disable-progress --output "kind=json,path=$out/guidellm-responses.json" | tail -n 12
+for endpoint in chat completions responses; do
     echo "== aiperf: $endpoint, streamed, concurrency 4, 64 in, 32 out, the prefix cache reset first, profiled"
     aiperf profile -m "$name" --tokenizer local/served --url "$url" --endpoint-type "$endpoint" --streaming \
         --concurrency 4 --request-count 16 --synthetic-input-tokens-mean 64 --output-tokens-mean 32 \
@@ -44,12 +48,12 @@ done
 python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
-for name in ("guidellm-completions", "guidellm-chat"):
+for name in ("guidellm-completions", "guidellm-chat", "guidellm-responses"):
     reqs = json.load(open(f"{out}/{name}.json"))["benchmarks"][0]["requests"]
     print(f"{name}: {len(reqs['successful'])} successful, {len(reqs['errored'])} errored, "
           f"{len(reqs['incomplete'])} incomplete")
     assert not reqs["errored"] and not reqs["incomplete"], name
-for endpoint in ("chat", "completions"):
+for endpoint in ("chat", "completions", "responses"):
     rows = [json.loads(line) for line in open(f"{out}/aiperf-{endpoint}/profile_export.jsonl")]
     usage = [r["metrics"]["usage_completion_tokens"]["value"] for r in rows]
     print(f"aiperf {endpoint}: {len(rows)} records, server-counted output tokens {sorted(set(usage))}")

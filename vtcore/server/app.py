@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front end over ``AsyncLLM`` (vLLM's shape): ``build_app`` and its routes.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (both with SSE streaming), ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (each with SSE streaming),
+``GET /v1/models``,
 vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``
 and ``GET /openapi.json``; with ``dev_mode`` (``vtcore serve`` under ``VTCORE_SERVER_DEV_MODE=1``, as vLLM's
 ``VLLM_SERVER_DEV_MODE``) also vLLM's ``POST /reset_prefix_cache`` (benchmarks that start each run cold); with an
@@ -36,6 +37,7 @@ from vtcore.server.openapi import errors, json_or_stream, openapi_document
 from vtcore.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                     TokenizeRequest, TokenizeResponse, bounded)
 from vtcore.server.reasoning import REASONING_PARSERS
+from vtcore.server.responses import ResponsesEndpoint, ResponsesRequest
 from vtcore.server.serving import Serving
 from vtcore.server.tokenization import Tokenization
 
@@ -99,8 +101,10 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
     serving = Serving(engine, served_model_name, chat_template, return_tokens_as_token_ids)
     parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     completions, chat, tokenization = CompletionsEndpoint(serving), ChatEndpoint(serving, parser), Tokenization(serving)
+    responses = ResponsesEndpoint(serving, parser)
     CompletionBody = bounded(CompletionRequest, serving.limits)
     ChatBody = bounded(ChatCompletionRequest, serving.limits)
+    ResponsesBody = bounded(ResponsesRequest, serving.limits)
     DetokenizeBody = bounded(DetokenizeRequest, serving.limits)
     app = FastAPI(title="vtcore", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   description=f"OpenAI-compatible API (vLLM's shape) serving {served_model_name!r}.")
@@ -118,6 +122,12 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
         **json_or_stream("A chat.completion, or its chunks when streamed."), **_REQUEST_ERRORS})
     async def create_chat_completion(body: ChatBody, request: Request) -> Response:
         return await chat(body, request)
+
+    @app.post("/v1/responses", response_model=None, responses={
+        **json_or_stream("A response, or its typed events (`event: response.created`, ...) when streamed."),
+        **_REQUEST_ERRORS})
+    async def create_response(body: ResponsesBody, request: Request) -> Response:
+        return await responses(body, request)
 
     @app.post("/tokenize", responses=_REQUEST_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -1,4 +1,4 @@
-"""The skeleton that both generation endpoints (completions, chat) share.
+"""The skeleton that the generation endpoints (completions, chat, responses) share.
 
 A request is prepared off the event loop (the checks every endpoint makes, the endpoint's own,
 tokenizing, ``SamplingParams``), then each of its prompts runs as one engine request whose ``n``
@@ -152,7 +152,8 @@ class ChoiceStream(Protocol):
 class GenerationEndpoint(ABC, Generic[Body]):
     """``await endpoint(body, request)`` answers one request; subclasses fill in the hooks."""
 
-    id_prefix: ClassVar[str]  # of the response id: "cmpl", "chatcmpl"
+    id_prefix: ClassVar[str]  # of the response id: "cmpl", "chatcmpl", "resp"
+    id_separator: ClassVar[str] = "-"  # between the prefix and the hex ("resp_...": OpenAI's Responses ids)
     object: ClassVar[str]  # the response's "object"
     chunk_object: ClassVar[str]  # a streamed chunk's "object"
 
@@ -217,7 +218,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
         checked = self.make_params(kw, renames)  # every value checked as the client sent it
         prompts = self.prompts(body)
         tokens_field = renames.get("max_tokens", "max_tokens")
-        job_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        job_id = f"{self.id_prefix}{self.id_separator}{uuid.uuid4().hex}"
         engine_prompts = []
         for i, (text, ids) in enumerate(prompts.items):
             kept = checked.truncated(ids, self.serving.limits.max_model_len)
@@ -340,8 +341,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         for field, harmless in body.refused_extensions.items():
             value = (body.model_extra or {}).get(field, harmless)
             if value is not None and not json_equal(value, harmless):
-                raise APIError(400, f"{field}={value!r}: this vLLM extension is not supported here; leave it out",
-                               field, "unsupported")
+                why = body.refusal_reasons.get(field, "this vLLM extension is not supported here")
+                raise APIError(400, f"{field}={value!r}: {why}; leave it out", field, "unsupported")
 
     def sampling_kwargs(self, body: Body) -> dict[str, Any]:
         """SamplingParams fields both endpoints take alike; the checkpoint's generation_config.json

@@ -223,6 +223,8 @@ class GenerationRequest(BoundedModel):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_generation_schema)
     #: vLLM extensions refused unless sent at the value that asks for nothing (``json_equal``)
     refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, **_TEMPLATE_SWITCHES}
+    #: why a refused field is refused, where it is not a vLLM extension this server lacks
+    refusal_reasons: ClassVar[dict[str, str]] = {}
     #: JSON Schema keywords for what the endpoint refuses across fields
     schema_rules: ClassVar[dict[str, Any]] = {}
     #: the fields that count output tokens: each leaves room for a prompt token within the context

@@ -1,0 +1,125 @@
+"""``POST /v1/responses`` (OpenAI's Responses API as vLLM serves it) through the real ``openai`` client: the
+answer is the chat endpoint's for the same conversation, streamed as OpenAI's typed events whose deltas join to
+it, ``text.format`` constrains it, what is not served is refused naming the field, and a reasoning parser puts the
+thinking block in a reasoning item before the message, streamed or not."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.server_harness import MODEL, client, engine, error_of, httpx, needs_default_model, server
+from vtcore.server.generation import Delta
+from vtcore.server.reasoning import ThinkSplitter
+from vtcore.server.responses import ResponsesEndpoint, _OutputEvents
+
+openai = pytest.importorskip("openai")
+pytestmark = needs_default_model
+__all__ = ["client", "engine", "server"]  # (the module fixtures this file uses)
+
+
+def _chat(client: Any, messages: list[dict[str, Any]], n: int) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0)
+
+
+def test_the_answer_is_the_chats_for_the_same_conversation(client: Any) -> None:
+    r = client.responses.create(model=MODEL, input="The meaning of life is", instructions="Answer briefly.",
+                                max_output_tokens=9, temperature=0, metadata={"run": "a"})
+    chat = _chat(client, [{"role": "system", "content": "Answer briefly."},
+                          {"role": "user", "content": "The meaning of life is"}], 9)
+    assert r.output_text == chat.choices[0].message.content and r.object == "response" and r.id.startswith("resp_")
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 9
+    assert r.usage.total_tokens == chat.usage.total_tokens and r.metadata == {"run": "a"}
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # cut at its length
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"
+    assert item.id.startswith("msg_") and item.content[0].type == "output_text"
+
+
+def test_messages_of_parts_and_roles_render_as_a_chats(client: Any) -> None:
+    given = [{"role": "developer", "content": "Be kind."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                                              {"type": "input_text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+             {"role": "user", "content": "A friend is"}]
+    r = client.responses.create(model=MODEL, input=given, max_output_tokens=7, temperature=0)
+    chat = _chat(client, [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi\nthere"},
+                          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "A friend is"}], 7)
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_stream_is_openais_events_and_joins_to_the_whole_answer(client: Any, server: Any) -> None:
+    kw = dict(model=MODEL, input="Once upon a time", max_output_tokens=10, temperature=0)
+    whole = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text == final.output_text and len(deltas) >= 2
+    assert events[0].response.status == "in_progress" and final.status == "incomplete"
+    assert final.usage.output_tokens == 10 and final.id == events[0].response.id
+    with httpx.stream("POST", server.url + "/v1/responses", json={**kw, "stream": True}, timeout=60) as raw:
+        lines = [line for line in raw.iter_lines() if line]
+    assert lines[0] == "event: response.created" and json.loads(lines[1][6:])["type"] == "response.created"
+    assert "data: [DONE]" not in lines
+
+
+def test_text_format_constrains_the_answer(client: Any) -> None:
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer",
+              "minimum": 0, "maximum": 4}}, "required": ["kind", "legs"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="A pet in JSON:", max_output_tokens=300, temperature=1.0, text={
+        "format": {"type": "json_schema", "name": "pet", "schema": schema, "strict": True}}, extra_body={"seed": 1})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema" and r.status == "completed"
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True}, "background"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"), ({"n": 2}, "n"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": []}, "input"), ({"return_token_ids": True}, "return_token_ids"),
+    ({"max_output_tokens": 10 ** 6}, "max_output_tokens")])
+def test_what_is_not_served_is_refused_by_name(client: Any, extra: dict[str, Any], field: str) -> None:
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**{k: v for k, v in body.items() if k in ("model", "input")},
+                                extra_body={k: v for k, v in body.items() if k not in ("model", "input")})
+    err = error_of(info.value)
+    assert field in err["message"] or err["param"] == field, err
+
+
+def test_a_reasoning_parser_puts_the_thought_in_a_reasoning_item_streamed_or_not() -> None:
+    text = "<think>\nweigh it</think>\n\nThe answer."
+    pieces = ["<th", "ink>\nwei", "gh it</thi", "nk>\n", "\nThe ans", "wer."]
+    stream = _OutputEvents(ThinkSplitter)
+    events = [e for piece in pieces for e in stream.chunks(None, Delta(piece, [], [], None, None, 0))]
+    events += stream.close("stop")
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "response.output_item.added" and events[0][1]["item"]["type"] == "reasoning"
+    assert "".join(f["delta"] for k, f in events if k == "response.reasoning_text.delta") == "\nweigh it"
+    assert "".join(f["delta"] for k, f in events if k == "response.output_text.delta") == "The answer."
+    assert [f["output_index"] for k, f in events if k == "response.output_item.done"] == [0, 1]
+    whole = ResponsesEndpoint.response_choice(_Parser(), None, _Done(text))["output"]
+    assert [(i["type"], i["content"][0]["text"]) for i in stream.items] == [
+        (i["type"], i["content"][0]["text"]) for i in whole] == [("reasoning", "\nweigh it"),
+                                                                 ("message", "The answer.")]
+
+
+class _Parser:
+    reasoning_parser = ThinkSplitter
+
+
+class _Done:
+    def __init__(self, text: str) -> None:
+        self.text, self.finish_reason = text, "stop"
