@@ -7,6 +7,7 @@ its own engine. Every socket is 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -63,6 +64,18 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
+
+
+@contextlib.contextmanager
+def template_server(engine: AsyncLLM, template: str) -> Iterator[ServerThread]:
+    """A server over ``engine`` whose tokenizer renders conversations with ``template`` meanwhile."""
+    tokenizer = engine.engine.tokenizer
+    own, tokenizer.chat_template = tokenizer.chat_template, template
+    try:
+        with ServerThread(build_app(engine, MODEL)) as srv:
+            yield srv
+    finally:
+        tokenizer.chat_template = own
 
 
 @pytest.fixture(scope="module")

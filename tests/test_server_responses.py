@@ -1,16 +1,18 @@
 """``POST /v1/responses`` (OpenAI's Responses API as vLLM serves it) through the real ``openai`` client: the
 answer is the chat endpoint's for the same conversation, streamed as OpenAI's typed events whose deltas join to
-it, ``text.format`` constrains it, what is not served is refused naming the field, and a reasoning parser puts the
-thinking block in a reasoning item before the message, streamed or not."""
+it, ``text.format`` constrains it, what is not served is refused naming the field, a reasoning parser puts the
+thinking block in a reasoning item before the message, streamed or not, and function tools (over the tool template
+of ``test_server_tools``) give ``function_call`` items, streamed alike, whose round trip renders as a chat's."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterator
 
 import jsonschema
 import pytest
 
-from tests.server_harness import MODEL, client, engine, error_of, httpx, needs_default_model, server
+from tests.server_harness import MODEL, client, engine, error_of, httpx, needs_default_model, server, template_server
+from tests.test_server_tools import ASK, SCHEMAS, TEMPLATE, TOOLS
 from vtcore.server.generation import Delta
 from vtcore.server.reasoning import ThinkSplitter
 from vtcore.server.responses import ResponsesEndpoint, _OutputEvents
@@ -84,7 +86,8 @@ def test_text_format_constrains_the_answer(client: Any) -> None:
 @pytest.mark.parametrize("extra,field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True}, "background"),
     ({"reasoning": {"effort": "low"}}, "reasoning"), ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"), ({"n": 2}, "n"),
+    ({"tools": [{"type": "web_search"}]}, "tools"), ({"n": 2}, "n"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
@@ -119,7 +122,75 @@ def test_a_reasoning_parser_puts_the_thought_in_a_reasoning_item_streamed_or_not
 class _Parser:
     reasoning_parser = ThinkSplitter
 
+    @staticmethod
+    def offered(body: Any) -> None:
+        return None
+
 
 class _Done:
     def __init__(self, text: str) -> None:
         self.text, self.finish_reason = text, "stop"
+
+
+# ------------------------------------------------------------------------------------------- tools
+FN_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"].get("description"),
+             "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def tool_client(engine: Any) -> Iterator[Any]:
+    with template_server(engine, TEMPLATE) as srv:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+
+
+def _ask(client: Any, **kw: Any) -> Any:
+    return client.responses.create(**{"model": MODEL, "input": ASK[0]["content"], "tools": FN_TOOLS,
+                                      "max_output_tokens": 200, "temperature": 1.0, "extra_body": {"seed": 3}, **kw})
+
+
+def test_required_calls_are_function_call_items_and_a_round_trip_renders_as_a_chats(tool_client: Any) -> None:
+    r = _ask(tool_client, tool_choice="required")
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and not [i for i in r.output if i.type == "message"] and r.status == "completed"
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    history = [{"role": "user", "content": ASK[0]["content"]}] + [
+        {"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls] + [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "22 C, sunny"} for c in calls]
+    answer = tool_client.responses.create(model=MODEL, input=history, tools=FN_TOOLS, tool_choice="none",
+                                          max_output_tokens=8, temperature=0)
+    chat = tool_client.chat.completions.create(model=MODEL, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                               temperature=0, messages=ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]}] + [{"role": "tool", "tool_call_id": c.call_id, "content": "22 C, sunny"} for c in calls])
+    assert answer.output_text == chat.choices[0].message.content
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_named_function_is_the_one_called_once(tool_client: Any) -> None:
+    r = _ask(tool_client, tool_choice={"type": "function", "name": "get_time"})
+    assert [i.name for i in r.output if i.type == "function_call"] == ["get_time"]
+
+
+def test_streamed_calls_equal_the_whole_response(tool_client: Any) -> None:
+    whole = _ask(tool_client, tool_choice="required")
+    with tool_client.responses.stream(**{"model": MODEL, "input": ASK[0]["content"], "tools": FN_TOOLS,
+                                         "max_output_tokens": 200, "temperature": 1.0, "extra_body": {"seed": 3},
+                                         "tool_choice": "required"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    done = [(e.name, e.arguments) for e in events if e.type == "response.function_call_arguments.done"]
+    assert done == [(i.name, i.arguments) for i in whole.output if i.type == "function_call"] == [
+        (i.name, i.arguments) for i in final.output]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_bad_tool_choice_is_named(tool_client: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(tool_client, tool_choice={"type": "function", "name": "nope"})
+    assert "'nope' is not among the tools" in error_of(info.value)["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(tool_client, tool_choice="required", text={"format": {"type": "json_object"}})
+    assert error_of(info.value)["param"] == "tool_choice"

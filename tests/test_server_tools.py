@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import jsonschema
 import pytest
-from server_harness import MODEL, ServerThread, engine, needs_default_model  # noqa: F401
+from server_harness import MODEL, engine, needs_default_model, template_server  # noqa: F401
 
 from vtcore.server.tool_calls import CallStream, HermesToolParser, split_calls
 
@@ -58,15 +58,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client(engine: Any) -> Iterator[Any]:  # noqa: F811
-    from vtcore.server.app import build_app
-
-    tokenizer = engine.engine.tokenizer
-    own, tokenizer.chat_template = tokenizer.chat_template, TEMPLATE
-    try:
-        with ServerThread(build_app(engine, MODEL)) as server:
-            yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    finally:
-        tokenizer.chat_template = own
+    with template_server(engine, TEMPLATE) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
 def _chat(client: Any, messages: list = ASK, **kw: Any) -> Any:

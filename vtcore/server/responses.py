@@ -2,12 +2,15 @@
 
 The ``input`` (a string, or messages of text parts) and ``instructions`` (a system message before them) go
 through the chat template as a chat's messages do; the answer is a ``response`` object whose ``output`` holds
-one assistant message (and, under a reasoning parser, the thinking block as a ``reasoning`` item before it).
-Streamed, it is OpenAI's typed events (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``, each with its ``sequence_number``). ``text.format`` (json_object, json_schema) and vLLM's
-``structured_outputs`` constrain the answer; the sampling fields and vLLM's extras are chat's. Nothing is stored
-(``store`` is taken and changes nothing), so ``previous_response_id``, background responses, tools, ``include``
-and a reasoning configuration are refused with a 400 naming them.
+an assistant message (under a reasoning parser, the thinking block as a ``reasoning`` item before it; with
+``tools``, each call the family's tool-call parser finds as a ``function_call`` item, and a former call and its
+``function_call_output`` in the input go to the template as a chat's tool calls and tool message). Streamed, it is
+OpenAI's typed events (``response.created`` ... ``response.output_text.delta`` ... ``response.completed``, each
+with its ``sequence_number``; a call's arguments come whole in one delta, as chat streams them). ``text.format``
+(json_object, json_schema) and vLLM's ``structured_outputs`` constrain the answer, ``tool_choice`` "required" or a
+named function forces calls; the sampling fields and vLLM's extras are chat's. Nothing is stored (``store`` is
+taken and changes nothing), so ``previous_response_id``, background responses, ``include``, hosted tools and a
+reasoning configuration are refused with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Pro
 from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatMessage, Count, GenerationRequest, Text
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.serving import Serving
+from vtcore.server.tool_calls import CallStream, split_calls
 from vtcore.server.sse import EventStream
 from vtcore.server.structured import structured_outputs
 from vtcore.structured import StructuredOutputsParams
@@ -47,6 +51,55 @@ class InputMessage(BaseModel):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | list[InputPart]
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made in an earlier turn (a former response's ``function_call`` item)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A call's result, for the model to go on with."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Text
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(BaseModel):
+    """A function the model may call (OpenAI's Responses form: the function's fields beside ``type``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        """The chat form, which the chat template and the tool-call parser take."""
+        fields = self.model_dump(exclude={"type"}, exclude_none=True)
+        return {"type": "function", "function": {k: v for k, v in fields.items() if k in
+                                                 ("name", "description", "parameters", "strict")}}
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(BaseModel):
@@ -79,11 +132,16 @@ class ResponsesRequest(GenerationRequest):
         "background": "background responses are not served (nothing is stored to poll)",
         "include": "no extra output is served", "prompt": "stored prompt templates are not served",
         "reasoning": "reasoning settings are not served",
-        "truncation": "the input is never truncated here", "max_tool_calls": "tools are not served here",
+        "truncation": "the input is never truncated here", "max_tool_calls": "a limit on calls is not served",
         "top_logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)"}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_output_tokens")
+    # what the endpoint refuses otherwise, the document says: a required or named tool_choice asks for tools
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [{
+        "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+               "required": ["tool_choice"]},
+        "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]}
 
-    input: Text | Annotated[list[InputMessage], Field(min_length=1)] = Field(
+    input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(
         description="Text (a user message), or messages of text parts; rendered by the chat template after the "
                     "instructions.")
     instructions: Text | None = Field(None, description="A system message before the input.")
@@ -94,8 +152,8 @@ class ResponsesRequest(GenerationRequest):
     prompt_logprobs: None = Field(None, description="Chat's and completions'; not served here.")
     return_token_ids: bool | None = Field(None, json_schema_extra={"enum": [False, None]},
                                           description="Chat's and completions'; not served here.")
-    tools: list[dict[str, Any]] | None = Field(None, max_length=0, description="Tools are not served here.")
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[FunctionTool] | None = Field(None, description="Functions only (hosted tools are not served).")
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = Field(None, description="Taken; no response is kept (nothing to retrieve or continue).")
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response.")
@@ -119,27 +177,55 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     def __init__(self, serving: Serving, reasoning_parser: type[ThinkSplitter] | None = None) -> None:
         super().__init__(serving)
         self.reasoning_parser = reasoning_parser
+        self.tool_parser = self.engine.tool_parser()  # the served family's, asked of the plugins once
 
     def check(self, body: ResponsesRequest) -> None:
         if body.return_token_ids:
             raise APIError(400, "return_token_ids=true: not served on /v1/responses (use /v1/chat/completions)",
                            "return_token_ids", "unsupported")
+        if body.tools and self.tool_parser is None:
+            raise APIError(400, f"tools: the served model's family {self.engine.engine.family.name!r} has no tool-call "
+                                "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
+        self.forced(body)  # a bad tool_choice is a 400 before anything runs
+
+    def forced(self, body: ResponsesRequest) -> list[dict[str, Any]] | None:
+        """The tools (chat form) ``tool_choice`` forces a call of: "required", every one; a named function, that
+        one; else None. A choice no tool answers is a 400 naming it."""
+        choice = body.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        tools = [t.as_chat_tool() for t in body.tools or ()]
+        if not tools:
+            raise APIError(400, f"tool_choice={choice if isinstance(choice, str) else choice.model_dump()!r}: "
+                                "requires tools", "tool_choice")
+        if choice == "required":
+            return tools
+        named = [t for t in tools if t["function"]["name"] == choice.name]
+        if not named:
+            raise APIError(400, f"tool_choice: the function {choice.name!r} is not among the tools "
+                                f"{[t['function']['name'] for t in tools]}", "tool_choice")
+        return named
 
     def sampling(self, body: ResponsesRequest) -> tuple[dict[str, Any], dict[str, str]]:
         given = body.max_output_tokens is not None
         kw: dict[str, Any] = {"max_tokens": body.max_output_tokens if given else body.max_tokens}
         fmt = body.text.format if body.text is not None else None
-        constraint = None
+        asked = [name for name, on in (("text.format", fmt is not None and fmt.type != "text"), (
+            "structured_outputs", (body.model_extra or {}).get("structured_outputs") is not None), (
+            "tool_choice", self.forced(body) is not None)) if on]
+        if len(asked) > 1:
+            raise APIError(400, f"{' and '.join(asked)} each set the output's form; send one", asked[-1])
+        constraint = structured_outputs(body)
+        if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+            raise APIError(400, "text.format.schema: a json_schema format needs its schema (an object)",
+                           "text.format.schema")
         if fmt is not None and fmt.type != "text":
-            if (body.model_extra or {}).get("structured_outputs") is not None:
-                raise APIError(400, "text.format and structured_outputs both constrain the output; send one",
-                               "structured_outputs")
-            if fmt.type == "json_schema" and fmt.schema_ is None:
-                raise APIError(400, "text.format.schema: a json_schema format needs its schema (an object)",
-                               "text.format.schema")
             constraint = StructuredOutputsParams(json_object=True) if fmt.type == "json_object" else \
                 StructuredOutputsParams(json=fmt.schema_)
-        constraint = constraint or structured_outputs(body)
+        forced = self.forced(body)
+        if forced is not None:  # "required": one call or more (unless parallel_tool_calls is false); named: one
+            many = body.tool_choice == "required" and body.parallel_tool_calls is not False
+            constraint = StructuredOutputsParams(grammar=self.tool_parser.block_grammar(forced, many))
         if constraint is not None:
             parser = self.reasoning_parser
             kw["structured_outputs"] = constraint if parser is None else after_thinking(constraint, parser.START,
@@ -149,24 +235,46 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     def prompts(self, body: ResponsesRequest) -> Prompts:
         items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
         messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions is not None else []
-        for m in items:
-            text = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-            messages.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=text))
-        prompt = render_chat(self.engine, messages, None, chat_template=self.serving.chat_template)
+        for item in items:
+            if isinstance(item, FunctionCallOutputItem):
+                messages.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if messages and messages[-1].role == "assistant":  # one turn: its text, then its calls
+                    messages[-1].model_extra.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            else:
+                text = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
+                messages.append(ChatMessage(role="system" if item.role == "developer" else item.role, content=text))
+        tools = [t.as_chat_tool() for t in body.tools or ()] if body.tool_choice != "none" else None
+        prompt = render_chat(self.engine, messages, None, tools or None, chat_template=self.serving.chat_template)
         return Prompts([(prompt["prompt"], prompt["prompt_token_ids"])], "input")
 
+    def offered(self, body: ResponsesRequest) -> list[dict[str, Any]] | None:
+        """The tools (chat form) whose calls the output is parsed for, or None (none offered)."""
+        return [t.as_chat_tool() for t in body.tools] if body.tools and body.tool_choice != "none" else None
+
     def response_choice(self, body: ResponsesRequest, choice: Choice) -> dict[str, Any]:
-        """The output items of the response's one choice: its reasoning (under a parser, when it thought) and its
-        message."""
+        """The output items of the response's one choice: its reasoning (under a parser, when it thought), its
+        message, and its calls (with tools)."""
         reasoning, content = None, choice.text
         if self.reasoning_parser is not None:
             reasoning, content = split_reasoning(self.reasoning_parser(), choice.text)
+        calls: list[tuple[str, str]] = []
+        tools = self.offered(body)
+        if tools is not None:
+            content, calls = split_calls(self.tool_parser, content, tools)
         status = "completed" if choice.finish_reason == "stop" else "incomplete"
         items = [] if reasoning is None else [_reasoning_item(_new_id("rs"), reasoning)]
-        return {"output": items + [_message_item(_new_id("msg"), content, status)]}
+        if content or not calls:
+            items.append(_message_item(_new_id("msg"), content, status))
+        return {"output": items + [_call_item(_new_id("fc"), name, args) for name, args in calls]}
 
     def stream(self, body: ResponsesRequest) -> _OutputEvents:
-        return _OutputEvents(self.reasoning_parser)
+        tools = self.offered(body)
+        return _OutputEvents(self.reasoning_parser, None if tools is None else CallStream(self.tool_parser, tools))
 
     async def __call__(self, body: ResponsesRequest, request: Request) -> Response:
         job = await self.serving.off_loop(self.prepare, body)
@@ -183,6 +291,8 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         finish = None if choice is None else choice.finish_reason
         status = "in_progress" if choice is None else "completed" if finish == "stop" else "incomplete"
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        choice_field = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else (
+            body.tool_choice or "auto")
         counts = job.usage()
         return {
             "id": job.id, "object": "response", "created_at": job.created, "status": status, "background": False,
@@ -192,8 +302,8 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": None, "store": False, "temperature": body.temperature, "top_p": body.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "tool_choice": body.tool_choice or "auto", "tools": [], "top_logprobs": 0, "truncation": "disabled",
-            "user": body.user,
+            "tool_choice": choice_field, "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "top_logprobs": 0, "truncation": "disabled", "user": body.user,
             "usage": None if choice is None else {
                 "input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
                 "total_tokens": counts["total_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
@@ -224,41 +334,91 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = [] if text is None else [_message_part(text)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-class _OutputEvents:
-    """A streamed response's output items: the reasoning item (under a parser, while the output thinks), then
-    the message; each opened with its ``added`` events and closed with its ``done`` ones. ``chunks`` gives a
-    delta's events, ``close`` the last ones; ``items`` is the finished output."""
+def _message_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def __init__(self, parser: type[ThinkSplitter] | None) -> None:
+
+def _call_item(item_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": "completed", "call_id": _new_id("call"), "name": name,
+            "arguments": arguments}
+
+
+class _OutputEvents:
+    """A streamed response's output items in order: the reasoning item (under a parser, while the output thinks),
+    message items, and a ``function_call`` item for each call the call stream completes (its arguments whole in
+    one delta); each opened with its ``added`` events and closed with its ``done`` ones. ``chunks`` gives a
+    delta's events, ``close`` the last ones; ``items`` is the finished output (an answer of calls only has no
+    message item, as the whole response's)."""
+
+    def __init__(self, parser: type[ThinkSplitter] | None, calls: CallStream | None = None) -> None:
         self.splitter = parser() if parser is not None else None
+        self.calls = calls
         self.items: list[dict[str, Any]] = []
         self.open: str | None = None  # "reasoning" or "message"
         self.text = ""
+        self.called = False
+        self.blank = ""  # white space with no message open: a message's start, or (before or after calls) nothing
 
-    def chunks(self, choice: Choice, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
+    def chunks(self, choice: Choice | None, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
         reasoning, content = ("", delta.text) if self.splitter is None else self.splitter.feed(delta.text)
         return self._parts(reasoning, content)
 
     def close(self, finish_reason: str | None) -> list[tuple[str, dict[str, Any]]]:
         events = self._parts(*self.splitter.flush()) if self.splitter is not None else []
-        if self.open is None or self.open == "reasoning":  # (an answer may be empty: its message still comes)
-            events += self._switch("message")
-        return events + self._close("completed" if finish_reason == "stop" else "incomplete")
+        if self.calls is not None:
+            rest, calls = self.calls.flush()
+            events += self._message(rest) + self._calls(calls)
+        if not self.called and self.open != "message" and not any(i["type"] == "message" for i in self.items):
+            events += self._switch("message")  # (an empty answer still has its message)
+            events += self._message(self.blank, force=True)
+        return events + (self._close("completed" if finish_reason == "stop" else "incomplete") if self.open else [])
 
     def _parts(self, reasoning: str, content: str) -> list[tuple[str, dict[str, Any]]]:
         events = []
-        for kind, text in (("reasoning", reasoning), ("message", content)):
-            if text:
-                if self.open != kind:
-                    events += self._switch(kind)
-                self.text += text
-                where = self._where()
-                events.append(("response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta",
-                               {**where, "delta": text, **({} if kind == "reasoning" else {"logprobs": []})}))
+        if reasoning:
+            if self.open != "reasoning":
+                events += self._switch("reasoning")
+            self.text += reasoning
+            events.append(("response.reasoning_text.delta", {**self._where(), "delta": reasoning}))
+        if self.calls is None:
+            return events + self._message(content)
+        text, calls = self.calls.feed(content)
+        return events + self._message(text) + self._calls(calls)
+
+    def _message(self, text: str, force: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        """A content delta: white space opens no message (as the whole response's content is stripped around
+        calls) until text follows."""
+        if self.open != "message" and not force:
+            text, self.blank = self.blank + text, ""
+            if not text.strip():
+                self.blank = text
+                return []
+        if not text:
+            return []
+        events = self._switch("message") if self.open != "message" else []
+        self.text += text
+        return events + [("response.output_text.delta", {**self._where(), "delta": text, "logprobs": []})]
+
+    def _calls(self, calls: list[tuple[str, str]]) -> list[tuple[str, dict[str, Any]]]:
+        events = []
+        for name, arguments in calls:
+            self.blank = ""
+            if self.open is not None:
+                events += self._close("completed")
+            item = _call_item(_new_id("fc"), name, arguments)
+            index = len(self.items)
+            self.items.append(item)
+            self.called = True
+            where = {"item_id": item["id"], "output_index": index}
+            events += [("response.output_item.added", {"output_index": index,
+                                                       "item": {**item, "arguments": "", "status": "in_progress"}}),
+                       ("response.function_call_arguments.delta", {**where, "delta": arguments}),
+                       ("response.function_call_arguments.done", {**where, "name": name, "arguments": arguments}),
+                       ("response.output_item.done", {"output_index": index, "item": item})]
         return events
 
     def _where(self) -> dict[str, Any]:
@@ -287,7 +447,3 @@ class _OutputEvents:
         self.items[-1] = done
         self.open = None
         return events + [("response.output_item.done", {"output_index": where["output_index"], "item": done})]
-
-
-def _message_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
