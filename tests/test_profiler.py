@@ -113,3 +113,61 @@ def test_the_server_routes_exist_with_a_profiler_only(tmp_path: Any) -> None:
     finally:
         engine.shutdown()
         plain.shutdown()
+
+
+def test_two_engines_of_one_process_write_apart_one_at_a_time(tmp_path: Any) -> None:
+    llms = [LLM(**KNOBS, profiler_config=_config(tmp_path)) for _ in range(2)]
+    try:
+        paths = []
+        for llm in llms:
+            llm.start_profile()
+            with pytest.raises(RuntimeError, match="another engine of this process is recording"):
+                llms[1 - llms.index(llm)].start_profile()
+            paths.append(llm.stop_profile())
+    finally:
+        for llm in llms:
+            llm.shutdown()
+    assert len(set(paths)) == 2 and len(os.listdir(tmp_path / "traces")) == 2
+
+
+def test_calls_from_two_threads_get_their_own_answers(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core answers calls in the order they reach the pipe; a call whose sending is slow (here: held 0.3 s, as
+    a thread switch may hold it) must still get its own answer, not the next caller's."""
+    import threading
+    import time
+
+    llm = AsyncLLM(**KNOBS, profiler_config=_config(tmp_path), engine_core_process=True)
+    send = llm.core.send
+
+    def slow_send(msg: tuple) -> None:
+        if msg == ("call", "stop_profile"):
+            time.sleep(0.3)
+        send(msg)
+
+    monkeypatch.setattr(llm.core, "send", slow_send)
+    answers: dict[str, Any] = {}
+
+    def call(name: str, delay: float) -> None:
+        time.sleep(delay)
+        answers[name] = asyncio.run(getattr(llm, name)())
+
+    try:
+        asyncio.run(llm.start_profile())
+        threads = [threading.Thread(target=call, args=("stop_profile", 0)),
+                   threading.Thread(target=call, args=("reset_prefix_cache", 0.1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        llm.shutdown()
+    assert answers["reset_prefix_cache"] is True and str(answers["stop_profile"]).endswith(".pt.trace.json.gz")
+
+
+def test_a_dead_engine_is_a_500_not_a_conflict(tmp_path: Any) -> None:
+    engine = AsyncLLM(**KNOBS, profiler_config=_config(tmp_path))
+    with ServerThread(build_app(engine, MODEL, None, MAX_BYTES)) as srv:
+        engine.shutdown()
+        for path in ("/start_profile", "/stop_profile"):
+            r = httpx.post(srv.url + path, timeout=30)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead", r.text

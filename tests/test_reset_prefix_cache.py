@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from tests.server_harness import API_KEY, MAX_BYTES, MODEL, ServerThread, engine, httpx, needs_default_model
+from tests.server_harness import API_KEY, KNOBS, MAX_BYTES, MODEL, ServerThread, engine, httpx, needs_default_model
 from vtcore import AsyncLLM, SamplingParams
 from vtcore.server.app import build_app
 
@@ -117,3 +117,26 @@ def test_serve_mounts_it_under_the_dev_mode_variable(monkeypatch: pytest.MonkeyP
     with pytest.raises(Built):
         args.func(args, io.StringIO())
     assert seen["dev_mode"] is expected
+
+
+def test_a_call_queued_at_shutdown_is_answered_or_refused_never_left_waiting() -> None:
+    from vtcore.errors import EngineDeadError
+
+    llm = AsyncLLM(**KNOBS)
+
+    async def main() -> Any:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        gen = llm.generate(PROMPT, params, "long")
+        await gen.__anext__()
+        pending = asyncio.ensure_future(llm.reset_prefix_cache())
+        await asyncio.sleep(0)
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        try:
+            return await asyncio.wait_for(pending, 10)
+        except EngineDeadError as exc:
+            return exc
+        finally:
+            await gen.aclose()
+
+    answer = asyncio.run(main())
+    assert answer is True or "shut down" in str(answer), answer

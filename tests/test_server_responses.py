@@ -15,7 +15,7 @@ from tests.server_harness import MODEL, client, engine, error_of, httpx, needs_d
 from tests.test_server_tools import ASK, SCHEMAS, TEMPLATE, TOOLS
 from vtcore.server.generation import Delta
 from vtcore.server.reasoning import ThinkSplitter
-from vtcore.server.responses import ResponsesEndpoint, _OutputEvents
+from vtcore.server.responses import ResponsesEndpoint, ResponsesRequest, _OutputEvents
 
 openai = pytest.importorskip("openai")
 pytestmark = needs_default_model
@@ -194,3 +194,58 @@ def test_a_bad_tool_choice_is_named(tool_client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _ask(tool_client, tool_choice="required", text={"format": {"type": "json_object"}})
     assert error_of(info.value)["param"] == "tool_choice"
+
+
+# ---------------------------------------------------------------------------------------- edge cases
+def test_a_stream_the_engine_refuses_is_a_plain_400(client: Any) -> None:
+    bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 2}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        with client.responses.stream(model=MODEL, input="hi", max_output_tokens=5,
+                                     text={"format": {"type": "json_schema", "name": "x", "schema": bad}}) as s:
+            list(s)
+    assert "xgrammar cannot compile it" in error_of(info.value)["message"]
+
+
+@pytest.mark.parametrize("extra,field", [({"add_generation_prompt": False}, "add_generation_prompt"),
+                                         ({"continue_final_message": True}, "continue_final_message"),
+                                         ({"max_completion_tokens": 2}, "max_completion_tokens"),
+                                         ({"logprobs": True}, "logprobs"),
+                                         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs")])
+def test_chat_fields_are_refused_or_served_never_ignored(client: Any, extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=3, extra_body=extra)
+    assert error_of(info.value)["param"] == field
+
+
+def test_the_response_echoes_the_values_it_ran_with(client: Any, engine: Any) -> None:
+    r = client.responses.create(model=MODEL, input="Hi", extra_body={"max_tokens": 3})
+    assert r.temperature == engine.default_sampling().get("temperature", 1.0) and r.max_output_tokens == 3
+    assert r.top_p == engine.default_sampling().get("top_p", 1.0) and r.usage.output_tokens <= 3
+
+
+def test_an_aborted_response_is_cancelled_not_cut_at_its_length(server: Any) -> None:
+    endpoint = ResponsesEndpoint(server.server.config.app.state.server)
+    body = ResponsesRequest(input="Hi", max_output_tokens=4)
+    job = endpoint.prepare(body)
+    choice = job.choices[0]
+    statuses = {}
+    for finish in ("stop", "length", "abort"):
+        choice.finish_reason = finish
+        r = endpoint.response(body, job, choice, endpoint.response_choice(body, choice)["output"])
+        statuses[finish] = (r["status"], r["incomplete_details"], r["output"][0]["status"])
+    assert statuses == {"stop": ("completed", None, "completed"),
+                        "length": ("incomplete", {"reason": "max_output_tokens"}, "incomplete"),
+                        "abort": ("cancelled", None, "incomplete")}
+
+
+def test_reasoning_tokens_count_the_thinking_block_by_its_tag_tokens() -> None:
+    class Tokenizer:
+        unk_token_id = 0
+
+        @staticmethod
+        def convert_tokens_to_ids(tag: str) -> int:
+            return {"<think>": 7, "</think>": 8}[tag]
+
+    fake = type("Endpoint", (), {"reasoning_parser": ThinkSplitter, "engine": type("E", (), {"tokenizer": Tokenizer})})
+    count = ResponsesEndpoint.reasoning_tokens
+    assert count(fake, [7, 1, 2, 8, 3]) == 4 and count(fake, [7, 1, 2]) == 3 and count(fake, [1, 7, 8]) == 0

@@ -59,5 +59,10 @@ class NotSupportedError(VtcoreError, NotImplementedError):
     """A feature the user asked for that vtcore does not implement."""
 
 
+class ProfilerStateError(VtcoreError, RuntimeError):
+    """``start_profile`` while a profile records, ``stop_profile`` while none does, or either with no profiler
+    configured."""
+
+
 class EngineDeadError(VtcoreError, RuntimeError):
     """The engine loop of an ``AsyncLLM`` died; every pending and later request raises this."""

@@ -174,17 +174,25 @@ class AsyncLLM(EngineFrontEnd):
         if self.core is None:
             self._inbox.put(msg)
             self._wake.set()
+            if not self._thread.is_alive():  # (the loop ended after the caller's check: no one would answer)
+                self._refuse_inbox(EngineDeadError("the engine is shut down"))
             return
-        if msg[0] in ("add", "call"):
+        if msg[0] == "call":  # answered in the order sent: queued for the pipe under the lock that orders them
             answer = msg[-1]
             answer.set_running_or_notify_cancel()
             with self._lock:
                 if self.dead is not None:  # died since the caller checked: no one would answer this message
                     raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
-                if msg[0] == "add":
-                    self._adds.setdefault(msg[1], collections.deque()).append(answer)
-                else:
-                    self._calls.append(answer)
+                self._calls.append(answer)
+                self.core.send(msg[:-1])
+            return
+        if msg[0] == "add":
+            answer = msg[-1]
+            answer.set_running_or_notify_cancel()
+            with self._lock:
+                if self.dead is not None:  # died since the caller checked: no one would answer this message
+                    raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
+                self._adds.setdefault(msg[1], collections.deque()).append(answer)
             msg = msg[:-1]
         try:
             self.core.send(msg)
@@ -263,6 +271,7 @@ class AsyncLLM(EngineFrontEnd):
                 self.engine.abort_request(rid)
             while self.engine.has_unfinished_requests():
                 self._deliver([(out.request_id, out) for out in self.engine.step()])
+            self._refuse_inbox(EngineDeadError("the engine is shut down"))
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             self._die(exc)
 
@@ -281,7 +290,12 @@ class AsyncLLM(EngineFrontEnd):
                     with self._lock:
                         done = self._calls.popleft()
                     done.set_result(msg[1]) if msg[0] == "answer" else done.set_exception(msg[1])
-                elif msg[0] == "stopped":
+                elif msg[0] == "stopped":  # what was sent after the stop is never answered
+                    with self._lock:
+                        left = [a for waiting in self._adds.values() for a in waiting] + list(self._calls)
+                        self._adds, self._calls = {}, collections.deque()
+                    for answer in left:
+                        answer.set_exception(EngineDeadError("the engine is shut down"))
                     return
                 else:
                     raise msg[1]
@@ -303,11 +317,15 @@ class AsyncLLM(EngineFrontEnd):
         self._deliver([(rid, err) for rid in ids])
         for answer in answers:
             answer.set_exception(err)
-        while True:  # requests that arrived after the death
+        self._refuse_inbox(err)  # requests that arrived after the death
+
+    def _refuse_inbox(self, err: BaseException) -> None:
+        """Fail every add and call still in the inbox (the loop ended) with ``err``."""
+        while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return
             if msg[0] in ("add", "call") and msg[-1].set_running_or_notify_cancel():
                 msg[-1].set_exception(err)
 

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from vtcore import __version__
+from vtcore.errors import ProfilerStateError
 from vtcore.server.chat import ChatEndpoint
 from vtcore.server.completions import CompletionsEndpoint
 from vtcore.server.errors import APIError, to_api_error, validation_error
@@ -71,10 +72,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 async def _profile(call: Any) -> None:
-    """A profiler call; starting while recording, or stopping while not, is a 409 saying so."""
+    """A profiler call; starting while recording, or stopping while not, is a 409 saying so (any other failure is
+    the engine's: a 500)."""
     try:
         await call()
-    except RuntimeError as exc:
+    except ProfilerStateError as exc:
         raise APIError(409, str(exc), code="conflict") from None
 
 
@@ -166,7 +168,7 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
 
     if dev_mode:
         @app.post("/reset_prefix_cache", response_class=Response, responses={
-            200: {"description": "The prefix cache is forgotten (no body)."}, **errors(400, 401, 503)})
+            200: {"description": "The prefix cache is forgotten (no body)."}, **errors(400, 401, 500, 503)})
         async def reset_prefix_cache(
                 reset_running_requests: bool = Query(False, description=(
                     "vLLM's: also the blocks of running requests. They are always forgotten here (a running "
@@ -179,13 +181,14 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
 
     if engine.profiling:
         @app.post("/start_profile", response_class=Response, responses={
-            200: {"description": "Recording (no body)."}, **errors(401, 409)})
+            200: {"description": "Recording (no body)."}, **errors(401, 409, 500)})
         async def start_profile() -> Response:
             await _profile(engine.start_profile)
             return Response(status_code=200)
 
         @app.post("/stop_profile", response_class=Response, responses={
-            200: {"description": "The trace is written to the profiler's folder (no body)."}, **errors(401, 409)})
+            200: {"description": "The trace is written to the profiler's folder (no body)."},
+            **errors(401, 409, 500)})
         async def stop_profile() -> Response:
             await _profile(engine.stop_profile)
             return Response(status_code=200)

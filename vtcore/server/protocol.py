@@ -36,7 +36,7 @@ UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
     "length_penalty": 1.0, "spaces_between_special_tokens": True, "chat_template": None,
 }
 #: the chat template's switches: real fields of a chat request, refused elsewhere as extensions
-_TEMPLATE_SWITCHES: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False}
+TEMPLATE_SWITCHES: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False}
 #: what the switches' fields refuse together, in JSON Schema: continuing the final message opens no new turn
 _ONE_SWITCH = {"if": {"properties": {"continue_final_message": {"const": True}},
                       "required": ["continue_final_message"]},
@@ -222,7 +222,7 @@ class GenerationRequest(BoundedModel):
 
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_generation_schema)
     #: vLLM extensions refused unless sent at the value that asks for nothing (``json_equal``)
-    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, **_TEMPLATE_SWITCHES}
+    refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, **TEMPLATE_SWITCHES}
     #: why a refused field is refused, where it is not a vLLM extension this server lacks
     refusal_reasons: ClassVar[dict[str, str]] = {}
     #: JSON Schema keywords for what the endpoint refuses across fields

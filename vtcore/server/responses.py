@@ -24,9 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from vtcore.server.chat import render_chat
-from vtcore.server.errors import APIError
+from vtcore.server.errors import APIError, to_api_error
 from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Prompts
-from vtcore.server.protocol import UNSUPPORTED_EXTENSIONS, ChatMessage, Count, GenerationRequest, Text
+from vtcore.server.protocol import (TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, ChatMessage, Count, GenerationRequest,
+                                    Text)
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.serving import Serving
 from vtcore.server.tool_calls import CallStream, split_calls
@@ -124,7 +125,8 @@ class ResponsesRequest(GenerationRequest):
     """OpenAI's Responses request with the sampling fields and vLLM extras a chat takes; one output."""
 
     refused_extensions: ClassVar[dict[str, Any]] = {
-        **UNSUPPORTED_EXTENSIONS, "previous_response_id": None, "background": False, "include": [], "prompt": None,
+        **UNSUPPORTED_EXTENSIONS, **TEMPLATE_SWITCHES, "max_completion_tokens": None, "logprobs": False,
+        "previous_response_id": None, "background": False, "include": [], "prompt": None,
         "reasoning": None, "truncation": "disabled", "max_tool_calls": None, "top_logprobs": 0, "conversation": None}
     refusal_reasons: ClassVar[dict[str, str]] = {
         "previous_response_id": "no response is stored here to continue from (send the conversation as input)",
@@ -133,7 +135,9 @@ class ResponsesRequest(GenerationRequest):
         "include": "no extra output is served", "prompt": "stored prompt templates are not served",
         "reasoning": "reasoning settings are not served",
         "truncation": "the input is never truncated here", "max_tool_calls": "a limit on calls is not served",
-        "top_logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)"}
+        "top_logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
+        "logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
+        "max_completion_tokens": "chat's; here max_output_tokens"}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_output_tokens")
     # what the endpoint refuses otherwise, the document says: a required or named tool_choice asks for tools
     schema_rules: ClassVar[dict[str, Any]] = {"allOf": [{
@@ -157,6 +161,8 @@ class ResponsesRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
     store: bool | None = Field(None, description="Taken; no response is kept (nothing to retrieve or continue).")
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).")
 
 
 def _new_id(prefix: str) -> str:
@@ -249,7 +255,8 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
                 text = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
                 messages.append(ChatMessage(role="system" if item.role == "developer" else item.role, content=text))
         tools = [t.as_chat_tool() for t in body.tools or ()] if body.tool_choice != "none" else None
-        prompt = render_chat(self.engine, messages, None, tools or None, chat_template=self.serving.chat_template)
+        prompt = render_chat(self.engine, messages, body.chat_template_kwargs, tools or None,
+                             chat_template=self.serving.chat_template)
         return Prompts([(prompt["prompt"], prompt["prompt_token_ids"])], "input")
 
     def offered(self, body: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -266,7 +273,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         tools = self.offered(body)
         if tools is not None:
             content, calls = split_calls(self.tool_parser, content, tools)
-        status = "completed" if choice.finish_reason == "stop" else "incomplete"
+        status = _item_status(choice.finish_reason)
         items = [] if reasoning is None else [_reasoning_item(_new_id("rs"), reasoning)]
         if content or not calls:
             items.append(_message_item(_new_id("msg"), content, status))
@@ -287,45 +294,79 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
 
     def response(self, body: ResponsesRequest, job: Job, choice: Choice | None,
                  output: list[dict[str, Any]]) -> dict[str, Any]:
-        """The ``response`` object: in progress (no ``choice`` yet), or done with ``output``."""
+        """The ``response`` object: in progress (no ``choice`` yet), or done with ``output`` (completed; incomplete
+        at its length; cancelled when aborted, as vLLM says), echoing the sampling values it ran with."""
         finish = None if choice is None else choice.finish_reason
-        status = "in_progress" if choice is None else "completed" if finish == "stop" else "incomplete"
+        status = "in_progress" if choice is None else _RESPONSE_STATUS.get(finish, "completed")
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         choice_field = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else (
             body.tool_choice or "auto")
+        params = job.prompts[0].params
         counts = job.usage()
         return {
             "id": job.id, "object": "response", "created_at": job.created, "status": status, "background": False,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "max_tool_calls": None,
-            "metadata": body.metadata or {}, "model": self.serving.name, "output": output,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens or body.max_tokens,
+            "max_tool_calls": None, "metadata": body.metadata or {}, "model": self.serving.name, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": None, "store": False, "temperature": body.temperature, "top_p": body.top_p,
+            "reasoning": None, "store": False, "temperature": params.temperature, "top_p": params.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": choice_field, "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "top_logprobs": 0, "truncation": "disabled", "user": body.user,
             "usage": None if choice is None else {
                 "input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
                 "total_tokens": counts["total_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
-                "output_tokens_details": {"reasoning_tokens": 0}}}
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(choice.token_ids)}}}
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """The output's tokens of its thinking block, the tags included (under a reasoning parser whose tags are
+        one token each: an output that begins with the start tag thinks up to the end tag, or to its end)."""
+        parser, tokenizer = self.reasoning_parser, self.engine.tokenizer
+        if parser is None or tokenizer is None or not token_ids:
+            return 0
+        start, end = (tokenizer.convert_tokens_to_ids(tag) for tag in (parser.START, parser.END))
+        if token_ids[0] != start or start == tokenizer.unk_token_id:
+            return 0
+        return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
 
     async def events(self, body: ResponsesRequest, job: Job) -> AsyncIterator[str]:
         """OpenAI's Responses events: created, in_progress, each output item's (added, its deltas, done), then
-        completed (as vLLM ends every stream, an output cut at its length too: its response says incomplete)."""
+        completed (as vLLM ends every stream, an output cut at its length too: its response says incomplete).
+        Nothing is sent before the engine's first output, so a request the engine refuses is a plain error
+        response; a failure after that is an ``error`` event, the stream's last."""
         seq = iter(range(1 << 62))
-        start = self.response(body, job, None, [])
-        yield _event("response.created", next(seq), response=start)
-        yield _event("response.in_progress", next(seq), response=start)
         stream = self.stream(body)
-        choice = None
         async with contextlib.aclosing(self.merged(job)) as it:
-            async for choice, delta in it:
-                for kind, fields in stream.chunks(choice, delta):
-                    yield _event(kind, next(seq), **fields)
+            first = await anext(it, None)
+            start = self.response(body, job, None, [])
+            yield _event("response.created", next(seq), response=start)
+            yield _event("response.in_progress", next(seq), response=start)
+            try:
+                choice = None
+                if first is not None:
+                    choice, delta = first
+                    for kind, fields in stream.chunks(choice, delta):
+                        yield _event(kind, next(seq), **fields)
+                async for choice, delta in it:
+                    for kind, fields in stream.chunks(choice, delta):
+                        yield _event(kind, next(seq), **fields)
+            except Exception as exc:  # noqa: BLE001 - after the headers: the stream's last event says it
+                err = to_api_error(exc, job.renames)
+                yield _event("error", next(seq), code=err.code, message=err.message, param=err.param)
+                return
         assert choice is not None  # (a request's output always ends with a finish reason)
         for kind, fields in stream.close(choice.finish_reason):
             yield _event(kind, next(seq), **fields)
         yield _event("response.completed", next(seq), response=self.response(body, job, choice, stream.items))
+
+
+#: a finished output's response status by its finish reason (a call's, like an answer's, is "stop")
+_RESPONSE_STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
+
+
+def _item_status(finish_reason: str | None) -> str:
+    """An output item's status: completed, or incomplete (cut at its length, or aborted)."""
+    return "completed" if finish_reason == "stop" else "incomplete"
 
 
 def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
@@ -375,7 +416,7 @@ class _OutputEvents:
         if not self.called and self.open != "message" and not any(i["type"] == "message" for i in self.items):
             events += self._switch("message")  # (an empty answer still has its message)
             events += self._message(self.blank, force=True)
-        return events + (self._close("completed" if finish_reason == "stop" else "incomplete") if self.open else [])
+        return events + (self._close(_item_status(finish_reason)) if self.open else [])
 
     def _parts(self, reasoning: str, content: str) -> list[tuple[str, dict[str, Any]]]:
         events = []
