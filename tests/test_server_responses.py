@@ -15,7 +15,8 @@ from tests.server_harness import MODEL, client, engine, error_of, httpx, needs_d
 from tests.test_server_tools import ASK, SCHEMAS, TEMPLATE, TOOLS
 from vtcore.server.generation import Delta
 from vtcore.server.reasoning import ThinkSplitter
-from vtcore.server.responses import ResponsesEndpoint, ResponsesRequest, _OutputEvents
+from vtcore.server.responses import ResponsesEndpoint, _OutputEvents
+from vtcore.server.responses_protocol import ResponsesRequest
 
 openai = pytest.importorskip("openai")
 pytestmark = needs_default_model

@@ -38,7 +38,8 @@ from vtcore.server.openapi import errors, json_or_stream, openapi_document
 from vtcore.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                     TokenizeRequest, TokenizeResponse, bounded)
 from vtcore.server.reasoning import REASONING_PARSERS
-from vtcore.server.responses import ResponsesEndpoint, ResponsesRequest
+from vtcore.server.responses import ResponsesEndpoint
+from vtcore.server.responses_protocol import ResponsesRequest
 from vtcore.server.serving import Serving
 from vtcore.server.tokenization import Tokenization
 

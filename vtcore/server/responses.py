@@ -17,152 +17,23 @@ from __future__ import annotations
 import contextlib
 import json
 import uuid
-from typing import Annotated, Any, AsyncIterator, ClassVar, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
-
 from vtcore.server.chat import render_chat
 from vtcore.server.errors import APIError, to_api_error
 from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Prompts
-from vtcore.server.protocol import (TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, ChatMessage, Count, GenerationRequest,
-                                    Text)
+from vtcore.server.protocol import ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
+from vtcore.server.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, InputMessage, NamedFunction,
+                                              ResponsesRequest)
 from vtcore.server.serving import Serving
 from vtcore.server.tool_calls import CallStream, split_calls
 from vtcore.server.sse import EventStream
 from vtcore.server.structured import structured_outputs
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import after_thinking
-
-
-class InputPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: Literal["input_text", "output_text"] = Field(description="Text parts only (the kind served).")
-    text: Text
-
-
-class InputMessage(BaseModel):
-    """A message of the input (``type`` "message" or left out); an assistant's may be a former response's output."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: Literal["message"] | None = None
-    role: Literal["user", "system", "developer", "assistant"]
-    content: Text | list[InputPart]
-
-
-class FunctionCallItem(BaseModel):
-    """A call the model made in an earlier turn (a former response's ``function_call`` item)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-
-
-class FunctionCallOutputItem(BaseModel):
-    """A call's result, for the model to go on with."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: Literal["function_call_output"]
-    call_id: str
-    output: Text
-
-
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
-
-
-class FunctionTool(BaseModel):
-    """A function the model may call (OpenAI's Responses form: the function's fields beside ``type``)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def as_chat_tool(self) -> dict[str, Any]:
-        """The chat form, which the chat template and the tool-call parser take."""
-        fields = self.model_dump(exclude={"type"}, exclude_none=True)
-        return {"type": "function", "function": {k: v for k, v in fields.items() if k in
-                                                 ("name", "description", "parameters", "strict")}}
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True, json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
-        "then": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}})
-
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(GenerationRequest):
-    """OpenAI's Responses request with the sampling fields and vLLM extras a chat takes; one output."""
-
-    refused_extensions: ClassVar[dict[str, Any]] = {
-        **UNSUPPORTED_EXTENSIONS, **TEMPLATE_SWITCHES, "max_completion_tokens": None, "logprobs": False,
-        "previous_response_id": None, "background": False, "include": [], "prompt": None,
-        "reasoning": None, "truncation": "disabled", "max_tool_calls": None, "top_logprobs": 0, "conversation": None}
-    refusal_reasons: ClassVar[dict[str, str]] = {
-        "previous_response_id": "no response is stored here to continue from (send the conversation as input)",
-        "conversation": "no conversation is stored here (send it as input)",
-        "background": "background responses are not served (nothing is stored to poll)",
-        "include": "no extra output is served", "prompt": "stored prompt templates are not served",
-        "reasoning": "reasoning settings are not served",
-        "truncation": "the input is never truncated here", "max_tool_calls": "a limit on calls is not served",
-        "top_logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
-        "logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
-        "max_completion_tokens": "chat's; here max_output_tokens"}
-    output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_output_tokens")
-    # what the endpoint refuses otherwise, the document says: a required or named tool_choice asks for tools
-    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [{
-        "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
-               "required": ["tool_choice"]},
-        "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]}
-
-    input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(
-        description="Text (a user message), or messages of text parts; rendered by the chat template after the "
-                    "instructions.")
-    instructions: Text | None = Field(None, description="A system message before the input.")
-    max_output_tokens: Count | None = None
-    text: TextConfig | None = None
-    n: int | None = Field(1, ge=1, le=1, description="One output a response.")
-    response_format: None = Field(None, description="Chat's; here text.format.")
-    prompt_logprobs: None = Field(None, description="Chat's and completions'; not served here.")
-    return_token_ids: bool | None = Field(None, json_schema_extra={"enum": [False, None]},
-                                          description="Chat's and completions'; not served here.")
-    tools: list[FunctionTool] | None = Field(None, description="Functions only (hosted tools are not served).")
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool | None = Field(None, description="Taken; no response is kept (nothing to retrieve or continue).")
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response.")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).")
 
 
 def _new_id(prefix: str) -> str:
