@@ -86,7 +86,8 @@ def test_text_format_constrains_the_answer(client: Any) -> None:
 
 @pytest.mark.parametrize("extra,field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True}, "background"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"reasoning": {"effort": "low"}}, "reasoning"), ({"include": ["file_search_call.results"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools"), ({"n": 2}, "n"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -122,6 +123,7 @@ def test_a_reasoning_parser_puts_the_thought_in_a_reasoning_item_streamed_or_not
 
 class _Parser:
     reasoning_parser = ThinkSplitter
+    wants_logprobs = staticmethod(lambda body: False)
 
     @staticmethod
     def offered(body: Any) -> None:
@@ -250,3 +252,19 @@ def test_reasoning_tokens_count_the_thinking_block_by_its_tag_tokens() -> None:
     fake = type("Endpoint", (), {"reasoning_parser": ThinkSplitter, "engine": type("E", (), {"tokenizer": Tokenizer})})
     count = ResponsesEndpoint.reasoning_tokens
     assert count(fake, [7, 1, 2, 8, 3]) == 4 and count(fake, [7, 1, 2]) == 3 and count(fake, [1, 7, 8]) == 0
+
+
+def test_logprobs_are_the_chats_streamed_or_not(client: Any) -> None:
+    kw = dict(model=MODEL, input="Once upon a time", max_output_tokens=6, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once upon a time"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    got = [lp.model_dump() for lp in r.output[0].content[0].logprobs]
+    want = [c.model_dump() for c in chat.choices[0].logprobs.content]
+    assert got == want and len(got) == 6 and all(len(e["top_logprobs"]) == 2 for e in got)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = [lp.model_dump() for e in events if e.type == "response.output_text.done" for lp in e.logprobs]
+    assert streamed == done == got

@@ -9,9 +9,9 @@ import os
 from typing import Any
 
 from vtcore.engine.front_end import EngineFrontEnd
-from vtcore.outputs import Logprob, PositionLogprobs
+from vtcore.outputs import PositionLogprobs
 from vtcore.server.errors import APIError
-from vtcore.server.generation import NO_LOGPROB, Choice, Delta, GenerationEndpoint, Job, Prompts, finite
+from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Prompts
 from vtcore.server.protocol import ChatCompletionRequest, ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.tool_calls import CallStream, call_id, split_calls
@@ -209,17 +209,8 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
     def logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], k: int,
                  as_ids: bool = False) -> dict[str, Any]:
-        """OpenAI's chat logprobs: each token with its ``k`` most likely alternatives; ``as_ids``: tokens
-        named ``token_id:{id}`` (``bytes`` still those of the token's text)."""
-        def entry(t: int, lp: Logprob | None) -> dict[str, Any]:
-            return {"token": self.label(t, lp, as_ids), "logprob": finite(lp.logprob) if lp else NO_LOGPROB,
-                    "bytes": list(self.piece(t, lp).encode())}
-
-        content = []
-        for tid, pos in zip(token_ids, entries):
-            top = sorted((lp.rank, t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= k)[:k]
-            content.append({**entry(tid, pos.get(tid)), "top_logprobs": [entry(t, lp) for _, t, lp in top]})
-        return {"content": content}
+        """OpenAI's chat logprobs: ``{"content": token_entries(...)}``."""
+        return {"content": self.token_entries(token_ids, entries, k, as_ids)}
 
 
 class _ChatChunks:

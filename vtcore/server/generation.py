@@ -428,6 +428,21 @@ class GenerationEndpoint(ABC, Generic[Body]):
         asked = body.return_tokens_as_token_ids
         return self.serving.tokens_as_ids if asked is None else asked
 
+    def token_entries(self, token_ids: list[int], entries: list[PositionLogprobs], k: int,
+                      as_ids: bool = False) -> list[dict[str, Any]]:
+        """OpenAI's per-token logprobs (chat's ``content``, a Responses text's ``logprobs``): each token with its
+        ``k`` most likely alternatives; ``as_ids``: tokens named ``token_id:{id}`` (``bytes`` still those of the
+        token's text)."""
+        def entry(t: int, lp: Logprob | None) -> dict[str, Any]:
+            return {"token": self.label(t, lp, as_ids), "logprob": finite(lp.logprob) if lp else NO_LOGPROB,
+                    "bytes": list(self.piece(t, lp).encode())}
+
+        out = []
+        for tid, pos in zip(token_ids, entries):
+            top = sorted((lp.rank, t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= k)[:k]
+            out.append({**entry(tid, pos.get(tid)), "top_logprobs": [entry(t, lp) for _, t, lp in top]})
+        return out
+
     def label(self, token: int, logprob: Logprob | None, as_ids: bool) -> str:
         """A token as logprobs name it: ``token_id:{id}`` (two tokens of one text stay apart), or its text."""
         return f"token_id:{token}" if as_ids else self.piece(token, logprob)

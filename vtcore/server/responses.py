@@ -9,15 +9,16 @@ OpenAI's typed events (``response.created`` ... ``response.output_text.delta`` .
 with its ``sequence_number``; a call's arguments come whole in one delta, as chat streams them). ``text.format``
 (json_object, json_schema) and vLLM's ``structured_outputs`` constrain the answer, ``tool_choice`` "required" or a
 named function forces calls; the sampling fields and vLLM's extras are chat's. Nothing is stored (``store`` is
-taken and changes nothing), so ``previous_response_id``, background responses, ``include``, hosted tools and a
-reasoning configuration are refused with a 400 naming them.
+taken and changes nothing), so ``previous_response_id``, background responses, hosted tools and a reasoning
+configuration are refused with a 400 naming them. ``include: ["message.output_text.logprobs"]`` (with
+``top_logprobs``) gives the answer's token logprobs, as chat's, where no reasoning parser or tool splits the output.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -64,6 +65,15 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             raise APIError(400, f"tools: the served model's family {self.engine.engine.family.name!r} has no tool-call "
                                 "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
         self.forced(body)  # a bad tool_choice is a 400 before anything runs
+        if body.top_logprobs and not self.wants_logprobs(body):
+            raise APIError(400, "top_logprobs: requires include ['message.output_text.logprobs']", "top_logprobs")
+        if self.wants_logprobs(body) and (self.reasoning_parser is not None or self.offered(body) is not None):
+            raise APIError(400, "include: the answer's logprobs are not served beside a reasoning parser or tools "
+                                "(their tokens would not be told apart from the answer's)", "include", "unsupported")
+
+    @staticmethod
+    def wants_logprobs(body: ResponsesRequest) -> bool:
+        return bool(body.include) and "message.output_text.logprobs" in body.include
 
     def forced(self, body: ResponsesRequest) -> list[dict[str, Any]] | None:
         """The tools (chat form) ``tool_choice`` forces a call of: "required", every one; a named function, that
@@ -86,6 +96,8 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
     def sampling(self, body: ResponsesRequest) -> tuple[dict[str, Any], dict[str, str]]:
         given = body.max_output_tokens is not None
         kw: dict[str, Any] = {"max_tokens": body.max_output_tokens if given else body.max_tokens}
+        if self.wants_logprobs(body):
+            kw["logprobs"] = body.top_logprobs or 0
         fmt = body.text.format if body.text is not None else None
         asked = [name for name, on in (("text.format", fmt is not None and fmt.type != "text"), (
             "structured_outputs", (body.model_extra or {}).get("structured_outputs") is not None), (
@@ -107,7 +119,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             parser = self.reasoning_parser
             kw["structured_outputs"] = constraint if parser is None else after_thinking(constraint, parser.START,
                                                                                         parser.END)
-        return kw, {"max_tokens": "max_output_tokens" if given else "max_tokens"}
+        return kw, {"max_tokens": "max_output_tokens" if given else "max_tokens", "logprobs": "top_logprobs"}
 
     def prompts(self, body: ResponsesRequest) -> Prompts:
         items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
@@ -147,12 +159,17 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         status = _item_status(choice.finish_reason)
         items = [] if reasoning is None else [_reasoning_item(_new_id("rs"), reasoning)]
         if content or not calls:
-            items.append(_message_item(_new_id("msg"), content, status))
+            logprobs = self.token_entries(choice.token_ids, choice.logprobs, body.top_logprobs or 0) \
+                if self.wants_logprobs(body) else None
+            items.append(_message_item(_new_id("msg"), content, status, logprobs))
         return {"output": items + [_call_item(_new_id("fc"), name, args) for name, args in calls]}
 
     def stream(self, body: ResponsesRequest) -> _OutputEvents:
         tools = self.offered(body)
-        return _OutputEvents(self.reasoning_parser, None if tools is None else CallStream(self.tool_parser, tools))
+        k = body.top_logprobs or 0
+        entries = (lambda d: self.token_entries(d.token_ids, d.logprobs, k)) if self.wants_logprobs(body) else None
+        return _OutputEvents(self.reasoning_parser, None if tools is None else CallStream(self.tool_parser, tools),
+                             entries)
 
     async def __call__(self, body: ResponsesRequest, request: Request) -> Response:
         job = await self.serving.off_loop(self.prepare, body)
@@ -183,7 +200,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             "reasoning": None, "store": False, "temperature": params.temperature, "top_p": params.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": choice_field, "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
-            "top_logprobs": 0, "truncation": "disabled", "user": body.user,
+            "top_logprobs": body.top_logprobs or 0, "truncation": "disabled", "user": body.user,
             "usage": None if choice is None else {
                 "input_tokens": counts["prompt_tokens"], "output_tokens": counts["completion_tokens"],
                 "total_tokens": counts["total_tokens"], "input_tokens_details": counts["prompt_tokens_details"],
@@ -245,13 +262,13 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
             "status": "completed"}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_message_part(text)]
+def _message_item(item_id: str, text: str | None, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    content = [] if text is None else [_message_part(text, logprobs)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def _message_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _message_part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(item_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -264,11 +281,15 @@ class _OutputEvents:
     message items, and a ``function_call`` item for each call the call stream completes (its arguments whole in
     one delta); each opened with its ``added`` events and closed with its ``done`` ones. ``chunks`` gives a
     delta's events, ``close`` the last ones; ``items`` is the finished output (an answer of calls only has no
-    message item, as the whole response's)."""
+    message item, as the whole response's). ``entries``: a delta's token logprobs for its text delta (asked for
+    only with neither a parser nor calls, so every token is the message's)."""
 
-    def __init__(self, parser: type[ThinkSplitter] | None, calls: CallStream | None = None) -> None:
+    def __init__(self, parser: type[ThinkSplitter] | None, calls: CallStream | None = None,
+                 entries: Callable[[Delta], list[dict[str, Any]]] | None = None) -> None:
         self.splitter = parser() if parser is not None else None
         self.calls = calls
+        self.entries = entries
+        self.logprobs: list[dict[str, Any]] = []  # the open message's
         self.items: list[dict[str, Any]] = []
         self.open: str | None = None  # "reasoning" or "message"
         self.text = ""
@@ -276,6 +297,8 @@ class _OutputEvents:
         self.blank = ""  # white space with no message open: a message's start, or (before or after calls) nothing
 
     def chunks(self, choice: Choice | None, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
+        if self.entries is not None:
+            return self._message(delta.text, logprobs=self.entries(delta))
         reasoning, content = ("", delta.text) if self.splitter is None else self.splitter.feed(delta.text)
         return self._parts(reasoning, content)
 
@@ -301,19 +324,21 @@ class _OutputEvents:
         text, calls = self.calls.feed(content)
         return events + self._message(text) + self._calls(calls)
 
-    def _message(self, text: str, force: bool = False) -> list[tuple[str, dict[str, Any]]]:
-        """A content delta: white space opens no message (as the whole response's content is stripped around
-        calls) until text follows."""
-        if self.open != "message" and not force:
+    def _message(self, text: str, force: bool = False, logprobs: list | None = None
+                 ) -> list[tuple[str, dict[str, Any]]]:
+        """A content delta: with calls possible, white space opens no message (as the whole response's content is
+        stripped around calls) until text follows."""
+        if self.calls is not None and self.open != "message" and not force:
             text, self.blank = self.blank + text, ""
             if not text.strip():
                 self.blank = text
                 return []
-        if not text:
+        if not text and not logprobs:
             return []
         events = self._switch("message") if self.open != "message" else []
         self.text += text
-        return events + [("response.output_text.delta", {**self._where(), "delta": text, "logprobs": []})]
+        self.logprobs += logprobs or []
+        return events + [("response.output_text.delta", {**self._where(), "delta": text, "logprobs": logprobs or []})]
 
     def _calls(self, calls: list[tuple[str, str]]) -> list[tuple[str, dict[str, Any]]]:
         events = []
@@ -341,7 +366,7 @@ class _OutputEvents:
         item = _reasoning_item(_new_id("rs"), "") if kind == "reasoning" else _message_item(_new_id("msg"), "", "")
         item["status"], item["content"] = "in_progress", []
         self.items.append(item)
-        self.open, self.text = kind, ""
+        self.open, self.text, self.logprobs = kind, "", []
         events.append(("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}))
         if kind == "message":
             events.append(("response.content_part.added", {**self._where(), "part": _message_part("")}))
@@ -353,9 +378,9 @@ class _OutputEvents:
             done = _reasoning_item(item["id"], self.text)
             events = [("response.reasoning_text.done", {**where, "text": self.text})]
         else:
-            done = _message_item(item["id"], self.text, status)
-            events = [("response.output_text.done", {**where, "text": self.text, "logprobs": []}),
-                      ("response.content_part.done", {**where, "part": _message_part(self.text)})]
+            done = _message_item(item["id"], self.text, status, self.logprobs)
+            events = [("response.output_text.done", {**where, "text": self.text, "logprobs": self.logprobs}),
+                      ("response.content_part.done", {**where, "part": _message_part(self.text, self.logprobs)})]
         self.items[-1] = done
         self.open = None
         return events + [("response.output_item.done", {"output_index": where["output_index"], "item": done})]

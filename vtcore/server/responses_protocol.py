@@ -7,7 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vtcore.server.protocol import TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count, GenerationRequest, Text
+from vtcore.server.protocol import (TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count, GenerationRequest, Text,
+                                    TopLogprobs)
 
 
 class InputPart(BaseModel):
@@ -99,24 +100,33 @@ class ResponsesRequest(GenerationRequest):
 
     refused_extensions: ClassVar[dict[str, Any]] = {
         **UNSUPPORTED_EXTENSIONS, **TEMPLATE_SWITCHES, "max_completion_tokens": None, "logprobs": False,
-        "previous_response_id": None, "background": False, "include": [], "prompt": None,
-        "reasoning": None, "truncation": "disabled", "max_tool_calls": None, "top_logprobs": 0, "conversation": None}
+        "previous_response_id": None, "background": False, "prompt": None,
+        "reasoning": None, "truncation": "disabled", "max_tool_calls": None, "conversation": None}
     refusal_reasons: ClassVar[dict[str, str]] = {
         "previous_response_id": "no response is stored here to continue from (send the conversation as input)",
         "conversation": "no conversation is stored here (send it as input)",
         "background": "background responses are not served (nothing is stored to poll)",
-        "include": "no extra output is served", "prompt": "stored prompt templates are not served",
+        "prompt": "stored prompt templates are not served",
         "reasoning": "reasoning settings are not served",
         "truncation": "the input is never truncated here", "max_tool_calls": "a limit on calls is not served",
-        "top_logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
-        "logprobs": "logprobs are not served on /v1/responses (use /v1/chat/completions)",
+        "logprobs": "chat's; here include ['message.output_text.logprobs'] and top_logprobs",
         "max_completion_tokens": "chat's; here max_output_tokens"}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_output_tokens")
     # what the endpoint refuses otherwise, the document says: a required or named tool_choice asks for tools
+    # (alternatives to a token's logprob ask for its logprobs, which no offered tool may split from the answer)
     schema_rules: ClassVar[dict[str, Any]] = {"allOf": [{
         "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
                "required": ["tool_choice"]},
-        "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}]}
+        "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}, {
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}}},
+                 "required": ["include"]}}, {
+        # the answer's logprobs only where no offered tool may split the output
+        "if": {"properties": {"include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}}},
+               "required": ["include"]},
+        "then": {"anyOf": [{"not": {"required": ["tools"]}}, {"properties": {"tools": {"type": ["null", "array"],
+                                                                                          "maxItems": 0}}},
+                           {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]}]}}]}
 
     input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(
         description="Text (a user message), or messages of text parts; rendered by the chat template after the "
@@ -134,5 +144,8 @@ class ResponsesRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
     store: bool | None = Field(None, description="Taken; no response is kept (nothing to retrieve or continue).")
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response.")
+    include: list[Literal["message.output_text.logprobs"]] | None = Field(
+        None, description="Extra output: the answer's token logprobs (the only kind served).")
+    top_logprobs: TopLogprobs | None = Field(None, description="With include's logprobs: alternatives a token.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).")
