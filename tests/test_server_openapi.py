@@ -150,6 +150,11 @@ BODIES = [
     ("/v1/chat/completions", _chat(priority=0.0), None),
     ("/v1/chat/completions", _chat(priority=2), "priority"),  # this server schedules first come, first served
     ("/v1/completions", _completion(seed=-2 ** 63 - 1), "seed"),  # orjson reads it as a float: not rounded in
+    ("/v1/completions", _completion(seed=1e18), None),  # an integer, as JSON Schema counts, past 2**53 too
+    ("/v1/completions", _completion(seed=1e19), "seed"),
+    ("/v1/completions", _completion(top_k=4.676071553731185e+25), None),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "stop_token_ids": [7.0]}, None),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "stop_token_ids": [9.5e27]}, "stop_token_ids"),  # past the vocab
     # single-field ranges the sampling parameters check, in the document too
     ("/v1/completions", _completion(stop_token_ids=[-1]), "stop_token_ids"),
     ("/v1/completions", _completion(repetition_penalty=0.0), "repetition_penalty"),

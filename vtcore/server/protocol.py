@@ -60,10 +60,9 @@ def _encodable(text: str) -> str:
 
 def _integral(value: Any) -> Any:
     """JSON Schema's integer: a number without a fraction, 5.0 as well as 5 (pydantic's strict int takes
-    only the second). Only below 2**53 in size, where a float names one integer: past it (and orjson reads
-    an integer literal past 64 bits as a float) the value is refused as not an integer rather than rounded
-    into a field's range."""
-    return int(value) if type(value) is float and value.is_integer() and abs(value) < 2 ** 53 else value
+    only the second), of any size (a float past 2**53 is one integer; an integer literal outside 64 bits, which
+    orjson would round, is read exactly: ``vtcore.server.json_body``)."""
+    return int(value) if type(value) is float and value.is_integer() else value
 
 
 def _integer(**bounds: int) -> Any:
@@ -236,6 +235,8 @@ class GenerationRequest(BoundedModel):
         return {**{name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts},
                 "logit_bias": (LogitBias | None, _logit_bias(limits)),
                 "allowed_token_ids": (_token_ids(limits, 1) | None, _allowed(limits)),
+                "stop_token_ids": (_token_ids(limits, 0) | None, Field(
+                    None, description=f"vLLM's: token ids that end the output (ids in [0, {limits.vocab_size}))")),
                 "priority": (Seed if limits.by_priority else FirstComePriority,
                              Field(0, description=cls.model_fields["priority"].description))}
 
