@@ -126,6 +126,8 @@ BODIES = [
     ("/v1/completions", _completion(stop=[]), None),
     ("/v1/chat/completions", _chat(logit_bias={"12": 3}), None),
     ("/v1/chat/completions", _chat(logit_bias={"1e3": 3}), "logit_bias"),
+    ("/v1/chat/completions", _chat(logit_bias={"1" * 5001: 3}), "logit_bias"),  # (no huge int parsed)
+    ("/v1/chat/completions", _chat(logit_bias={"0" * 30 + "12": 3}), None),
     ("/v1/completions", {"model": MODEL}, "prompt"),
     # strict bodies: JSON's types as the document gives them
     ("/v1/completions", _completion(max_tokens="5"), "max_tokens"),

@@ -11,7 +11,8 @@ from typing import Any, Iterator
 import jsonschema
 import pytest
 
-from tests.server_harness import MODEL, client, engine, error_of, httpx, needs_default_model, server, template_server
+from tests.server_harness import (MODEL, ServerThread, client, engine, error_of, httpx, needs_default_model, server,
+                                  template_server)
 from tests.test_server_tools import ASK, SCHEMAS, TEMPLATE, TOOLS
 from vtcore.server.generation import Delta
 from vtcore.server.reasoning import ThinkSplitter
@@ -268,3 +269,23 @@ def test_logprobs_are_the_chats_streamed_or_not(client: Any) -> None:
     streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     done = [lp.model_dump() for e in events if e.type == "response.output_text.done" for lp in e.logprobs]
     assert streamed == done == got
+    ids = client.responses.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    assert [lp.token for lp in ids.output[0].content[0].logprobs] == [
+        f"token_id:{t}" for t in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=6, temperature=0,
+            extra_body={"return_token_ids": True}).choices[0].token_ids]
+
+
+def test_beside_a_reasoning_parser_the_document_and_the_server_refuse_logprobs(engine: Any) -> None:
+    from vtcore.server.app import build_app
+
+    with ServerThread(build_app(engine, MODEL, reasoning_parser="qwen3")) as srv:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "n": 1.0}
+        assert httpx.post(srv.url + "/v1/responses", json=body, timeout=60).status_code == 200  # (1.0: an integer)
+        r = httpx.post(srv.url + "/v1/responses", json={**body, "include": ["message.output_text.logprobs"]},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include", r.text
+        doc = httpx.get(srv.url + "/openapi.json", timeout=60).json()
+        (schema,) = [s for name, s in doc["components"]["schemas"].items() if "input" in s.get("properties", {})]
+        include = schema["properties"]["include"]["anyOf"][0]
+        assert include["maxItems"] == 0, include

@@ -39,7 +39,7 @@ from vtcore.server.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     TokenizeRequest, TokenizeResponse, bounded)
 from vtcore.server.reasoning import REASONING_PARSERS
 from vtcore.server.responses import ResponsesEndpoint
-from vtcore.server.responses_protocol import ResponsesRequest
+from vtcore.server.responses_protocol import ResponsesRequest, without_logprobs
 from vtcore.server.serving import Serving
 from vtcore.server.tokenization import Tokenization
 
@@ -108,6 +108,8 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
     CompletionBody = bounded(CompletionRequest, serving.limits)
     ChatBody = bounded(ChatCompletionRequest, serving.limits)
     ResponsesBody = bounded(ResponsesRequest, serving.limits)
+    if parser is not None:
+        ResponsesBody = without_logprobs(ResponsesBody)
     DetokenizeBody = bounded(DetokenizeRequest, serving.limits)
     app = FastAPI(title="vtcore", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
                   description=f"OpenAI-compatible API (vLLM's shape) serving {served_model_name!r}.")

@@ -364,6 +364,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 if not (key.isascii() and key.isdigit()):  # (the document's pattern: no sign, space or "_")
                     raise APIError(400, f"logit_bias key {key!r}: expected a token id (a string of ASCII digits)",
                                    "logit_bias")
+                if len(key.lstrip("0")) > len(str(self.serving.limits.vocab_size)):  # (and no huge int to parse)
+                    raise APIError(400, f"logit_bias key {key[:40]!r}{'...' if len(key) > 40 else ''}: expected a "
+                                        f"token id below {self.serving.limits.vocab_size}", "logit_bias")
                 bias[int(key)] = max(-100.0, min(100.0, value))  # (an id past the vocabulary: the engine's 400)
             kw["logit_bias"] = bias
         structured = structured_outputs(body)

@@ -65,20 +65,20 @@ def _integral(value: Any) -> Any:
     return int(value) if type(value) is float and value.is_integer() else value
 
 
-def _integer(**bounds: int) -> Any:
+def integer(**bounds: int) -> Any:
     """An integer field's type with ``bounds`` (see ``_integral``); the bounds go inside the validator, where
     the document can state them (outside it, pydantic writes its own names for them)."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
-Int = _integer()
-Count = _integer(ge=0)
-Choices = _integer(ge=1, le=MAX_N)
-CompletionLogprobs = _integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
-TopLogprobs = _integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
-PromptLogprobs = _integer(ge=0, le=MAX_PROMPT_LOGPROBS)
-TopK = _integer(ge=-1)
-Seed = _integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
+Int = integer()
+Count = integer(ge=0)
+Choices = integer(ge=1, le=MAX_N)
+CompletionLogprobs = integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
+TopLogprobs = integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+PromptLogprobs = integer(ge=0, le=MAX_PROMPT_LOGPROBS)
+TopK = integer(ge=-1)
+Seed = integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
 
 
 def _kept_tokens(value: Any) -> Any:
@@ -112,7 +112,7 @@ FirstComePriority = Annotated[int, BeforeValidator(_integral), AfterValidator(_f
 
 
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
-    token = _integer(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))
+    token = integer(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))
     return Annotated[list[token], Field(min_length=min_length)]
 
 
@@ -231,7 +231,7 @@ class GenerationRequest(BoundedModel):
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
-        below = _integer(ge=0, lt=limits.max_model_len)
+        below = integer(ge=0, lt=limits.max_model_len)
         return {**{name: (below | None, Field(cls.model_fields[name].default)) for name in cls.output_counts},
                 "logit_bias": (LogitBias | None, _logit_bias(limits)),
                 "allowed_token_ids": (_token_ids(limits, 1) | None, _allowed(limits)),

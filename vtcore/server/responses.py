@@ -159,15 +159,17 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         status = _item_status(choice.finish_reason)
         items = [] if reasoning is None else [_reasoning_item(_new_id("rs"), reasoning)]
         if content or not calls:
-            logprobs = self.token_entries(choice.token_ids, choice.logprobs, body.top_logprobs or 0) \
-                if self.wants_logprobs(body) else None
+            logprobs = self.token_entries(choice.token_ids, choice.logprobs, body.top_logprobs or 0,
+                                          self.tokens_as_ids(body)) if self.wants_logprobs(body) else None
             items.append(_message_item(_new_id("msg"), content, status, logprobs))
         return {"output": items + [_call_item(_new_id("fc"), name, args) for name, args in calls]}
 
     def stream(self, body: ResponsesRequest) -> _OutputEvents:
         tools = self.offered(body)
         k = body.top_logprobs or 0
-        entries = (lambda d: self.token_entries(d.token_ids, d.logprobs, k)) if self.wants_logprobs(body) else None
+        as_ids = self.tokens_as_ids(body)
+        entries = (lambda d: self.token_entries(d.token_ids, d.logprobs, k, as_ids)) if self.wants_logprobs(body) \
+            else None
         return _OutputEvents(self.reasoning_parser, None if tools is None else CallStream(self.tool_parser, tools),
                              entries)
 

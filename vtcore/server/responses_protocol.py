@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from vtcore.server.protocol import (TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count, GenerationRequest, Text,
-                                    TopLogprobs)
+                                    TopLogprobs, integer)
 
 
 class InputPart(BaseModel):
@@ -134,7 +134,7 @@ class ResponsesRequest(GenerationRequest):
     instructions: Text | None = Field(None, description="A system message before the input.")
     max_output_tokens: Count | None = None
     text: TextConfig | None = None
-    n: int | None = Field(1, ge=1, le=1, description="One output a response.")
+    n: integer(ge=1, le=1) | None = Field(1, description="One output a response.")
     response_format: None = Field(None, description="Chat's; here text.format.")
     prompt_logprobs: None = Field(None, description="Chat's and completions'; not served here.")
     return_token_ids: bool | None = Field(None, json_schema_extra={"enum": [False, None]},
@@ -149,3 +149,11 @@ class ResponsesRequest(GenerationRequest):
     top_logprobs: TopLogprobs | None = Field(None, description="With include's logprobs: alternatives a token.")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).")
+
+
+def without_logprobs(model: type[ResponsesRequest]) -> type[ResponsesRequest]:
+    """``model`` whose ``include`` is empty: a server with a reasoning parser does not serve the answer's
+    logprobs (its tokens would not be told apart from the thought's), and its document says so."""
+    return create_model(model.__name__, __base__=model, __doc__=model.__doc__, include=(
+        Annotated[list[Literal["message.output_text.logprobs"]], Field(max_length=0)] | None, Field(
+            None, description="Extra output: none beside this server's reasoning parser.")))
