@@ -226,6 +226,25 @@ def test_the_server_enforces_what_the_document_says(doc: dict[str, Any], server:
         validator(doc, "#/components/schemas/ErrorResponse").validate(r.json())
 
 
+@pytest.mark.parametrize("literal, refused", [
+    (b"-9223372036854775809.0", True),  # past the range; its float is -2**63, inside it: not rounded in
+    (b"9007199254740993.5", True),  # its float is integral; the literal is not an integer
+    (b"-9223372036854775808.0", False), (b"1e18", False), (b"123456789012345678", False),
+    (b"9.223372036854775807e18", False), (b"9.223372036854775808e18", True)])  # the last integer, the first past
+def test_number_literals_are_read_as_written(server: ServerThread, literal: bytes, refused: bool) -> None:
+    """As written, not as a float rounds them: an integer field takes a literal whose value is an integer in its
+    range, however it is spelled, and refuses by name one whose float would be, but the literal is not."""
+    body = b'{"prompt": "Hi", "max_tokens": 1, "seed": ' + literal + b'}'
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    got = (r.status_code, r.json().get("error", {}).get("param"))
+    assert got == ((400, "seed") if refused else (200, None)), r.text
+    temperature = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 1, '
+                             b'"temperature": 0.50000000000000000001}', headers={"content-type": "application/json"},
+                             timeout=60)
+    assert temperature.status_code == 200, temperature.text  # (a number field takes the float it is)
+
+
 def test_every_streamed_event_fits_the_documented_event_schema(doc: dict[str, Any], server: ServerThread) -> None:
     """schemathesis (ST108) reads an event stream event by event; the document once called the stream a string."""
     schema = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]

@@ -4,22 +4,36 @@ served request pays before it reaches the engine.
 
 A body orjson refuses (NaN or Infinity, a lone surrogate) is parsed by ``json`` instead, so the server
 accepts and refuses what it did with ``json`` alone, with the same error for a body neither takes. So is a
-body with a run of 19 digits or more: orjson reads an integer literal outside 64 bits as a float, rounded,
-which an integer field would take as another integer (``json`` keeps it exact, so a range refuses it by name).
+body with 16 digits in a row (a decimal point maybe among them), where a number's literal may say more than a
+float holds: orjson reads
+an integer literal outside 64 bits as a float, rounded, which an integer field would take as another integer.
+``json`` keeps an integer literal exact, and reads a number literal past 2**53 that its float rounds as a
+``LiteralFloat`` (:mod:`vtcore.server.protocol`): an integer field takes the literal's value where it is an
+integer and refuses it by name where it is not; a number field takes the float.
 """
 from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal
 from typing import Any, Callable, Coroutine
 
 import orjson
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from vtcore.server.protocol import LiteralFloat
 
-#: a run of digits an integer literal outside 64 bits needs (or a long fraction, which either parser reads alike)
-_LONG_NUMBER = re.compile(rb"\d{19}")
+
+#: the 16 digits (a decimal point maybe among them) a literal needs to say more than a float holds past 2**53
+_LONG_NUMBER = re.compile(rb"\d(?:\.?\d){15}")
+
+
+def _number(literal: str) -> float:
+    value = float(literal)
+    if value.is_integer() and abs(value) >= 2 ** 53 and Decimal(literal) != Decimal(value):
+        return LiteralFloat(value, Decimal(literal))
+    return value
 
 
 class _JSONBodyRequest(Request):
@@ -27,9 +41,10 @@ class _JSONBodyRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             try:
-                self._json = json.loads(body) if _LONG_NUMBER.search(body) else orjson.loads(body)
+                self._json = json.loads(body, parse_float=_number) if _LONG_NUMBER.search(body) else \
+                    orjson.loads(body)
             except orjson.JSONDecodeError:
-                self._json = json.loads(body)
+                self._json = json.loads(body, parse_float=_number)
         return self._json
 
 

@@ -13,6 +13,7 @@ context.
 """
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model
@@ -58,11 +59,32 @@ def _encodable(text: str) -> str:
     return text
 
 
+class LiteralFloat(float):
+    """A JSON number past 2**53 whose float is not the literal's value (``vtcore.server.json_body``): the float,
+    with the ``literal`` as written."""
+
+    literal: Decimal
+
+    def __new__(cls, value: float, literal: Decimal) -> "LiteralFloat":
+        number = super().__new__(cls, value)
+        number.literal = literal
+        return number
+
+
+#: the most digits a literal's integer may have here (past it, Python's int() of a string refuses to work)
+_MAX_DIGITS = 4000
+
+
 def _integral(value: Any) -> Any:
     """JSON Schema's integer: a number without a fraction, 5.0 as well as 5 (pydantic's strict int takes
-    only the second), of any size (a float past 2**53 is one integer; an integer literal outside 64 bits, which
-    orjson would round, is read exactly: ``vtcore.server.json_body``)."""
-    return int(value) if type(value) is float and value.is_integer() else value
+    only the second), of any size: a float past 2**53 is one integer, and a literal its float rounds counts as
+    written (a ``LiteralFloat``: the literal's integer, or refused where the literal has a fraction)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    if isinstance(value, LiteralFloat) and value.literal.adjusted() < _MAX_DIGITS and \
+            value.literal == value.literal.to_integral_value():
+        return int(value.literal)
+    return value
 
 
 def integer(**bounds: int) -> Any:
