@@ -170,6 +170,8 @@ BODIES = [
     ("/v1/chat/completions", _chat(messages=[]), "messages"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user"}]), "messages"),
     ("/v1/chat/completions", _chat(messages=[{"content": "hi"}]), "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "assistant", "content": "", "tool_calls": [5]}]), "messages"),
+    ("/v1/chat/completions", _chat(messages=[{"role": "assistant", "content": "", "tool_calls": [{}]}]), "messages"),
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", _chat(n=129), "n"),
     ("/v1/chat/completions", _chat(top_logprobs=2), "top_logprobs"),  # without logprobs=true

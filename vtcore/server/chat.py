@@ -110,8 +110,11 @@ def _template_calls(calls: Any) -> Any:
     if not isinstance(calls, list):
         raise APIError(400, f"messages: tool_calls={calls!r}: expected a list of tool calls", "messages")
     out = []
-    for call in calls:
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise APIError(400, f"messages: tool_calls[{i}]={call!r:.80}: expected a tool call object {{'id': ..., "
+                                "'type': 'function', 'function': {'name': ..., 'arguments': ...}}", "messages")
         args = fn.get("arguments", "{}")
         try:
             args = json.loads(args) if isinstance(args, str) else args

@@ -339,7 +339,9 @@ def _message_schema(schema: dict[str, Any]) -> None:
     """A message's document: its tool-call fields (kept as extras), and that null content is for an
     assistant message of tool_calls only (the server refuses it elsewhere; the document says so, so that
     clients and fuzzers read the same rule)."""
-    schema["properties"].update({"tool_calls": {"type": ["array", "null"], "items": {"type": "object"}},
+    schema["properties"].update({"tool_calls": {"type": ["array", "null"], "items": {
+                                     "type": "object", "required": ["function"],
+                                     "properties": {"function": {"type": "object"}}}},
                                  "tool_call_id": {"type": ["string", "null"]}})
     schema.update({"if": {"properties": {"content": {"type": "null"}}, "required": ["content"]},
                    "then": {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array",
