@@ -141,9 +141,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
         if body.function_call not in (None, "none"):
             raise APIError(400, "function_call: the legacy function calling is not supported; send tool_choice",
                            "function_call", "unsupported")
-        if body.tools and self.tool_parser is None:
-            raise APIError(400, f"tools: the served model's family {self.engine.engine.family.name!r} has no tool-call "
-                                "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
+        check_tools_served(self, body.tools)
         choose(body)  # a bad tool_choice is a 400 before anything runs
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
@@ -290,22 +288,35 @@ def offers_tools(body: ChatCompletionRequest) -> bool:
 
 
 def choose(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools ``tool_choice`` forces a call of (``"required"``: every offered tool; a named function:
-    that one), or None (``"auto"``, ``"none"``, unset); a bad choice is a 400 naming it."""
+    """The tools ``tool_choice`` forces a call of (see ``forced_tools``)."""
     choice = body.tool_choice
+    if isinstance(choice, dict):  # (the request's model checked the shapes: ``protocol.Tool``)
+        return forced_tools(choice, choice["function"]["name"], body.tools or [])
+    return forced_tools(choice, None, body.tools or [])
+
+
+def forced_tools(choice: Any, name: str | None, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The tools (chat's form) a ``tool_choice`` forces a call of: ``"required"``, every offered tool; a named
+    function (``name``), that one; None for ``"auto"``, ``"none"`` or unset. A choice no tool answers is a 400
+    naming it (``choice`` as the request wrote it)."""
     if choice in (None, "auto", "none"):
         return None
-    tools = body.tools or []
     if not tools:
         raise APIError(400, f"tool_choice={choice!r}: requires tools", "tool_choice")
     if choice == "required":
         return tools
-    name = choice["function"]["name"]  # (the request's model checked the shapes: ``protocol.Tool``)
     named = [t for t in tools if t["function"]["name"] == name]
     if not named:
         raise APIError(400, f"tool_choice: the function {name!r} is not among the tools "
                             f"{[t['function']['name'] for t in tools]}", "tool_choice")
     return named
+
+
+def check_tools_served(endpoint: ChatEndpoint | Any, tools: Any) -> None:
+    """Tools offered to a family with no tool-call parser (the endpoint's ``tool_parser``) are a 400 saying so."""
+    if tools and endpoint.tool_parser is None:
+        raise APIError(400, f"tools: the served model's family {endpoint.engine.engine.family.name!r} has no tool-call "
+                            "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
 
 
 def _call_entry(name: str, arguments: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from vtcore.server.chat import render_chat
+from vtcore.server.chat import check_tools_served, forced_tools, render_chat
 from vtcore.server.errors import APIError, to_api_error
 from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Prompts
 from vtcore.server.protocol import ChatMessage
@@ -61,9 +61,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         if body.return_token_ids:
             raise APIError(400, "return_token_ids=true: not served on /v1/responses (use /v1/chat/completions)",
                            "return_token_ids", "unsupported")
-        if body.tools and self.tool_parser is None:
-            raise APIError(400, f"tools: the served model's family {self.engine.engine.family.name!r} has no tool-call "
-                                "parser (a plugin supplies one through vtcore_tool_parser)", "tools", "unsupported")
+        check_tools_served(self, body.tools)
         self.forced(body)  # a bad tool_choice is a 400 before anything runs
         if body.top_logprobs and not self.wants_logprobs(body):
             raise APIError(400, "top_logprobs: requires include ['message.output_text.logprobs']", "top_logprobs")
@@ -76,22 +74,11 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         return bool(body.include) and "message.output_text.logprobs" in body.include
 
     def forced(self, body: ResponsesRequest) -> list[dict[str, Any]] | None:
-        """The tools (chat form) ``tool_choice`` forces a call of: "required", every one; a named function, that
-        one; else None. A choice no tool answers is a 400 naming it."""
+        """The tools (chat form) ``tool_choice`` forces a call of (``chat.forced_tools``)."""
         choice = body.tool_choice
-        if choice in (None, "auto", "none"):
-            return None
-        tools = [t.as_chat_tool() for t in body.tools or ()]
-        if not tools:
-            raise APIError(400, f"tool_choice={choice if isinstance(choice, str) else choice.model_dump()!r}: "
-                                "requires tools", "tool_choice")
-        if choice == "required":
-            return tools
-        named = [t for t in tools if t["function"]["name"] == choice.name]
-        if not named:
-            raise APIError(400, f"tool_choice: the function {choice.name!r} is not among the tools "
-                                f"{[t['function']['name'] for t in tools]}", "tool_choice")
-        return named
+        named = isinstance(choice, NamedFunction)
+        return forced_tools(choice.model_dump() if named else choice, choice.name if named else None,
+                            [t.as_chat_tool() for t in body.tools or ()])
 
     def sampling(self, body: ResponsesRequest) -> tuple[dict[str, Any], dict[str, str]]:
         given = body.max_output_tokens is not None
