@@ -177,21 +177,16 @@ class AsyncLLM(EngineFrontEnd):
             if not self._thread.is_alive():  # (the loop ended after the caller's check: no one would answer)
                 self._refuse_inbox(EngineDeadError("the engine is shut down"))
             return
-        if msg[0] == "call":  # answered in the order sent: queued for the pipe under the lock that orders them
+        if msg[0] in ("add", "call"):
             answer = msg[-1]
             answer.set_running_or_notify_cancel()
             with self._lock:
                 if self.dead is not None:  # died since the caller checked: no one would answer this message
                     raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
-                self._calls.append(answer)
-                self.core.send(msg[:-1])
-            return
-        if msg[0] == "add":
-            answer = msg[-1]
-            answer.set_running_or_notify_cancel()
-            with self._lock:
-                if self.dead is not None:  # died since the caller checked: no one would answer this message
-                    raise EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}")
+                if msg[0] == "call":  # answered in the order sent: queued for the pipe under the lock that orders them
+                    self._calls.append(answer)
+                    self.core.send(msg[:-1])
+                    return
                 self._adds.setdefault(msg[1], collections.deque()).append(answer)
             msg = msg[:-1]
         try:
