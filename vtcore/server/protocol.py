@@ -133,9 +133,17 @@ FirstComePriority = Annotated[int, BeforeValidator(_integral), AfterValidator(_f
                               WithJsonSchema({"const": 0})]
 
 
+def _integral_items(value: Any) -> Any:
+    """``_integral`` of each item of a list; a list of ints (a prompt of ids, as a body usually has it) as it is,
+    checked by pydantic alone: a Python validator on each id cost more than the rest of a request's validation."""
+    if type(value) is list and not set(map(type, value)) <= {int}:
+        return [_integral(v) for v in value]
+    return value
+
+
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
-    token = integer(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))
-    return Annotated[list[token], Field(min_length=min_length)]
+    token = Annotated[int, Field(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))]
+    return Annotated[list[token], Field(min_length=min_length), BeforeValidator(_integral_items)]
 
 
 def _allowed(limits: EngineLimits | None) -> Any:
