@@ -224,9 +224,10 @@ def test_serve_takes_the_flag() -> None:
 
 
 def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
-    """The front end's sends (on the server's event loop) and the core's go through a sender thread: a
-    message larger than the pipe holds returns at once while no one reads, and the reader gets every
-    message in order once it reads."""
+    """A message goes out on the sender's own thread when the socket takes it whole, else through the sender
+    thread: a message larger than the pipe holds returns at once while no one reads, what is sent after it
+    waits behind it (never overtaking it), the reader gets every message in order, and once the thread has
+    written everything, messages go out on the caller's thread again."""
     import threading
     import time
 
@@ -236,16 +237,56 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     reader, writer = multiprocessing.Pipe()
     client = object.__new__(CoreClient)  # its sending half, without a core process
     client._send_lock, client.text = threading.Lock(), FrontEndText(None)
-    client._sender = _Sender(writer, pickled=True)
+    client._sender = _Sender(writer)
     sender = client._sender
+    client.send(("abort", "first"))
+    assert sender.queued == 0 and reader.poll(5)  # written by this thread
     big = ("add", "r", {"prompt_token_ids": list(range(300_000))}, SamplingParams(), 0)  # more than a pipe holds
     started = time.monotonic()
-    for msg in (big, ("abort", "r"), ("stop",)):
-        client.send(msg)
-    assert time.monotonic() - started < 1.0
-    assert [reader.recv() for _ in range(3)] == [big, ("abort", "r"), ("stop",)]
+    client.send(big)
+    client.send(("abort", "r"))
+    sender.send_later(("stop",))
+    assert time.monotonic() - started < 1.0 and sender.queued == 3  # the rest of big, and the two behind it
+    assert [reader.recv() for _ in range(4)] == [("abort", "first"), big, ("abort", "r"), ("stop",)]
+    while sender.queued:
+        time.sleep(0.01)
+    client.send(("abort", "again"))
+    assert sender.queued == 0 and reader.recv() == ("abort", "again")
+
+    class Held:  # the sender's socket, whose thread's writes wait for ``release``
+        def __init__(self, sock: Any) -> None:
+            self.sock, self.release = sock, threading.Event()
+            self.send, self.close = sock.send, sock.close
+
+        def sendall(self, data: Any) -> None:
+            self.release.wait(5)
+            self.sock.sendall(data)
+
+    held = sender.sock = Held(sender.sock)
+    sender.send_later(("abort", "held"))
+    client.send(("abort", "behind"))  # the pipe has room, but a message waits before it
+    assert sender.queued == 2
+    held.release.set()
+    assert [reader.recv(), reader.recv()] == [("abort", "held"), ("abort", "behind")]
     sender.close(timeout=5)
     assert not sender.thread.is_alive()
+
+
+def test_an_idle_core_polls_until_a_message_waits_or_the_time_is_up() -> None:
+    """``_poll_awhile`` (the idle core's wait before it blocks on the pipe) returns as soon as a message waits,
+    and otherwise after its time, not before."""
+    import time
+
+    from vtcore.engine.core_process import _poll_awhile
+
+    reader, writer = multiprocessing.Pipe()
+    started = time.perf_counter()
+    _poll_awhile(reader, 0.05)
+    assert 0.05 <= time.perf_counter() - started < 2
+    writer.send(("abort", "r"))
+    started = time.perf_counter()
+    _poll_awhile(reader, 30)
+    assert time.perf_counter() - started < 2 and reader.recv() == ("abort", "r")
 
 
 def test_a_prompt_that_cannot_be_pickled_fails_alone(core: AsyncLLM) -> None:

@@ -13,18 +13,23 @@ Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or ``("r
 (a bad request fails alone), ``("answer", value)`` or ``("failed", error)`` for each call, in order, ``("outputs",
 [packed RequestOutput], EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in
 its first output, its text only if it has stop strings: the front end detokenizes the others,
-``vtcore.engine.front_end_text``; written by a sender thread, so a slow reader never stalls the steps),
+``vtcore.engine.front_end_text``; never waiting on a slow reader: see ``_Sender``),
 ``("stopped",)`` after a stop (every request aborted and finished; an add after a stop is rejected), or ``("dead",
 error)`` when the engine raised (then it exits).
-Between steps the core takes every message waiting; with no work it blocks on the pipe.
+Between steps the core takes every message waiting; with no work it polls the pipe for ``IDLE_POLL_S``, then
+blocks on it.
 """
 from __future__ import annotations
 
 import multiprocessing
 import operator
+import os
 import pickle
 import queue
+import socket
+import struct
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -45,6 +50,13 @@ from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
 STOP_TIMEOUT_S = 30
 #: the engine methods a front end may call between steps (``AsyncLLM``'s of the same names)
 ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile")
+#: a step's outputs for at most this many requests are pickled and sent on the step loop; more are the sender
+#: thread's to pickle (it does while the loop waits on the device)
+DIRECT_OUTPUTS = 8
+#: seconds the idle core polls the pipe before it blocks on it: a request that comes within them is read by a
+#: running process, not one the kernel must wake first (a closed loop's next request comes a served round trip,
+#: a millisecond or two, after the last output)
+IDLE_POLL_S = 0.005
 
 
 @attrs.frozen
@@ -104,36 +116,80 @@ def unpack_output(fields: tuple) -> RequestOutput:
     return RequestOutput(*fields)
 
 
-class _Sender:
-    """Messages over one end of the pipe, written in order by a thread of their own: the core's step loop
-    never waits while the front end is slow to read, nor the front end's event loop while the core steps
-    (a full pipe blocks its writer). A write that fails (the other end is gone) ends the thread; that end's
-    reader hears of it. ``pickled``: messages are pickled by the caller (a message that cannot be pickled
-    fails its sender, not the thread), else by the thread (the core's outputs, off its step loop)."""
+def _frame(data: bytes) -> bytes:
+    """``data`` framed as ``Connection.recv_bytes`` reads it: its length (4 bytes, big-endian; past 2 GiB -1 and
+    8 bytes more), then ``data``."""
+    n = len(data)
+    return (struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data
 
-    def __init__(self, conn: Connection, pickled: bool = False) -> None:
-        self.conn, self.queue, self.pickled = conn, queue.SimpleQueue(), pickled
+
+class _Sender:
+    """Messages over one end of a ``multiprocessing.Pipe()`` (a socket pair), in order, never blocking the caller:
+    the core's step loop never waits while the front end is slow to read, nor the front end's event loop while
+    the core steps. A message goes out on the caller's thread when nothing is queued before it and the socket
+    takes all of it at once (``MSG_DONTWAIT``); else it, or the part the socket did not take, is written by a
+    thread of its own (a hand-off to a thread that must wake and take the GIL: on a request's path to its first
+    token it cost 0.15-0.25 ms a hop, docs/BENCHMARKS.md). A write that fails (the other end is gone) ends the
+    thread; that end's reader hears of it. ``send`` pickles on the caller's thread (a message that cannot be
+    pickled fails its sender); ``send_later`` leaves the pickling to the thread too (a large step's outputs, off
+    the core's step loop)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket, for sends that never block
+        self.lock = threading.Lock()
+        self.queued = 0  # messages handed to the thread and not yet written (under ``lock``)
         self.thread = threading.Thread(target=self._run, name="vtcore-sender", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while (msg := self.queue.get()) is not None:
+        while (item := self.queue.get()) is not None:
             try:
-                self.conn.send_bytes(msg) if self.pickled else self.conn.send(msg)
+                self.sock.sendall(item if isinstance(item, (bytes, memoryview)) else _frame(ForkingPickler.dumps(item)))
             except OSError:
                 return  # the other end is gone
+            with self.lock:
+                self.queued -= 1
 
     def send(self, msg: tuple) -> None:
-        self.queue.put(ForkingPickler.dumps(msg) if self.pickled else msg)
+        self.send_pickled(ForkingPickler.dumps(msg))
 
     def send_pickled(self, data: bytes) -> None:
-        """A message the caller pickled (``pickled`` senders only)."""
-        self.queue.put(data)
+        """A message the caller pickled."""
+        frame: bytes | memoryview = _frame(data)
+        with self.lock:
+            if not self.queued:
+                try:
+                    sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    return  # the other end is gone (its reader hears of it)
+                if sent == len(frame):
+                    return
+                frame = memoryview(frame)[sent:]
+            self.queued += 1
+            self.queue.put(frame)
+
+    def send_later(self, msg: tuple) -> None:
+        """A message the thread pickles and writes."""
+        with self.lock:
+            self.queued += 1
+            self.queue.put(msg)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued, then stop (waiting at most ``timeout`` seconds for a reader that reads)."""
         self.queue.put(None)
         self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.sock.close()
+
+
+def _poll_awhile(conn: Connection, seconds: float) -> None:
+    """Return once a message waits on ``conn``, or ``seconds`` later, without sleeping in between."""
+    deadline = time.perf_counter() + seconds
+    while not conn.poll(0) and time.perf_counter() < deadline:
+        pass
 
 
 def core_main(config: EngineConfig, conn: Connection) -> None:
@@ -156,6 +212,8 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     announced: set[str] = set()  # requests whose prompt the front end has (their first output carried it)
     try:
         while True:
+            if not (stopping or engine.has_unfinished_requests()):
+                _poll_awhile(conn, IDLE_POLL_S)
             while conn.poll(0) or not (stopping or engine.has_unfinished_requests()):
                 msg = conn.recv()
                 if msg[0] == "add" and stopping:
@@ -182,7 +240,8 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                         engine.abort_request(rid)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
-                sender.send(("outputs", [pack_output(out, announced) for out in outputs], engine.stats()))
+                msg = ("outputs", [pack_output(out, announced) for out in outputs], engine.stats())
+                sender.send(msg) if len(outputs) <= DIRECT_OUTPUTS else sender.send_later(msg)
             elif stopping:
                 sender.send(("stopped",))
                 return
@@ -210,7 +269,7 @@ class CoreClient(PromptText):
         self.process.start()
         theirs.close()
         self.conn = ours
-        self._sender = _Sender(ours, pickled=True)
+        self._sender = _Sender(ours)
         # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
         self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
         self._send_lock = threading.Lock()
@@ -232,7 +291,7 @@ class CoreClient(PromptText):
         self.text = FrontEndText(self.tokenizer)
 
     def send(self, msg: tuple) -> None:
-        """Queue a message to the core (from any thread; written by the sender thread, never blocking)."""
+        """Send a message to the core (from any thread; never blocking: see ``_Sender``)."""
         with self._send_lock:
             data = ForkingPickler.dumps(msg)  # a message that cannot be pickled fails here, its sender's call
             if msg[0] == "add":
