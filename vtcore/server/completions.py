@@ -41,11 +41,13 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         batch = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         items = []
         for p in batch:
-            try:
-                text, ids = self.engine.tokenize(p if isinstance(p, str) else {"prompt_token_ids": list(p)},
-                                                 body.add_special_tokens)
-            except ValueError as exc:
-                raise APIError(400, f"prompt: {exc}", "prompt") from None
+            if isinstance(p, str):
+                try:
+                    text, ids = self.engine.tokenize(p, body.add_special_tokens)
+                except ValueError as exc:
+                    raise APIError(400, f"prompt: {exc}", "prompt") from None
+            else:  # ids the request model has checked: ints in the vocabulary's range
+                text, ids = None, p
             if text is None and body.echo:  # ids alone: their text only for the echo (decoding costs the GIL)
                 text = self.serving.decode(ids)
             items.append((text, ids))

@@ -225,7 +225,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
             if len(kept) < len(ids):  # (before the length check: the engine runs the kept tokens)
                 text, ids = (None if text is None else self.serving.decode(kept)), kept
             max_tokens = self.check_length(len(ids), kw["max_tokens"], prompts.field, tokens_field)
-            params = self.make_params({**kw, "max_tokens": max_tokens}, renames)
+            params = checked if max_tokens == kw["max_tokens"] else self.make_params({**kw, "max_tokens": max_tokens},
+                                                                                      renames)
             engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n, body.cache_salt,
                                                body.priority))
         return Job(job_id, int(time.time()), engine_prompts, renames)

@@ -16,7 +16,8 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator, create_model)
 from pydantic_core import PydanticCustomError
 
 from vtcore.engine.capacity import EngineLimits
@@ -133,17 +134,21 @@ FirstComePriority = Annotated[int, BeforeValidator(_integral), AfterValidator(_f
                               WithJsonSchema({"const": 0})]
 
 
-def _integral_items(value: Any) -> Any:
-    """``_integral`` of each item of a list; a list of ints (a prompt of ids, as a body usually has it) as it is,
-    checked by pydantic alone: a Python validator on each id cost more than the rest of a request's validation."""
-    if type(value) is list and not set(map(type, value)) <= {int}:
-        return [_integral(v) for v in value]
-    return value
+def _integral_items(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A list of ints (a prompt of ids, as a body usually has it) checked by pydantic alone, and if that fails,
+    again with ``_integral`` of each item: a Python validator on each id cost more than the rest of a request's
+    validation."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if type(value) is not list:
+            raise
+        return handler([_integral(v) for v in value])
 
 
 def _token_ids(limits: EngineLimits | None, min_length: int) -> Any:
     token = Annotated[int, Field(ge=0, **({} if limits is None else {"lt": limits.vocab_size}))]
-    return Annotated[list[token], Field(min_length=min_length), BeforeValidator(_integral_items)]
+    return Annotated[list[token], Field(min_length=min_length), WrapValidator(_integral_items)]
 
 
 def _allowed(limits: EngineLimits | None) -> Any:
