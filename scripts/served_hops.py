@@ -61,7 +61,7 @@ def _wrap(owner: Any, name: str, before: Callable[..., str | None] | None = None
 def _kind(data: Any) -> bytes:
     """The message kind inside a pickled ``(kind, ...)`` tuple's first bytes."""
     head = bytes(memoryview(data)[:40])
-    return next((k for k in (b"outputs", b"add") if k in head), b"")
+    return next((k for k in (b"outputs", b"added", b"add") if k in head), b"")
 
 
 def _install() -> None:
@@ -150,7 +150,8 @@ def _hops(stamps: list[tuple[str, float]], sent: float, end: float) -> dict[str,
             times["step in (the token's step)"] = (max(t_ for label, t_ in stamps if label == "step in"
                                                        and at <= t_ < t) - sent) * 1e3
         times[hop], at = (t - sent) * 1e3, t
-    times["steps"] = sum(1 for label, t in stamps if label == "step in" and sent <= t <= sent + times["step out"] / 1e3)
+    out = sent + times.get("step out", float("nan")) / 1e3  # (no step out: no step counted)
+    times["steps"] = sum(1 for label, t in stamps if label == "step in" and sent <= t <= out)
     return times
 
 

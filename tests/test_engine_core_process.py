@@ -272,6 +272,48 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     assert not sender.thread.is_alive()
 
 
+def test_a_message_the_sender_thread_cannot_pickle_reaches_the_reader_as_dead_and_fails_later_sends() -> None:
+    """A step's outputs pickled by the sender thread that do not pickle must not leave the front end waiting:
+    the reader gets ``("dead", error)`` in their place, and every later send raises that error."""
+    from vtcore.engine.core_process import _Sender
+
+    reader, writer = multiprocessing.Pipe()
+    sender = _Sender(writer)
+    sender.send_later(("outputs", [lambda: 0], None))
+    assert reader.poll(10)
+    kind, error = reader.recv()
+    assert kind == "dead" and isinstance(error, RuntimeError) and "could not be pickled" in str(error)
+    sender.thread.join(10)
+    with pytest.raises(RuntimeError, match="could not be pickled"):
+        sender.send(("added", "r"))
+
+
+def test_a_process_default_socket_timeout_leaves_the_pipe_blocking() -> None:
+    """The sender's socket shares the pipe's open file: a timeout would set O_NONBLOCK on both, and the reader's
+    ``recv`` on an empty pipe would then raise instead of waiting."""
+    import socket
+
+    from vtcore.engine.core_process import _Sender
+
+    reader, writer = multiprocessing.Pipe()
+    socket.setdefaulttimeout(5)
+    try:
+        sender = _Sender(writer)
+    finally:
+        socket.setdefaulttimeout(None)
+    assert os.get_blocking(writer.fileno())
+    sender.send(("abort", "r"))
+    assert reader.recv() == ("abort", "r")
+    sender.close(timeout=5)
+
+
+def test_the_core_process_ignores_sigint(core: AsyncLLM) -> None:
+    """A terminal's Ctrl-C reaches every process of its group: the core keeps serving (the front end stops it)."""
+    os.kill(core.engine.process.pid, signal.SIGINT)
+    outs = asyncio.run(_collect(core, "after-sigint", PROMPTS[0], greedy(3)))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3 and core.engine.process.is_alive()
+
+
 def test_an_idle_core_polls_until_a_message_waits_or_the_time_is_up() -> None:
     """``_poll_awhile`` (the idle core's wait before it blocks on the pipe) returns as soon as a message waits,
     and otherwise after its time, not before."""

@@ -493,12 +493,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_subprocess_sigterm_exits_cleanly() -> None:
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_serve_subprocess_sigterm_exits_cleanly(stop: str) -> None:
+    """SIGTERM to the server, or a terminal's Ctrl-C (SIGINT to its whole process group, the engine core process
+    too): the same graceful shutdown."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VTCORE_")}
     proc = subprocess.Popen([sys.executable, "-m", "vtcore.server.serve", "--host", HOST, "--port", str(port),
                              "--device", "cpu", "--shutdown-timeout", "1", "--log-level", "warning"],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         url = f"http://{HOST}:{port}"
         deadline = time.monotonic() + 60
@@ -520,7 +524,7 @@ def test_serve_subprocess_sigterm_exits_cleanly() -> None:
             lines = [next(it)]
             assert lines[0].startswith("data: ")
             sent = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM) if stop == "sigterm" else os.killpg(proc.pid, signal.SIGINT)
             lines += [line for line in it if line]
         assert lines[-1] == "data: [DONE]"
         last = json.loads(lines[-2][len("data: "):])

@@ -26,6 +26,7 @@ import operator
 import os
 import pickle
 import queue
+import signal
 import socket
 import struct
 import threading
@@ -132,30 +133,47 @@ class _Sender:
     token it cost 0.15-0.25 ms a hop, docs/BENCHMARKS.md). A write that fails (the other end is gone) ends the
     thread; that end's reader hears of it. ``send`` pickles on the caller's thread (a message that cannot be
     pickled fails its sender); ``send_later`` leaves the pickling to the thread too (a large step's outputs, off
-    the core's step loop)."""
+    the core's step loop): one that cannot be pickled goes out as ``("dead", error)``, and every later send
+    raises that error."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn, self.queue = conn, queue.SimpleQueue()
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket, for sends that never block
+        self.sock.settimeout(None)  # (a process's default timeout would make it, and so ``conn``, non-blocking)
         self.lock = threading.Lock()
         self.queued = 0  # messages handed to the thread and not yet written (under ``lock``)
+        self.failed: BaseException | None = None  # why the thread could not pickle a message: every send raises it
         self.thread = threading.Thread(target=self._run, name="vtcore-sender", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while (item := self.queue.get()) is not None:
-            try:
-                self.sock.sendall(item if isinstance(item, (bytes, memoryview)) else _frame(ForkingPickler.dumps(item)))
-            except OSError:
-                return  # the other end is gone
-            with self.lock:
-                self.queued -= 1
+        try:
+            while (item := self.queue.get()) is not None:
+                if not isinstance(item, (bytes, memoryview)):
+                    try:
+                        item = _frame(ForkingPickler.dumps(item))
+                    except Exception as exc:  # noqa: BLE001 - the reader hears of it in the message's place
+                        self.failed = RuntimeError(f"a message to the front end could not be pickled: "
+                                                   f"{type(exc).__name__}: {exc}")
+                        item = _frame(ForkingPickler.dumps(("dead", self.failed)))
+                self.sock.sendall(item)
+                if self.failed is not None:
+                    return
+                with self.lock:
+                    self.queued -= 1
+        except OSError:
+            return  # the other end is gone
+        finally:
+            with self.lock:  # (not while a caller's send is on the socket)
+                self.sock.close()
 
     def send(self, msg: tuple) -> None:
         self.send_pickled(ForkingPickler.dumps(msg))
 
     def send_pickled(self, data: bytes) -> None:
         """A message the caller pickled."""
+        if self.failed is not None:
+            raise self.failed
         frame: bytes | memoryview = _frame(data)
         with self.lock:
             if not self.queued:
@@ -173,6 +191,8 @@ class _Sender:
 
     def send_later(self, msg: tuple) -> None:
         """A message the thread pickles and writes."""
+        if self.failed is not None:
+            raise self.failed
         with self.lock:
             self.queued += 1
             self.queue.put(msg)
@@ -181,8 +201,6 @@ class _Sender:
         """Send what is queued, then stop (waiting at most ``timeout`` seconds for a reader that reads)."""
         self.queue.put(None)
         self.thread.join(timeout)
-        if not self.thread.is_alive():
-            self.sock.close()
 
 
 def _poll_awhile(conn: Connection, seconds: float) -> None:
@@ -199,6 +217,9 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
 
     thread_lock_for_progress()
     favour_engine_thread()  # (the sender thread pickles outputs beside the engine loop)
+    # The front end stops the core (a terminal's Ctrl-C reaches both processes: the server's graceful shutdown
+    # needs the core running, and a KeyboardInterrupt could cut a message in two on the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = LLMEngine(config)
     except BaseException as exc:  # noqa: BLE001 - the front end raises it from the constructor
