@@ -155,6 +155,37 @@ def test_token_id_completions_are_prepared_on_the_event_loop_and_text_on_a_prepa
     assert_400(post_json(url, {"model": MODEL, "max_tokens": 2000, "prompt": [5, 6, 7]}), "max_tokens")
 
 
+def test_a_json_body_its_model_accepts_skips_fastapis_request_handler(server: ServerThread,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generation routes answer a JSON body their model accepts without FastAPI's dependency solving
+    (``JSONBodyRoute.body_model``); a body the model refuses, another content type, and the other routes still
+    go through FastAPI's handler and are answered as before."""
+    import fastapi.routing
+    import httpx
+
+    solved: list[str] = []
+    real = fastapi.routing.solve_dependencies
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        solved.append(kwargs["request"].url.path)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(fastapi.routing, "solve_dependencies", counting)
+    url = server.url + "/v1/completions"
+    r = post_json(url, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
+    chat = post_json(server.url + "/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                                            "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and chat.status_code == 200 and solved == [], (r.text, chat.text)
+    assert r.json()["usage"]["prompt_tokens"] == 3 and r.json()["usage"]["completion_tokens"] == 2
+    assert_400(post_json(url, {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": "two"}), "max_tokens")
+    assert solved == ["/v1/completions"]
+    text = httpx.post(url, content=b'{"prompt": [5, 6, 7], "max_tokens": 2}', timeout=60,
+                      headers={"content-type": "text/plain"})
+    assert text.status_code == 400 and solved == ["/v1/completions"] * 2, text.text
+    assert post_json(server.url + "/tokenize", {"prompt": "hi"}).status_code == 200
+    assert solved[-1] == "/tokenize"
+
+
 def test_bodies_are_parsed_by_orjson_and_what_it_refuses_by_json(server: ServerThread,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Every route reads its JSON body through orjson (``JSONBodyRoute``); a body orjson refuses (NaN here) goes
