@@ -7,6 +7,8 @@ import time
 from typing import Any, Iterator
 
 import pytest
+from fastapi import BackgroundTasks, Request, Response
+from pydantic import BaseModel
 from server_harness import (MODEL, PROMPTS, ServerThread, client, engine, error_of,  # noqa: F401
                             needs_default_model, openai, post_json, server)
 
@@ -184,6 +186,44 @@ def test_a_json_body_its_model_accepts_skips_fastapis_request_handler(server: Se
     assert text.status_code == 400 and solved == ["/v1/completions"] * 2, text.text
     assert post_json(server.url + "/tokenize", {"prompt": "hi"}).status_code == 200
     assert solved[-1] == "/tokenize"
+
+
+class _Body(BaseModel):  # (module level: the endpoints' annotations below are resolved from here)
+    x: int
+
+
+def test_only_a_marked_endpoint_of_body_and_request_takes_the_direct_path() -> None:
+    """``JSONBodyRoute.body_model``: an endpoint marked ``direct_json`` whose parameters are the body and the
+    request; no direct path without the mark, with another parameter FastAPI fills in (it would go unfilled), or
+    with a dependency (it would go unsolved)."""
+    from fastapi import Depends, FastAPI
+
+    from vtcore.server.json_body import JSONBodyRoute, direct_json
+
+    app = FastAPI()
+    app.router.route_class = JSONBodyRoute
+
+    @app.post("/marked")
+    @direct_json
+    async def marked(body: _Body, request: Request) -> Response:
+        return Response()
+
+    @app.post("/unmarked")
+    async def unmarked(body: _Body, request: Request) -> Response:
+        return Response()
+
+    @app.post("/tasks")
+    @direct_json
+    async def tasks(body: _Body, request: Request, background: BackgroundTasks) -> Response:
+        return Response()
+
+    @app.post("/dependency", dependencies=[Depends(lambda: None)])
+    @direct_json
+    async def dependency(body: _Body, request: Request) -> Response:
+        return Response()
+
+    models = {r.path: r.body_model for r in app.routes if isinstance(r, JSONBodyRoute)}
+    assert models == {"/marked": _Body, "/unmarked": None, "/tasks": None, "/dependency": None}
 
 
 def test_bodies_are_parsed_by_orjson_and_what_it_refuses_by_json(server: ServerThread,

@@ -32,7 +32,7 @@ from vtcore.server.chat import ChatEndpoint
 from vtcore.server.completions import CompletionsEndpoint
 from vtcore.server.errors import APIError, to_api_error, validation_error
 from vtcore.server.gate import Gate
-from vtcore.server.json_body import JSONBodyRoute
+from vtcore.server.json_body import JSONBodyRoute, direct_json
 from vtcore.server.metrics import CONTENT_TYPE
 from vtcore.server.openapi import errors, json_or_stream, openapi_document
 from vtcore.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -120,17 +120,20 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
 
     @app.post("/v1/completions", response_model=None, responses={
         **json_or_stream("A text_completion, or its chunks when streamed."), **_REQUEST_ERRORS})
+    @direct_json
     async def create_completion(body: CompletionBody, request: Request) -> Response:
         return await completions(body, request)
 
     @app.post("/v1/chat/completions", response_model=None, responses={
         **json_or_stream("A chat.completion, or its chunks when streamed."), **_REQUEST_ERRORS})
+    @direct_json
     async def create_chat_completion(body: ChatBody, request: Request) -> Response:
         return await chat(body, request)
 
     @app.post("/v1/responses", response_model=None, responses={
         **json_or_stream("A response, or its typed events (`event: response.created`, ...) when streamed."),
         **_REQUEST_ERRORS})
+    @direct_json
     async def create_response(body: ResponsesBody, request: Request) -> Response:
         return await responses(body, request)
 

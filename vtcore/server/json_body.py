@@ -63,9 +63,11 @@ class JSONBodyRoute(APIRoute):
     """An ``APIRoute`` whose handler reads the body through ``_JSONBodyRequest`` (FastAPI's documented way
     to change how a route reads its request).
 
-    A route whose endpoint takes only a JSON body model and the ``Request`` and returns a ``Response`` itself
-    (``body_model``: the generation endpoints) answers a JSON body its model accepts without FastAPI's request
-    handler: the body validated with the model, the endpoint called. FastAPI's dependency solving around that
+    A route whose endpoint is marked ``direct_json`` (the generation endpoints), takes only a JSON body model and
+    the ``Request`` and returns a ``Response`` itself (``body_model``) answers a JSON body its model accepts
+    without FastAPI's request handler: the body validated with the model, the endpoint called. The mark is the
+    route author's word that the route is registered on the app itself: a router's dependencies, added where it is
+    included, are solved by FastAPI's handler only. FastAPI's dependency solving around that
     validation cost twice the validation itself on every served request (``scripts/server_request_cost.py``).
     Anything else (another content type, a body that is not JSON or that the model refuses) goes to FastAPI's
     handler, which answers it as it always has."""
@@ -78,7 +80,7 @@ class JSONBodyRoute(APIRoute):
                 return await handler(_JSONBodyRequest(request.scope, request.receive))
 
             return handle
-        model, endpoint = self.body_model, self.endpoint
+        model, endpoint = self.body_model, self.dependant.call  # (what an integration may have wrapped)
         body_name, request_name = self.dependant.body_params[0].name, self.dependant.request_param_name
 
         async def handle_json(request: Request) -> Response:
@@ -94,17 +96,26 @@ class JSONBodyRoute(APIRoute):
         return handle_json
 
 
+def direct_json(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an endpoint for ``JSONBodyRoute``'s direct path (see there)."""
+    endpoint.direct_json = True  # type: ignore[attr-defined]
+    return endpoint
+
+
 #: the content types FastAPI reads as JSON, which the direct path takes (others go to FastAPI's handler)
 _JSON_TYPE = re.compile(r"\s*application/json\s*(;|$)", re.IGNORECASE)
 
 
 def _body_model(route: APIRoute) -> type[BaseModel] | None:
-    """The body model of a route whose endpoint is ``async (body: Model, request: Request) -> Response``, else
-    None."""
+    """The body model of a route whose endpoint is marked ``direct_json`` and is ``async (body: Model, request:
+    Request) -> Response``, with no dependency and no other parameter FastAPI fills in, else None."""
     dep = route.dependant
-    if (len(dep.body_params) != 1 or dep.request_param_name is None or dep.dependencies or dep.path_params
-            or dep.query_params or dep.header_params or dep.cookie_params or route.response_model is not None
-            or not inspect.iscoroutinefunction(route.endpoint)):
+    others = (dep.websocket_param_name, dep.http_connection_param_name, dep.response_param_name,
+              dep.background_tasks_param_name, dep.security_scopes_param_name)
+    if (len(dep.body_params) != 1 or dep.request_param_name is None or dep.dependencies or route.dependencies
+            or dep.path_params or dep.query_params or dep.header_params or dep.cookie_params
+            or any(name is not None for name in others) or route.response_model is not None
+            or not getattr(dep.call, "direct_json", False) or not inspect.iscoroutinefunction(dep.call)):
         return None
     field = dep.body_params[0]
     model = field.field_info.annotation
