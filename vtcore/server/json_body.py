@@ -65,12 +65,12 @@ class JSONBodyRoute(APIRoute):
 
     A route whose endpoint is marked ``direct_json`` (the generation endpoints), takes only a JSON body model and
     the ``Request`` and returns a ``Response`` itself (``body_model``) answers a JSON body its model accepts
-    without FastAPI's request handler: the body validated with the model, the endpoint called. The mark is the
-    route author's word that the route is registered on the app itself: a router's dependencies, added where it is
-    included, are solved by FastAPI's handler only. FastAPI's dependency solving around that
-    validation cost twice the validation itself on every served request (``scripts/server_request_cost.py``).
-    Anything else (another content type, a body that is not JSON or that the model refuses) goes to FastAPI's
-    handler, which answers it as it always has."""
+    without FastAPI's request handler: the body validated with the model, the endpoint called. FastAPI's
+    dependency solving around that validation cost twice the validation itself on every served request
+    (``scripts/server_request_cost.py``). Anything else (another content type, a body that is not JSON or that the
+    model refuses) goes to FastAPI's handler, which answers it as it always has. The mark is the route author's
+    word that the route is registered on the app itself: a router's dependencies, added where it is included,
+    are solved by FastAPI's handler only."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
