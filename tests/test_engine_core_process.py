@@ -208,10 +208,15 @@ def test_a_core_starts_its_tensor_parallel_workers(core: AsyncLLM) -> None:
 
 
 def test_a_core_that_cannot_start_raises_its_error(tmp_path: Any) -> None:
+    """... and leaves no process, and no sender thread holding the pipe open."""
+    import threading
+
     before = set(multiprocessing.active_children())
+    senders = sum(t.name == "vtcore-sender" for t in threading.enumerate())
     with pytest.raises(Exception, match="config.json"):
         AsyncLLM(str(tmp_path), device="cpu", engine_core_process=True)
     assert set(multiprocessing.active_children()) <= before
+    assert sum(t.name == "vtcore-sender" for t in threading.enumerate()) == senders
 
 
 def test_serve_takes_the_flag() -> None:

@@ -290,11 +290,6 @@ class CoreClient(PromptText):
         self.process.start()
         theirs.close()
         self.conn = ours
-        self._sender = _Sender(ours)
-        # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
-        self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
-        self._send_lock = threading.Lock()
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see pack_output)
         try:
             msg = self.conn.recv()
         except EOFError:
@@ -304,6 +299,11 @@ class CoreClient(PromptText):
         if msg[0] == "dead":
             self.process.join()
             raise msg[1]
+        self._sender = _Sender(ours)  # (once the core runs: a core that failed to start leaves no sender thread)
+        # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
+        self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
+        self._send_lock = threading.Lock()
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see pack_output)
         info: CoreInfo = msg[1]
         self.info, self.family, self.vocab_size = info, info.family, info.limits.vocab_size
         self.latest_stats = info.stats
