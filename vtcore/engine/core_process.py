@@ -137,7 +137,7 @@ class _Sender:
     raises that error."""
 
     def __init__(self, conn: Connection) -> None:
-        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket, for sends that never block
         self.sock.settimeout(None)  # (a process's default timeout would make it, and so ``conn``, non-blocking)
         self.lock = threading.Lock()
