@@ -11,6 +11,9 @@ split by the engine thread's own calls, each stamped on entry and exit with ``ti
 * ``add``, ``schedule``, ``submit``: the engine's own calls (``submit``: staging and enqueueing the step);
 * ``device``: CUDA events around the submitted work (the device's time for the step, which overlaps
   ``wait``);
+* inside ``submit``, each stamped too: ``layout`` (a padded step's rows, ``DecodeGraphs.prepare``), ``stage``
+  (the host buffer), ``sampling`` (the sampler's metadata), ``upload`` (the copy enqueued), ``replay`` (the
+  graph's launch); ``submit`` minus them is the rest (state copies, the block-table copy, sampling launches);
 * ``wait``: ``StepHandle.result`` (blocked on the device, the tokens' copy included);
 * ``outputs``: the rest of the step that finished the request, outputs built;
 * ``delivery``: the output handed to the caller's event loop until the caller has it.
@@ -40,6 +43,10 @@ from vtcore.worker.model_runner import StepHandle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_shapes import SHAPES, write_shape  # noqa: E402
+
+
+#: the stamped parts of ``submit`` (module docstring)
+SUBMIT_PARTS = ("layout", "stage", "sampling", "upload", "replay")
 
 
 class Stamps:
@@ -109,12 +116,13 @@ async def one(llm: AsyncLLM, rid: str, ids: list[int], stamps: Stamps) -> dict[s
     add_in = next(t for name, edge, t in log if name == "add" and edge == "in")
     deliver_in = max(t for name, edge, t in log if name == "deliver" and edge == "in")
     parts = {"hand-off": add_in - t0, **{k: span(log, k) for k in ("add", "schedule", "submit", "wait")}}
+    inside = {k: span(log, k) for k in SUBMIT_PARTS}
     steps = span(log, "step")
     parts["outputs"] = steps - parts["schedule"] - parts["submit"] - parts["wait"]
     parts["delivery"] = t_end - deliver_in
     total = t_end - t0
     parts["other"] = total - sum(parts.values())
-    parts = {k: v * 1e3 for k, v in parts.items()}
+    parts = {k: v * 1e3 for k, v in {**parts, **inside}.items()}
     parts["device"] = sum(s.elapsed_time(e) for s, e in stamps.events[first[1]:])
     parts["ttft"] = total * 1e3
     parts["steps"] = sum(1 for name, edge, _ in log if name == "step" and edge == "in")
@@ -131,6 +139,12 @@ async def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
     stamps.wrap(eng.scheduler, "schedule", "schedule")
     stamps.wrap(eng.runner, "submit", "submit", cuda=True)
     stamps.wrap(StepHandle, "result", "wait")
+    for graphs in eng.runner._padded:  # (instances: each padded kind's own)
+        stamps.wrap(graphs, "prepare", "layout")
+    stamps.wrap(eng.runner.staging, "stage", "stage")
+    stamps.wrap(eng.runner.sampler, "prepare", "sampling")
+    stamps.wrap(eng.runner.staging, "upload", "upload")
+    stamps.wrap(torch.cuda.CUDAGraph, "replay", "replay")
     stamps.wrap(llm, "_deliver", "deliver")
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, eng.vocab_size, (args.prefix_len,), generator=g).tolist()
@@ -175,7 +189,8 @@ def main() -> None:
     print(f"{args.shape} prompt {args.prefix_len}+{args.input_len} on {result['device']}: TTFT median "
           f"{med['ttft']:.2f} ms, device {med['device']:.2f} ms over {med['steps']:.0f} step(s); ms: "
           + ", ".join(f"{k} {med[k]:.3f}" for k in ("hand-off", "add", "schedule", "submit", "wait", "outputs",
-                                                    "delivery", "other")))
+                                                    "delivery", "other"))
+          + "; inside submit: " + ", ".join(f"{k} {med[k]:.3f}" for k in SUBMIT_PARTS))
     print("calls of the last request not profiled (ms):", result["requests"][-1 - bool(args.profile)]["calls"])
     if args.out:
         name = f"ttft-{args.shape}-{args.prefix_len}-{args.input_len}.json"

@@ -51,6 +51,24 @@ def test_block_hashes_are_the_sha256_chain_and_extend_where_they_stopped() -> No
     known = pool.hashes(tokens, [], 2)
     assert pool.hashes(tokens, known, 5) is known and known == want  # extended in place
     assert pool.hashes(tokens, known, 3) == want  # already long enough: unchanged
+    many = [t % 1000 for t in tokens] * 4  # past one packed piece of blocks
+    assert pool.hashes(many, [], len(many) // BS) == pool.hashes(many, pool.hashes(many, [], 3), len(many) // BS)
+
+
+def test_a_lookup_hashes_up_to_its_first_uncached_block_and_the_rest_follow_later() -> None:
+    pool = BlockPool(16, BS, caching=True)
+    tokens = list(range(11 * BS))
+    want = pool.hashes(tokens, [], 11)
+    lookup = pool.hashes(tokens, [], 11, until_uncached=True)
+    assert lookup == want[:1] and pool.match(lookup) == []  # nothing cached: one hash
+    blocks: list[int] = []
+    pool.grow(blocks, 10 * BS)
+    pool.cache(blocks, want[:10])
+    lookup = pool.hashes(tokens, [], 11, until_uncached=True)
+    assert lookup == want[:11] and pool.match(lookup) == blocks  # the miss at block 10 ends it, past a piece
+    partial = pool.hashes(tokens[:4 * BS] + [-1] * 7 * BS, [], 11, until_uncached=True)
+    assert partial[:4] == want[:4] and len(partial) == 5  # the first block that differs is the last hashed
+    assert pool.hashes(tokens, lookup[:5], 11) == want  # registration extends a lookup's hashes
 
 
 def test_freed_cached_blocks_stay_findable_until_handed_out_tails_first() -> None:
@@ -114,6 +132,19 @@ def _outputs(engine, arrivals) -> dict:
         outs.update({o.request_id: o for o in engine.step() if o.finished})
         call += 1
     return outs
+
+
+def test_a_new_prompt_is_hashed_to_its_first_miss_before_its_step_and_the_rest_after(tiny_checkpoint, monkeypatch
+                                                                                     ) -> None:
+    eng = build_engine(tiny_checkpoint[0], "async", **KNOBS)
+    eng.add_request("a", {"prompt_token_ids": _prompt(10 * BS + 1, seed=3)}, greedy(2))
+    req = eng.requests["a"]
+    hashed_at_submit = []
+    submit = eng.runner.submit
+    monkeypatch.setattr(eng.runner, "submit", lambda batch: (hashed_at_submit.append(len(req.block_hashes)),
+                                                             submit(batch))[1])
+    eng.step()
+    assert hashed_at_submit == [1] and len(req.block_hashes) == 10  # the lookup's one, then registered after
 
 
 def test_a_request_arriving_while_the_first_runs_hits_its_prompt_blocks(tiny_checkpoint) -> None:

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from typing import Sequence
 
 BlockHash = bytes
+#: blocks whose token ids a lookup's ``BlockPool.hashes`` packs at once
+_PIECE = 8
 
 
 class BlockPool:
@@ -73,19 +75,25 @@ class BlockPool:
         block_ids.clear()
 
     def hashes(self, tokens: Sequence[int], known: list[BlockHash], num_blocks: int,
-               cache_salt: str | None = None) -> list[BlockHash]:
+               cache_salt: str | None = None, until_uncached: bool = False) -> list[BlockHash]:
         """``known`` (the hashes of the first blocks of ``tokens``) extended in place to ``num_blocks``.
         ``cache_salt`` (a request's, vLLM's): its blocks chain from a root of their own, so only requests
-        with the same salt share them."""
+        with the same salt share them. ``until_uncached``: stop after the first new hash that no cached block
+        has (a lookup needs no more; the rest are made when the blocks are registered, once the step is on
+        the device, which need not wait for them)."""
         bs, start = self.block_size, len(known)
-        if start >= num_blocks:
-            return known
-        # a block's hash: sha256 of its parent's hash (the root for the first block) and its int64 token ids
-        data = struct.pack(f"{(num_blocks - start) * bs}q", *tokens[start * bs:num_blocks * bs])
         parent, width = (known[-1] if known else self.root(cache_salt)), 8 * bs
-        for offset in range(0, len(data), width):
-            parent = hashlib.sha256(parent + data[offset:offset + width]).digest()
-            known.append(parent)
+        # a block's hash: sha256 of its parent's hash (the root for the first block) and its int64 token ids,
+        # packed at once, or for a lookup, which may stop early, _PIECE blocks at a time
+        piece = _PIECE if until_uncached else max(num_blocks - start, 1)
+        for first in range(start, num_blocks, piece):
+            last = min(first + piece, num_blocks)
+            data = struct.pack(f"{(last - first) * bs}q", *tokens[first * bs:last * bs])
+            for offset in range(0, len(data), width):
+                parent = hashlib.sha256(parent + data[offset:offset + width]).digest()
+                known.append(parent)
+                if until_uncached and parent not in self._cached:
+                    return known
         return known
 
     def root(self, cache_salt: str | None) -> bytes:

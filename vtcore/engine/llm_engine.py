@@ -456,6 +456,7 @@ class LLMEngine(PromptText):
                 self._give_up(batch)
                 raise
             self._log("prepare", step)
+        self.scheduler.register_computed()  # (after the submit: the device need not wait for the block hashes)
         if self.inflight and (len(self.inflight) >= self.depth or not batch):
             done, handle = self.inflight.popleft()
             self._log("wait", handle.step)

@@ -132,7 +132,8 @@ class Scheduler:
         if not self.pool.caching or req.params.prompt_logprobs is not None:
             return
         bs = self.pool.block_size
-        hashes = self.pool.hashes(req.token_ids, req.block_hashes, (req.num_tokens - 1) // bs, req.cache_salt)
+        hashes = self.pool.hashes(req.token_ids, req.block_hashes, (req.num_tokens - 1) // bs, req.cache_salt,
+                                  until_uncached=True)
         blocks = self.pool.match(hashes)
         if self.snapshots is not None:  # only as far as a snapshot of every layer's state exists
             keep = self._restorable(req, hashes, len(blocks))
@@ -344,11 +345,15 @@ class Scheduler:
             self._insert(self.running, req, self.running.append)
             batch.append(self._take(req, n))
             budget -= n
+        self.steps += 1
+        return batch
+
+    def register_computed(self) -> None:
+        """Make the full blocks computed by the steps scheduled so far findable (their hashes are host work:
+        the engine calls this once a step's device work is enqueued, before the next schedule looks them up)."""
         if self.pool.caching:
             for req in self.running + self.ending:
                 self._register(req)
-        self.steps += 1
-        return batch
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request: free its blocks and seat at once (device work is ordered on one stream), or, with
