@@ -7,6 +7,7 @@ leaves no process."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import multiprocessing
 import os
 import signal
@@ -32,6 +33,21 @@ async def _collect(llm: AsyncLLM, rid: str, prompt: Any, params: SamplingParams)
     return [o async for o in llm.generate(prompt, params, rid)]
 
 
+def _on_thread_and_core(core: AsyncLLM, cases: list[tuple[Any, SamplingParams]]) -> tuple[list, list, AsyncLLM]:
+    """Each (prompt, params) case's outputs from ``core`` and from an engine thread, run at once on each; and
+    that engine (shut down)."""
+    async def run(llm: AsyncLLM) -> list:
+        return await asyncio.gather(*[_collect(llm, f"c{i}", prompt, params) for i, (prompt, params) in
+                                      enumerate(cases)])
+
+    thread = AsyncLLM(**KNOBS)
+    try:
+        want = asyncio.run(run(thread))
+    finally:
+        thread.shutdown()
+    return asyncio.run(run(core)), want, thread
+
+
 @pytest.fixture(scope="module")
 def core() -> Iterator[AsyncLLM]:
     llm = AsyncLLM(**KNOBS, engine_core_process=True)
@@ -48,16 +64,7 @@ def test_it_streams_what_the_engine_thread_streams(core: AsyncLLM) -> None:
              greedy(6, output_kind=RequestOutputKind.FINAL_ONLY), greedy(20, stop=["e"]),
              greedy(20, stop=["e"], include_stop_str_in_output=True, output_kind=RequestOutputKind.DELTA)]
 
-    async def run(llm: AsyncLLM) -> list:
-        return await asyncio.gather(*[_collect(llm, f"p{i}", PROMPTS[i % len(PROMPTS)], params)
-                                      for i, params in enumerate(cases)])
-
-    thread = AsyncLLM(**KNOBS)
-    try:
-        want = asyncio.run(run(thread))
-    finally:
-        thread.shutdown()
-    got = asyncio.run(run(core))
+    got, want, thread = _on_thread_and_core(core, [(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(cases)])
 
     def seen(streams: list) -> list:
         return [[(o.prompt, o.prompt_token_ids, o.finished, [(c.index, c.token_ids, c.text, c.finish_reason,
@@ -71,6 +78,94 @@ def test_it_streams_what_the_engine_thread_streams(core: AsyncLLM) -> None:
     assert core.tokenize(PROMPTS[0]) == thread.tokenize(PROMPTS[0]) and core.limits() == thread.limits()
     assert core.default_sampling() == thread.default_sampling() and core.engine.family.name == "qwen3_dense"
     assert core.stats().prefix_cache_queries > 0  # the core's load, sent with its steps
+
+
+def test_prompts_given_as_ids_stream_what_the_engine_thread_streams(core: AsyncLLM) -> None:
+    """A prompt of ids (with its text, as the server sends it, or without) is not sent back by the core, whose
+    outputs carry the one the front end sent; a truncated one is the core's to send."""
+    ids = core.tokenize(PROMPTS[2])[1]
+    cases = [({"prompt_token_ids": ids}, greedy(4)), ({"prompt": PROMPTS[2], "prompt_token_ids": ids}, greedy(5)),
+             ({"prompt": PROMPTS[2], "prompt_token_ids": ids}, greedy(3, truncate_prompt_tokens=2)),
+             ({"prompt_token_ids": ids}, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=3, ignore_eos=True,
+                                                         output_kind=RequestOutputKind.DELTA))]
+
+    got, want, _ = _on_thread_and_core(core, cases)
+    assert [[(o.prompt, o.prompt_token_ids, [(c.index, c.token_ids, c.text) for c in o.outputs]) for o in s]
+            for s in got] == [[(o.prompt, o.prompt_token_ids, [(c.index, c.token_ids, c.text) for c in o.outputs])
+                               for o in s] for s in want]
+    assert got[2][0].prompt_token_ids == ids[-2:] and got[1][0].prompt == PROMPTS[2]
+
+
+def test_the_core_sends_back_only_a_prompt_it_does_not_run_as_sent() -> None:
+    """On the wire: the first output of a prompt the core runs as its add carried it holds no prompt (a long
+    prompt's ids were most of its bytes, on the path to the first token); a truncated one's does."""
+    from vtcore.engine.arg_utils import engine_config
+    from vtcore.engine.core_process import _PROMPT, _PROMPT_IDS, core_main
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=core_main, args=(engine_config("AsyncLLM", None, dict(KNOBS)), theirs))
+    process.start()
+    theirs.close()
+    try:
+        assert ours.recv()[0] == "ready"
+        ours.send(("add", "kept", {"prompt": "abc", "prompt_token_ids": [5, 6, 7]}, greedy(2), 0))
+        ours.send(("add", "cut", {"prompt": "abc", "prompt_token_ids": [5, 6, 7]}, greedy(2, truncate_prompt_tokens=2),
+                   0))
+        firsts: dict[str, tuple] = {}
+        answers = []
+        while len(firsts) < 2:
+            msg = ours.recv()
+            if msg[0] == "added":
+                answers.append(msg)
+            elif msg[0] == "outputs":
+                for fields in msg[1]:
+                    firsts.setdefault(fields[0], fields)
+        assert answers == [("added", "kept", True), ("added", "cut", False)]
+        assert (firsts["kept"][_PROMPT], firsts["kept"][_PROMPT_IDS]) == (None, [])
+        assert (firsts["cut"][_PROMPT], firsts["cut"][_PROMPT_IDS]) == (None, [6, 7])  # (cut: no text spells it)
+        ours.send(("stop",))
+        while ours.recv()[0] != "stopped":
+            pass
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+
+
+def test_the_front_end_keeps_a_prompt_the_core_runs_as_sent_and_takes_another_from_the_first_output() -> None:
+    import threading
+
+    from vtcore.engine.capacity import EngineStats
+    from vtcore.engine.core_process import CoreClient, _prompt_as_sent, pack_output
+    from vtcore.engine.front_end_text import FrontEndText
+    from vtcore.engine.request import Request
+    from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    class Engine:
+        requests = {"a": Request("a", [5, 6, 7], greedy(2), 64, 0, "hi"), "t": Request("t", [7], greedy(2), 64, 1)}
+
+    assert _prompt_as_sent(Engine, "a", {"prompt": "hi", "prompt_token_ids": [5, 6, 7]})
+    assert not _prompt_as_sent(Engine, "t", {"prompt": "hi", "prompt_token_ids": [5, 6, 7]})  # truncated
+    assert not _prompt_as_sent(Engine, "a", "hi") and not _prompt_as_sent(Engine, "n", {"prompt_token_ids": [5]})
+    reader, writer = multiprocessing.Pipe()
+    client = object.__new__(CoreClient)
+    client._send_lock, client._unanswered = threading.Lock(), collections.defaultdict(collections.deque)
+    client.conn, client.text, client._prompts = reader, FrontEndText(None), {}
+    client._sender = type("Sink", (), {"send_pickled": lambda self, data: None})()
+    for rid in ("a", "b"):
+        client.send(("add", rid, {"prompt": "hi", "prompt_token_ids": [5, 6, 7]}, greedy(2), 0))
+
+    def output(rid: str, announced: set) -> tuple:
+        return pack_output(RequestOutput(rid, "core's", [1, 2], None, [CompletionOutput(0, "", [9], None, None)],
+                                         False, 0, RequestMetrics(1, 0)), announced)
+
+    writer.send(("added", "a", True))
+    writer.send(("added", "b", False))
+    writer.send(("outputs", [output("a", {"a"}), output("b", set())], EngineStats(0, 0, 0.0, 0)))
+    assert [client.recv()[0] for _ in range(2)] == ["added", "added"] and not client._unanswered
+    outs = client.recv()[1]
+    assert [(o.prompt, o.prompt_token_ids) for o in outs] == [("hi", [5, 6, 7]), ("core's", [1, 2])]
 
 
 def test_a_bad_request_fails_alone_and_a_caller_that_leaves_aborts_in_the_core(core: AsyncLLM) -> None:
@@ -237,11 +332,10 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     import time
 
     from vtcore.engine.core_process import CoreClient, _Sender
-    from vtcore.engine.front_end_text import FrontEndText
 
     reader, writer = multiprocessing.Pipe()
     client = object.__new__(CoreClient)  # its sending half, without a core process
-    client._send_lock, client.text = threading.Lock(), FrontEndText(None)
+    client._send_lock, client._unanswered = threading.Lock(), collections.defaultdict(collections.deque)
     client._sender = _Sender(writer)
     sender = client._sender
     client.send(("abort", "first"))

@@ -9,10 +9,12 @@ the server's process.
 
 One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params, priority)``, ``("abort",
 id)``, ``("call", method)`` (one of ``ENGINE_CALLS``: the engine's method run between two steps), ``("stop",)``.
-Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id)`` or ``("rejected", id, error)`` for each add
-(a bad request fails alone), ``("answer", value)`` or ``("failed", error)`` for each call, in order, ``("outputs",
-[packed RequestOutput], EngineStats)`` after each step (``pack_output``: plain tuples; a request's prompt only in
-its first output, its text only if it has stop strings: the front end detokenizes the others,
+Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id, prompt_as_sent)`` or ``("rejected", id,
+error)`` for each add (a bad request fails alone), ``("answer", value)`` or ``("failed", error)`` for each call, in
+order, ``("outputs", [packed RequestOutput], EngineStats)`` after each step (``pack_output``: plain tuples; a
+request's prompt only in its first output, and not at all when ``prompt_as_sent`` said the engine runs the prompt
+text and ids the add carried, which the front end then keeps; its text only if it has stop strings: the front end
+detokenizes the others,
 ``vtcore.engine.front_end_text``; never waiting on a slow reader: see ``_Sender``),
 ``("stopped",)`` after a stop (every request aborted and finished; an add after a stop is rejected), or ``("dead",
 error)`` when the engine raised (then it exits).
@@ -21,6 +23,7 @@ blocks on it.
 """
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import operator
 import os
@@ -203,6 +206,14 @@ class _Sender:
         self.thread.join(timeout)
 
 
+def _prompt_as_sent(engine: Any, request_id: str, prompt: Any) -> bool:
+    """Whether the engine's request ``request_id`` runs on the text and token ids its add's ``prompt`` dict gave
+    (not truncated; one sample: an ``n > 1`` request's outputs come from its samples)."""
+    req = engine.requests.get(request_id)
+    return req is not None and isinstance(prompt, dict) and req.prompt == prompt.get("prompt") \
+        and req.prompt_token_ids == prompt.get("prompt_token_ids")
+
+
 def _poll_awhile(conn: Connection, seconds: float) -> None:
     """Return once a message waits on ``conn``, or ``seconds`` later, without sleeping in between."""
     deadline = time.perf_counter() + seconds
@@ -230,7 +241,7 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                                  list(engine.eos_token_ids), engine.stats())))
     sender = _Sender(conn)
     stopping = False
-    announced: set[str] = set()  # requests whose prompt the front end has (their first output carried it)
+    announced: set[str] = set()  # requests whose prompt the front end has (sent with the add, or a first output)
     try:
         while True:
             if not (stopping or engine.has_unfinished_requests()):
@@ -245,7 +256,10 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                     except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                         sender.send(("rejected", msg[1], _sendable(exc)))
                     else:
-                        sender.send(("added", msg[1]))
+                        as_sent = _prompt_as_sent(engine, msg[1], msg[2])
+                        if as_sent:  # (the front end has it: a long prompt's ids are most of a first output's bytes)
+                            announced.add(msg[1])
+                        sender.send(("added", msg[1], as_sent))
                 elif msg[0] == "abort":
                     engine.abort_request(msg[1])
                 elif msg[0] == "call":
@@ -302,7 +316,9 @@ class CoreClient(PromptText):
         self._sender = _Sender(ours)  # (once the core runs: a core that failed to start leaves no sender thread)
         # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
         self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # (also over ``_unanswered``, which the receiving thread reads)
+        # per request id, the (params, prompt) of each add not answered yet, in the order sent
+        self._unanswered: dict[str, collections.deque[tuple[Any, Any]]] = collections.defaultdict(collections.deque)
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see pack_output)
         info: CoreInfo = msg[1]
         self.info, self.family, self.vocab_size = info, info.family, info.limits.vocab_size
@@ -316,7 +332,7 @@ class CoreClient(PromptText):
         with self._send_lock:
             data = ForkingPickler.dumps(msg)  # a message that cannot be pickled fails here, its sender's call
             if msg[0] == "add":
-                self.text.sent(msg[1], msg[3])
+                self._unanswered[msg[1]].append((msg[3], msg[2]))
             self._sender.send_pickled(data)
 
     def recv(self) -> tuple:
@@ -336,7 +352,16 @@ class CoreClient(PromptText):
                     self._prompts.pop(rid, None)
                 self.text.fill(out)
         elif msg[0] in ("added", "rejected"):
-            self.text.answered(msg[1], msg[0] == "added")
+            rid = msg[1]
+            with self._send_lock:
+                waiting = self._unanswered[rid]
+                params, prompt = waiting.popleft()
+                if not waiting:
+                    del self._unanswered[rid]
+            if msg[0] == "added":
+                self.text.added(rid, params)
+                if msg[2]:  # the core sends no prompt: ours is the one it runs
+                    self._prompts[rid] = (prompt.get("prompt"), prompt["prompt_token_ids"])
         return msg
 
     def limits(self) -> EngineLimits:

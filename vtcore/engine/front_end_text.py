@@ -8,8 +8,6 @@ an engine that detokenizes everything itself.
 """
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any
 
 from vtcore.engine.detokenizer import IncrementalDetokenizer
@@ -31,28 +29,17 @@ class _Completion:
 
 
 class FrontEndText:
-    """Fills in the text of core outputs whose requests the core does not detokenize. ``sent`` / ``answered``
-    follow the add messages (the core answers adds in order, per id); ``fill`` runs on the receiving thread."""
+    """Fills in the text of core outputs whose requests the core does not detokenize: ``added`` as the core
+    accepts a request, ``fill`` for each of its outputs (both on the receiving thread)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._lock = threading.Lock()  # sent (the callers' threads) and answered (the receiving thread)
-        self._sent: dict[str, collections.deque[SamplingParams]] = collections.defaultdict(collections.deque)
         self._params: dict[str, SamplingParams] = {}
         self._completions: dict[str, dict[int, _Completion]] = {}  # per request, per completion index
 
-    def sent(self, request_id: str, params: SamplingParams) -> None:
-        with self._lock:
-            self._sent[request_id].append(params)
-
-    def answered(self, request_id: str, added: bool) -> None:
-        """The core added (or rejected) the oldest add of ``request_id``."""
-        with self._lock:
-            waiting = self._sent[request_id]
-            params = waiting.popleft()
-            if not waiting:
-                del self._sent[request_id]
-        if added and self.tokenizer is not None and text_in_front_end(params):
+    def added(self, request_id: str, params: SamplingParams) -> None:
+        """The core accepted a request of ``params``."""
+        if self.tokenizer is not None and text_in_front_end(params):
             self._params[request_id] = params
 
     def fill(self, out: RequestOutput) -> None:
