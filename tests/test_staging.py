@@ -67,6 +67,12 @@ def test_stage_packs_sections_at_their_alignment_and_reuses_a_retired_buffer():
     staging.retire(staged.index)
     again = staging.stage(2, [[9, 9]])
     assert again.host.tolist() == [9, 9] and dense.host.tolist() == [x for s in sections for x in s]
+    staging.retire(again.index)
+    reused = staging.stage(0, [[1], [2, 3], [4]])  # over the first step's values: its padding is zeros again
+    assert reused.host.tolist() == [1, 0, 2, 3, 4, 0]
+    staging.retire(reused.index)
+    grown = staging.stage(0, [list(range(1000)), [-1]])  # past the buffer: a larger one
+    assert grown.host[:1000].tolist() == list(range(1000)) and grown.host[1000:].tolist() == [-1, 0]
 
 
 def test_each_staging_buffer_has_its_own_token_row_which_grows_and_is_reused():

@@ -6,8 +6,9 @@ non-blocking upload may still read.
 """
 from __future__ import annotations
 
+import ctypes
 import struct
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -49,6 +50,7 @@ class Staging:
         self.depth, self.device = depth, device
         self.pinned = device.type == "cuda"
         self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
+        self._bytes: list[Any] = [None] * depth  # each buffer's memory as a writable ctypes array (``stage``)
         self._tokens = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
         self._owner: list[int | None] = [None] * depth
 
@@ -64,19 +66,22 @@ class Staging:
         if owner is not None:
             raise RuntimeError(f"staging buffer {index} is still owned by step {owner}: "
                                f"more than depth={self.depth} steps in flight")
-        flat: list[int] = []
         bounds = []
+        n = 0
         for s in sections:
-            bounds.append((len(flat), len(flat) + len(s)))
-            flat += s
-            flat += [0] * (-len(flat) % align)
-        n = len(flat)
+            bounds.append((n, n + len(s)))
+            n += len(s) + (-(n + len(s)) % align)
         host = self._buffers[index]
-        if host.numel() < n:
-            host = torch.empty(max(n, 2 * host.numel()), dtype=torch.int64, pin_memory=self.pinned)
+        if host.numel() < n or self._bytes[index] is None:
+            host = torch.zeros(max(n, 2 * host.numel(), 1), dtype=torch.int64, pin_memory=self.pinned)
             self._buffers[index] = host
-        if n:
-            host[:n].copy_(host_tensor(flat, torch.int64))
+            self._bytes[index] = (ctypes.c_char * (host.numel() * 8)).from_address(host.data_ptr())
+        memory, at = self._bytes[index], host.data_ptr()
+        for s, (a, b), end in zip(sections, bounds, [a for a, _ in bounds[1:]] + [n]):
+            if b > a:  # packed straight into the buffer (no list of every section's ints first)
+                struct.pack_into(f"{b - a}q", memory, 8 * a, *s)
+            if end > b:  # the alignment's padding: zeros
+                ctypes.memset(at + 8 * b, 0, 8 * (end - b))
         self._owner[index] = step
         return Staged(index, host[:n], bounds)
 
