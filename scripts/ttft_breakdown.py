@@ -15,7 +15,8 @@ split by the engine thread's own calls, each stamped on entry and exit with ``ti
   (the host buffer), ``sampling`` (the sampler's metadata), ``upload`` (the copy enqueued), ``replay`` (the
   graph's launch); ``submit`` minus them is the rest (state copies, the block-table copy, sampling launches);
 * ``wait``: ``StepHandle.result`` (blocked on the device, the tokens' copy included);
-* ``outputs``: the rest of the step that finished the request, outputs built;
+* ``outputs``: the rest of the steps (the prefix cache's registration after each submit, the finishing
+  step's outputs built);
 * ``delivery``: the output handed to the caller's event loop until the caller has it.
 
 The gaps between these (the engine thread waking, steps between) make up ``other``. Medians over the

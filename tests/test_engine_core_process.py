@@ -96,6 +96,21 @@ def test_prompts_given_as_ids_stream_what_the_engine_thread_streams(core: AsyncL
     assert got[2][0].prompt_token_ids == ids[-2:] and got[1][0].prompt == PROMPTS[2]
 
 
+def test_a_prompt_text_that_does_not_compare_is_served_and_harms_no_one(core: AsyncLLM) -> None:
+    """The engine keeps a prompt's text as given beside its ids; the core's check of what it runs as sent must not
+    raise on one whose comparison has no truth value (it did: the core died, and every request with it)."""
+    import numpy as np
+
+    ids = core.tokenize(PROMPTS[1])[1]
+
+    async def run() -> tuple[list, list]:
+        odd = await _collect(core, "odd", {"prompt": np.array(["x", "y"]), "prompt_token_ids": ids}, greedy(2))
+        return odd, await _collect(core, "plain", PROMPTS[0], greedy(2))
+
+    odd, plain = asyncio.run(run())
+    assert odd[-1].prompt_token_ids == ids and len(odd[-1].outputs[0].token_ids) == 2 and plain[-1].finished
+
+
 def test_the_core_sends_back_only_a_prompt_it_does_not_run_as_sent() -> None:
     """On the wire: the first output of a prompt the core runs as its add carried it holds no prompt (a long
     prompt's ids were most of its bytes, on the path to the first token); a truncated one's does."""
@@ -148,13 +163,22 @@ def test_the_front_end_keeps_a_prompt_the_core_runs_as_sent_and_takes_another_fr
     assert _prompt_as_sent(Engine, "a", {"prompt": "hi", "prompt_token_ids": [5, 6, 7]})
     assert not _prompt_as_sent(Engine, "t", {"prompt": "hi", "prompt_token_ids": [5, 6, 7]})  # truncated
     assert not _prompt_as_sent(Engine, "a", "hi") and not _prompt_as_sent(Engine, "n", {"prompt_token_ids": [5]})
+
+    class Odd:  # compares by raising (a bad request's prompt must not take the core down)
+        def __eq__(self, other: object) -> bool:
+            raise ValueError("no truth value")
+
+    assert not _prompt_as_sent(Engine, "a", {"prompt": Odd(), "prompt_token_ids": [5, 6, 7]})
+    assert not _prompt_as_sent(Engine, "a", {"prompt": "hi", "prompt_token_ids": [5, Odd(), 7]})
     reader, writer = multiprocessing.Pipe()
     client = object.__new__(CoreClient)
     client._send_lock, client._unanswered = threading.Lock(), collections.defaultdict(collections.deque)
+    client._unanswered_lock = threading.Lock()
     client.conn, client.text, client._prompts = reader, FrontEndText(None), {}
     client._sender = type("Sink", (), {"send_pickled": lambda self, data: None})()
+    sent_ids = [5, 6, 7]
     for rid in ("a", "b"):
-        client.send(("add", rid, {"prompt": "hi", "prompt_token_ids": [5, 6, 7]}, greedy(2), 0))
+        client.send(("add", rid, {"prompt": "hi", "prompt_token_ids": sent_ids}, greedy(2), 0))
 
     def output(rid: str, announced: set) -> tuple:
         return pack_output(RequestOutput(rid, "core's", [1, 2], None, [CompletionOutput(0, "", [9], None, None)],
@@ -166,6 +190,7 @@ def test_the_front_end_keeps_a_prompt_the_core_runs_as_sent_and_takes_another_fr
     assert [client.recv()[0] for _ in range(2)] == ["added", "added"] and not client._unanswered
     outs = client.recv()[1]
     assert [(o.prompt, o.prompt_token_ids) for o in outs] == [("hi", [5, 6, 7]), ("core's", [1, 2])]
+    assert outs[0].prompt_token_ids is not sent_ids  # (a copy: the caller may reuse its list)
 
 
 def test_a_bad_request_fails_alone_and_a_caller_that_leaves_aborts_in_the_core(core: AsyncLLM) -> None:
@@ -336,6 +361,7 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     reader, writer = multiprocessing.Pipe()
     client = object.__new__(CoreClient)  # its sending half, without a core process
     client._send_lock, client._unanswered = threading.Lock(), collections.defaultdict(collections.deque)
+    client._unanswered_lock = threading.Lock()
     client._sender = _Sender(writer)
     sender = client._sender
     client.send(("abort", "first"))

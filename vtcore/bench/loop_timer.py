@@ -7,7 +7,8 @@ charges each moment of the engine thread to the innermost phase running then (ex
 * ``schedule``, ``submit``: choosing the batch; staging and enqueueing its device work;
 * ``wait``: blocked on an earlier step's tokens (the device is behind the host), publish included;
 * ``late_draw``: a constrained row's mask filled and its second draw enqueued;
-* ``apply_outputs``: the rest of ``step``: tokens applied, matchers advanced, outputs built;
+* ``apply_outputs``: the rest of ``step``: the prefix cache's new blocks registered (after the submit), tokens
+  applied, matchers advanced, outputs built;
 * ``between``: the engine thread outside ``step``, from one step's return to the next one's call (the
   async loop handing outputs to their callers, waiting for the GIL or for work).
 

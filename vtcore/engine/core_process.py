@@ -210,8 +210,14 @@ def _prompt_as_sent(engine: Any, request_id: str, prompt: Any) -> bool:
     """Whether the engine's request ``request_id`` runs on the text and token ids its add's ``prompt`` dict gave
     (not truncated; one sample: an ``n > 1`` request's outputs come from its samples)."""
     req = engine.requests.get(request_id)
-    return req is not None and isinstance(prompt, dict) and req.prompt == prompt.get("prompt") \
-        and req.prompt_token_ids == prompt.get("prompt_token_ids")
+    if req is None or not isinstance(prompt, dict):
+        return False
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    try:  # (a text that is no str, ids that compare oddly: sent back as any other prompt, never a failure)
+        return (text is None or isinstance(text, str)) and isinstance(ids, list) and req.prompt == text \
+            and bool(req.prompt_token_ids == ids)
+    except Exception:  # noqa: BLE001 - see above
+        return False
 
 
 def _poll_awhile(conn: Connection, seconds: float) -> None:
@@ -316,8 +322,10 @@ class CoreClient(PromptText):
         self._sender = _Sender(ours)  # (once the core runs: a core that failed to start leaves no sender thread)
         # a program that never calls shutdown: stopped at exit (before multiprocessing joins its children)
         self._finalizer = weakref.finalize(self, _stop, self.process, self._sender)
-        self._send_lock = threading.Lock()  # (also over ``_unanswered``, which the receiving thread reads)
-        # per request id, the (params, prompt) of each add not answered yet, in the order sent
+        self._send_lock = threading.Lock()
+        # per request id, the (params, prompt) of each add not answered yet, in the order sent (under its own lock:
+        # the receiving thread never waits on a caller's pickling)
+        self._unanswered_lock = threading.Lock()
         self._unanswered: dict[str, collections.deque[tuple[Any, Any]]] = collections.defaultdict(collections.deque)
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # a running request's prompt (see pack_output)
         info: CoreInfo = msg[1]
@@ -332,7 +340,8 @@ class CoreClient(PromptText):
         with self._send_lock:
             data = ForkingPickler.dumps(msg)  # a message that cannot be pickled fails here, its sender's call
             if msg[0] == "add":
-                self._unanswered[msg[1]].append((msg[3], msg[2]))
+                with self._unanswered_lock:
+                    self._unanswered[msg[1]].append((msg[3], msg[2]))
             self._sender.send_pickled(data)
 
     def recv(self) -> tuple:
@@ -353,15 +362,15 @@ class CoreClient(PromptText):
                 self.text.fill(out)
         elif msg[0] in ("added", "rejected"):
             rid = msg[1]
-            with self._send_lock:
+            with self._unanswered_lock:
                 waiting = self._unanswered[rid]
                 params, prompt = waiting.popleft()
                 if not waiting:
                     del self._unanswered[rid]
             if msg[0] == "added":
                 self.text.added(rid, params)
-                if msg[2]:  # the core sends no prompt: ours is the one it runs
-                    self._prompts[rid] = (prompt.get("prompt"), prompt["prompt_token_ids"])
+                if msg[2]:  # the core sends no prompt: ours is the one it runs (a copy: the caller's may change)
+                    self._prompts[rid] = (prompt.get("prompt"), list(prompt["prompt_token_ids"]))
         return msg
 
     def limits(self) -> EngineLimits:

@@ -11,8 +11,10 @@ both queues are kept in that order, so the request preempted is the lowest-prior
 
 Prefix caching (``BlockPool.caching``): a request admitted with nothing computed (new, or preempted)
 starts from the longest chain of cached blocks its known tokens match, never its last token (whose
-logits are needed), and not at all when it asks for prompt logprobs. After each schedule, the full
-blocks of every running request up to ``min(computed, scheduled - 2)`` tokens become findable. Right
+logits are needed), and not at all when it asks for prompt logprobs (its lookup hashes blocks up to the first
+one not cached). After each schedule, once the engine has enqueued the step (``register_computed``: the hashes
+are host work the device need not wait for), the full blocks of every running request up to
+``min(computed, scheduled - 2)`` tokens become findable. Right
 after a schedule the host may not know a request's last two tokens: the one the step samples and, in
 the async engine, the one before it still in flight; every other token is known in both engines at
 the same step, so both register the same blocks and build the same batches.
