@@ -25,6 +25,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--requests", type=int, default=60)
     args = ap.parse_args()
+    if not 16 < args.input_len < 1024:  # (a whole block to hash; room under the model's 1,024 positions)
+        ap.error(f"--input-len {args.input_len}: expected 17 to 1023 tokens")
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: expected at least 1")
     knobs = {"device": "cpu", "max_model_len": 1024, "load_format": "dummy"}
     engine = LLMEngine(engine_config("LLMEngine", None, knobs))
     scheduler, runner = engine.scheduler, engine.runner
