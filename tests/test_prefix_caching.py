@@ -53,6 +53,25 @@ def test_block_hashes_are_the_sha256_chain_and_extend_where_they_stopped() -> No
     assert pool.hashes(tokens, known, 3) == want  # already long enough: unchanged
     many = [t % 1000 for t in tokens] * 4  # past one packed piece of blocks
     assert pool.hashes(many, [], len(many) // BS) == pool.hashes(many, pool.hashes(many, [], 3), len(many) // BS)
+    small = BlockPool(2, BS, caching=True, salt=b"s")  # a memo of two digests, evicted on the way
+    assert small.hashes(tokens, [], 5) == want and small.hashes(tokens, [], 5) == want
+
+
+def test_a_hit_lookup_takes_its_cached_blocks_digests_from_the_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = BlockPool(16, BS, caching=True)
+    tokens = list(range(11 * BS))
+    other = tokens[:9 * BS] + [7] * 2 * BS  # the first 9 blocks shared
+    want, want_other = pool.hashes(tokens, [], 11), BlockPool(16, BS, caching=True).hashes(other, [], 11)
+    blocks: list[int] = []
+    pool.grow(blocks, 10 * BS)
+    pool.cache(blocks, want[:10])
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda data: calls.append(data) or real(data))
+    assert pool.hashes(tokens, [], 11, until_uncached=True) == want  # (block 10 hashed too: not cached)
+    assert calls == []  # every digest from the memo
+    assert pool.hashes(other, [], 11) == want_other
+    assert len(calls) == 2  # only the two new blocks' digests computed
 
 
 def test_a_lookup_hashes_up_to_its_first_uncached_block_and_the_rest_follow_later() -> None:

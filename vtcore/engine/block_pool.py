@@ -11,6 +11,7 @@ Free blocks without a hash are handed out before cached ones.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import OrderedDict
@@ -19,6 +20,10 @@ from typing import Sequence
 BlockHash = bytes
 #: blocks whose token ids a lookup's ``BlockPool.hashes`` packs at once
 _PIECE = 8
+
+
+def _sha256(data: bytes) -> BlockHash:
+    return hashlib.sha256(data).digest()
 
 
 class BlockPool:
@@ -35,6 +40,9 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self.queries = self.hits = 0  # prompt tokens looked up, and found, by ``match``
+        # a block's digest by its input (parent hash and token bytes), about as many as the pool caches: a prefix
+        # hit's lookup re-hashes every cached block of its prefix, and a dict lookup costs under half a sha256
+        self._digest = functools.lru_cache(maxsize=max(num_blocks, 1))(_sha256)
 
     @property
     def num_free(self) -> int:
@@ -90,7 +98,7 @@ class BlockPool:
             last = min(first + piece, num_blocks)
             data = struct.pack(f"{(last - first) * bs}q", *tokens[first * bs:last * bs])
             for offset in range(0, len(data), width):
-                parent = hashlib.sha256(parent + data[offset:offset + width]).digest()
+                parent = self._digest(parent + data[offset:offset + width])
                 known.append(parent)
                 if until_uncached and parent not in self._cached:
                     return known
