@@ -142,6 +142,16 @@ def test_raw_sse_framing(server: ServerThread) -> None:
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-2])
 
 
+def test_sse_events_are_compact_utf8_json_even_where_orjson_refuses() -> None:
+    from vtcore.server.sse import sse
+
+    assert sse({"text": "é ✓", "logprobs": None, "ids": [1, 2]}) == (
+        'data: {"text":"é ✓","logprobs":null,"ids":[1,2]}\n\n'.encode())
+    for odd in ({"text": "a\ud800b"}, {"seed": 2**70}):  # a lone surrogate (escaped), an integer past 64 bits
+        event = sse(odd)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n") and json.loads(event[6:]) == odd
+
+
 def test_sampling_fields(client: Any, offline: LLM) -> None:
     kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=16)
     a = client.completions.create(temperature=0.9, top_p=0.9, seed=7, **kw).choices[0].text

@@ -231,7 +231,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                                body.priority))
         return Job(job_id, int(time.time()), engine_prompts, renames)
 
-    async def events(self, body: Body, job: Job) -> AsyncIterator[str]:
+    async def events(self, body: Body, job: Job) -> AsyncIterator[bytes]:
         """The SSE events of a streamed response: chunks, the usage chunk if asked for, [DONE]."""
         options = body.stream_options
         include_usage = bool(options and options.include_usage)

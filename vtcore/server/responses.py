@@ -16,7 +16,6 @@ configuration are refused with a 400 naming them. ``include: ["message.output_te
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from typing import Any, AsyncIterator, Callable
 
@@ -31,7 +30,7 @@ from vtcore.server.responses_protocol import (FunctionCallItem, FunctionCallOutp
                                               ResponsesRequest)
 from vtcore.server.serving import Serving
 from vtcore.server.tool_calls import CallStream, split_calls
-from vtcore.server.sse import EventStream
+from vtcore.server.sse import EventStream, compact_json
 from vtcore.server.structured import structured_outputs
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import after_thinking
@@ -41,9 +40,9 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _event(kind: str, seq: int, **fields: Any) -> str:
-    data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n"
+def _event(kind: str, seq: int, **fields: Any) -> bytes:
+    data = compact_json({"type": kind, "sequence_number": seq, **fields})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
 class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
@@ -206,7 +205,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
             return 0
         return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
 
-    async def events(self, body: ResponsesRequest, job: Job) -> AsyncIterator[str]:
+    async def events(self, body: ResponsesRequest, job: Job) -> AsyncIterator[bytes]:
         """OpenAI's Responses events: created, in_progress, each output item's (added, its deltas, done), then
         completed (as vLLM ends every stream, an output cut at its length too: its response says incomplete).
         Nothing is sent before the engine's first output, so a request the engine refuses is a plain error

@@ -1,5 +1,5 @@
-"""Server-sent events: ``EventStream`` (the streaming response), ``sse`` (one event) and
-``wait_disconnect`` (the client going away)."""
+"""Server-sent events: ``EventStream`` (the streaming response), ``sse`` (one event), ``compact_json`` (an
+event's data) and ``wait_disconnect`` (the client going away)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ import json
 import logging
 from typing import Any, AsyncIterator, Coroutine
 
+import orjson
 from fastapi.responses import Response
 
 from vtcore.server.asgi import Receive, Scope, Send
@@ -16,12 +17,21 @@ from vtcore.server.errors import send_error, to_api_error
 log = logging.getLogger("vtcore.server")
 
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 
 
-def sse(obj: Any) -> str:
+def compact_json(obj: Any) -> bytes:
+    """``obj`` as compact UTF-8 JSON: by orjson (a stream encodes an event a token), or by ``json`` for what
+    orjson refuses (a lone surrogate, which it escapes; an integer past 64 bits)."""
+    try:
+        return orjson.dumps(obj)
+    except orjson.JSONEncodeError:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def sse(obj: Any) -> bytes:
     """One ``data:`` event holding ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return b"data: " + compact_json(obj) + b"\n\n"
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -46,7 +56,7 @@ async def unless_disconnected(work: Coroutine[Any, Any, None], receive: Receive)
 
 
 class EventStream(Response):
-    """An SSE response over an async iterator of events (``sse`` strings).
+    """An SSE response over an async iterator of events (``sse`` bytes).
 
     Headers go out with the first event, so an error raised before it is a plain JSON error response;
     a later one becomes an ``error`` event before ``[DONE]``. A client disconnect cancels the
@@ -55,7 +65,7 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str]) -> None:  # noqa: D107 - no body of its own
+    def __init__(self, events: AsyncIterator[bytes]) -> None:  # noqa: D107 - no body of its own
         self.events = events
         self.status_code = 200
         self.background = None
@@ -84,11 +94,11 @@ class EventStream(Response):
             return
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         if first is not None:
-            await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             try:
                 async for event in it:
-                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
             except Exception as exc:  # noqa: BLE001 - after the headers: an error event
                 err = sse(to_api_error(exc).body()) + DONE
-                await send({"type": "http.response.body", "body": err.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": err, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
