@@ -1,7 +1,8 @@
 """What a served request of token ids costs on the host before the engine sees it, per step of the way
 (docs/BENCHMARKS.md): the client's JSON encoding of the body, the server's parsing of it (the standard
 library's ``json``, orjson, and ``vtcore.server.json_body.parse_body``, the server's own read: orjson after a
-scan for long number literals) and the protocol's validation.
+scan for long number literals) and the protocol's validation; and on the way back, a streamed token's event
+(``vtcore.server.sse.sse`` of a completion chunk, to the bytes the stream sends).
 
     python scripts/json_body_cost.py [--ids 1024] [--repeats 2000]
 Medians of ``--repeats`` calls each, in microseconds, on a body of ``--ids`` random ids below 150,000.
@@ -19,6 +20,7 @@ import orjson
 
 from vtcore.server.json_body import parse_body
 from vtcore.server.protocol import CompletionRequest
+from vtcore.server.sse import sse
 
 
 def _median_us(fn: Callable[[], Any], repeats: int) -> float:
@@ -28,6 +30,17 @@ def _median_us(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
+
+
+#: a streamed completion's chunk of one token, as the server sends one
+CHUNK = {"id": "cmpl-6f1c2a9e7b3d4c5e8f90123456789abc-0", "object": "text_completion", "created": 1765000000,
+         "model": "m", "choices": [{"index": 0, "text": " the", "logprobs": None, "finish_reason": None,
+                                    "stop_reason": None}]}
+
+
+def _as_bytes(event: str | bytes) -> bytes:
+    """An event as the stream sends it (a base vtcore's ``sse`` gives ``str``, encoded by its stream)."""
+    return event if isinstance(event, bytes) else event.encode()
 
 
 def main() -> None:
@@ -43,9 +56,11 @@ def main() -> None:
     rows = {"json.dumps (the client)": lambda: json.dumps(body).encode(),
             "json.loads": lambda: json.loads(raw), "orjson.loads": lambda: orjson.loads(raw),
             "json_body.parse_body (server)": lambda: parse_body(raw),
-            "CompletionRequest validation": lambda: CompletionRequest.model_validate(parsed)}
+            "CompletionRequest validation": lambda: CompletionRequest.model_validate(parsed),
+            "sse of a token's chunk": lambda: _as_bytes(sse(CHUNK))}
     for name, fn in rows.items():
-        print(f"{name:30s} {_median_us(fn, args.repeats):8.1f} us ({args.ids} ids, {len(raw)} bytes)")
+        of = "" if fn is rows["sse of a token's chunk"] else f" ({args.ids} ids, {len(raw)} bytes)"
+        print(f"{name:30s} {_median_us(fn, args.repeats):8.1f} us{of}")
 
 
 if __name__ == "__main__":
