@@ -1,10 +1,13 @@
-"""The server's own work on a streamed completion of token ids, from the ASGI call to the engine prompt, on the CPU.
+"""The server's own work on a streamed completion of token ids, on the CPU: from the ASGI call to the engine prompt,
+and from the first output on the event loop to the first chunk sent.
 
     python scripts/server_request_cost.py [--ids 1000] [--requests 40]
 The app (``vtcore.server.app.build_app``) over an ``AsyncLLM`` of the embedded default model is called in-process
 with a prepared body (no socket, no client): each stage is stamped with ``time.perf_counter`` on entry (and some on
 exit), and the medians over the requests (after five unmeasured ones) are printed in ms since the ASGI call. This
-is the "parsed, validated, engine prompt built" hop of ``scripts/served_hops.py``, taken apart.
+is the "parsed, validated, engine prompt built" hop of ``scripts/served_hops.py``, taken apart; and its "the server's
+event loop has them -> the first chunk handed to uvicorn" hop: ``output on the loop`` (the engine's first output
+handed to the request's stream, on the event loop) to ``headers sent`` and ``first chunk sent`` (the ASGI sends).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any
 
 import fastapi.routing
 
+from vtcore.engine import async_llm
 from vtcore.engine.async_llm import AsyncLLM
 from vtcore.server import gate, generation, json_body
 from vtcore.server.app import build_app
@@ -66,8 +70,12 @@ async def _one(app: Any, body: bytes) -> list[tuple[str, float]]:
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start" and message["status"] != 200:
-            raise RuntimeError(f"HTTP {message['status']}")
+        if message["type"] == "http.response.start":
+            if message["status"] != 200:
+                raise RuntimeError(f"HTTP {message['status']}")
+            STAMPS.append(("headers sent", time.perf_counter()))
+        elif message.get("body"):
+            STAMPS.append(("first chunk sent", time.perf_counter()))
 
     STAMPS.clear()
     start = time.perf_counter()
@@ -88,6 +96,7 @@ async def _run(args: argparse.Namespace) -> None:
         _wrap(generation.GenerationEndpoint, "prepare", "prepare")
         _wrap(generation.EnginePrompt, "__init__", "engine prompt", "engine prompt built")
         _wrap(AsyncLLM, "_submit", "add submitted")
+        _wrap(async_llm, "_put_all", "output on the loop")
         rng = random.Random(0)
         vocab = min(engine.limits().vocab_size, 1000)
         bodies = [json.dumps({"model": "m", "prompt": [rng.randrange(vocab) for _ in range(args.ids)],
