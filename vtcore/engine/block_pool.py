@@ -41,7 +41,7 @@ class BlockPool:
         self._hash_of: dict[int, BlockHash] = {}
         self.queries = self.hits = 0  # prompt tokens looked up, and found, by ``match``
         # a block's digest by its input (parent hash and token bytes), about as many as the pool caches: a prefix
-        # hit's lookup re-hashes every cached block of its prefix, and a dict lookup costs under half a sha256
+        # hit's lookup re-hashes every cached block of its prefix, and finds them here instead of in sha256
         self._digest = functools.lru_cache(maxsize=max(num_blocks, 1))(_sha256)
 
     @property
