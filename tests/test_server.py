@@ -301,6 +301,17 @@ def test_bad_completion_field_is_400_naming_it(client: Any, field: str, kwargs: 
     assert field in err["message"] or field == "prompt", err
 
 
+@pytest.mark.parametrize("path, field", [("/v1/completions", "temperature"), ("/v1/chat/completions", "temperature"),
+                                         ("/v1/responses", "temperature"), ("/v1/completions", "repetition_penalty")])
+def test_an_infinite_float_is_400_naming_its_field(server: ServerThread, path: str, field: str) -> None:
+    # Python's json reads Infinity (the openai client refuses to send it); an event would write it as null
+    prompt = {"/v1/completions": '"prompt": "hi"', "/v1/chat/completions": '"messages": [{"role": "user", '
+              '"content": "hi"}]', "/v1/responses": '"input": "hi"'}[path]
+    body = f'{{"model": "{MODEL}", {prompt}, "max_tokens": 4, "stream": true, "{field}": Infinity}}'
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 @pytest.mark.parametrize("field, kwargs", [
     ("n", dict(n=0)),
     ("top_logprobs", dict(top_logprobs=2)),  # without logprobs=true

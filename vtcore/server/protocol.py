@@ -277,7 +277,7 @@ class GenerationRequest(BoundedModel):
 
     model: str | None = None
     max_tokens: Count | None = None
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
     n: Choices | None = Field(1, description=f"Choices per prompt, at most {MAX_N} (OpenAI's limit).")
     stream: bool | None = False
@@ -294,7 +294,7 @@ class GenerationRequest(BoundedModel):
                                          description="Beam search is not served.")
     top_k: TopK | None = Field(None, description="vLLM's: at least 1, or 0 / -1 for no top-k.")
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
     min_tokens: Count | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[Count] | None = None

@@ -22,7 +22,9 @@ DONE = b"data: [DONE]\n\n"
 
 def compact_json(obj: Any) -> bytes:
     """``obj`` as compact UTF-8 JSON: by orjson (a stream encodes an event a token), or by ``json`` for what
-    orjson refuses (a lone surrogate, which it escapes; an integer past 64 bits)."""
+    orjson refuses (a lone surrogate, which it escapes; an integer past 64 bits; a float subclass; a key not a
+    string). A non-finite float would be ``null`` (orjson's); none reaches an event: logprobs are made finite and
+    the request fields an event echoes refuse one."""
     try:
         return orjson.dumps(obj)
     except orjson.JSONEncodeError:
