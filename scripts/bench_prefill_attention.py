@@ -188,6 +188,7 @@ def main() -> None:
                 print(f"    block_m, block_n, warps, stages, splits {r['config']}: {r['us']:.2f} us "
                       f"({r['tflops']:.1f} TFLOP/s)", flush=True)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_prefill_attention.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -208,6 +208,7 @@ def main() -> None:
         print(f"  {h:<28} {med[h]:8.3f}  (+{med[h] - prev:.3f})")
         prev = med[h]
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"served-hops-{args.input_len}.json"), "w") as f:
             json.dump({"serve_args": args.serve_args, "median_ms": med, "requests": rows}, f, indent=1)
 

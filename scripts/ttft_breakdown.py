@@ -57,6 +57,7 @@ class Stamps:
         self.log: list[tuple[str, str, float]] = []
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.profile: cProfile.Profile | None = None  # set: the wrapped calls run under it
+        self.profiling = False  # inside a profiled call (Python 3.12's profiler cannot be enabled twice)
 
     def wrap(self, owner: Any, name: str, label: str, cuda: bool = False) -> None:
         original = getattr(owner, name)
@@ -67,8 +68,12 @@ class Stamps:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             try:
-                if self.profile is not None and label != "step":
-                    return self.profile.runcall(original, *args, **kwargs)
+                if self.profile is not None and label not in ("step", "wait") and not self.profiling:
+                    self.profiling = True
+                    try:
+                        return self.profile.runcall(original, *args, **kwargs)
+                    finally:
+                        self.profiling = False
                 return original(*args, **kwargs)
             finally:
                 if cuda and torch.cuda.is_available():
@@ -194,6 +199,7 @@ def main() -> None:
           + "; inside submit: " + ", ".join(f"{k} {med[k]:.3f}" for k in SUBMIT_PARTS))
     print("calls of the last request not profiled (ms):", result["requests"][-1 - bool(args.profile)]["calls"])
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         name = f"ttft-{args.shape}-{args.prefix_len}-{args.input_len}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(result, f, indent=1)
