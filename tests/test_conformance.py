@@ -59,13 +59,20 @@ def test_gate_report_names_the_oracle_and_json(plugins: Plugins) -> None:
     assert "qwen3_dense  transformers:Qwen3ForCausalLM" in out.getvalue()
 
 
-def test_cli_exit_code_and_json(plugins: Plugins, tmp_path) -> None:
+def test_cli_exit_code_and_json(plugins: Plugins, tmp_path, capsys: pytest.CaptureFixture) -> None:
     reset_plugins(plugins)
     out = io.StringIO()
     assert main(["conformance", "--family", "undeclared", "--no-quant", "--json", str(tmp_path / "r.json")],
                 out=out) == 1
-    assert json.loads((tmp_path / "r.json").read_text())["families"]["undeclared"]["checks"][
-        "declares-device-tokens"]["status"] == "fail"
+    report = json.loads((tmp_path / "r.json").read_text())["families"]["undeclared"]["checks"]
+    assert report["declares-device-tokens"]["status"] == "fail"
+    # a line a check on stderr as it ends (the report's table is stdout's), the seconds the JSON has too
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("  ")[:3] for line in lines] == [["undeclared", c, report[c]["status"].upper()]
+                                                        for c in CHECKS]
+    assert [float(line.split("  ")[3].removesuffix(" s")) for line in lines] == [
+        round(report[c]["seconds"], 1) for c in CHECKS]
+    assert lines[0] not in out.getvalue()  # progress is not in the report
 
 
 def test_unknown_family_or_quant_format_fails_before_any_check_runs(plugins: Plugins, monkeypatch) -> None:
@@ -87,6 +94,8 @@ def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["passed"] is True and "qwen3_dense" in report["families"]
     n, q = len(report["families"]), len(report["quant"])
+    progress = [line for line in proc.stderr.splitlines() if line.endswith(" s") and line.count("  ") == 3]
+    assert len(progress) == sum(len(g["checks"]) for section in ("families", "quant") for g in report[section].values())
     assert proc.stdout.rstrip().endswith(f"PASSED: {n} famil{'y' if n == 1 else 'ies'}, {q} quant method"
                                          + ("" if q == 1 else "s"))
     assert {"nvfp4-pack-quantized", "mxfp4-pack-quantized"} <= set(report["quant"])

@@ -3,6 +3,7 @@ hostile schedule, each shown by a fixture family that only it catches, and by di
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 
@@ -83,6 +84,25 @@ def test_an_unknown_check_is_named_before_any_check_runs(plugins: Plugins, monke
     monkeypatch.setattr(checks.FamilyGate, "run", lambda self, only=None: pytest.fail("a check ran"))
     with pytest.raises(ValueError, match=r"checks=\['oracle-schedul'\]: not gate checks; expected some of example"):
         run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["oracle-schedul"])
+
+
+def test_each_check_is_reported_as_it_ends_with_its_seconds(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long gate (minutes on a GPU) says where it is, and a run cut short what had passed: each result reaches
+    ``progress`` before the next check starts, with the seconds its check took."""
+    reported: list[tuple[str, str]] = []
+    structure = checks.FamilyGate.check_structure
+
+    def slow_structure(self: checks.FamilyGate) -> str:
+        assert reported == [("qwen3_dense", "example")], reported  # (a failed assert fails the check)
+        time.sleep(0.3)
+        return structure(self)
+
+    monkeypatch.setattr(checks.FamilyGate, "check_structure", slow_structure)
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["structure"],
+                       progress=lambda name, result: reported.append((name, result.check)))
+    assert reported == [("qwen3_dense", c) for c in CHECKS]
+    assert gate.results["structure"].status == "pass", gate.results["structure"].detail
+    assert gate.results["structure"].seconds >= 0.3 > gate.results["example"].seconds
 
 
 def test_a_crashing_check_names_the_line_it_raised_at(plugins: Plugins, monkeypatch: pytest.MonkeyPatch) -> None:

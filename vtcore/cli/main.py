@@ -83,7 +83,8 @@ def cmd_conformance(args: argparse.Namespace, out: TextIO) -> int:
 
     resolve_device(args.device)  # no CUDA here: one error now, not a failed check per family
     quant = [] if args.no_quant else (args.quant or None)
-    return gate_main(args.family or None, args.device, args.json, out, quant, args.check, args.tensor_parallel_size)
+    return gate_main(args.family or None, args.device, args.json, out, quant, args.check, args.tensor_parallel_size,
+                     progress=sys.stderr)
 
 
 def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:

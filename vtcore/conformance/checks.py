@@ -15,7 +15,7 @@ import torch
 from vtcore.conformance import CHECKS
 from vtcore.conformance.cuda_checks import CudaChecks
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
-from vtcore.conformance.results import CheckResult, Failed, Skipped
+from vtcore.conformance.results import CheckResult, Failed, Progress, Skipped, timed
 from vtcore.conformance.device_drafts import DeviceDraftChecks, staggered
 from vtcore.conformance.mtp import MTPChecks
 from vtcore.conformance.structured import StructuredChecks
@@ -117,14 +117,17 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
         return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
 
     # ------------------------------------------------------------------ driver
-    def run(self, only: list[str] | None = None) -> dict[str, CheckResult]:
+    def run(self, only: list[str] | None = None, progress: Progress | None = None) -> dict[str, CheckResult]:
         """Run every check in order, or only those of ``only`` and the checks they need (the others
-        are reported as skipped). Tensor-parallel workers serve one engine after another."""
+        are reported as skipped), each result handed to ``progress`` as it ends. Tensor-parallel workers
+        serve one engine after another."""
         from vtcore.worker.tensor_parallel import reused_workers
 
         with reused_workers():
             for check in CHECKS:
-                self.results[check] = self._run_check(check, only)
+                result = self.results[check] = timed(lambda: self._run_check(check, only))
+                if progress is not None:
+                    progress(self.name, result)
         return self.results
 
     def _run_check(self, check: str, only: list[str] | None) -> CheckResult:

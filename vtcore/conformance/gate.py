@@ -8,6 +8,7 @@ from typing import TextIO, Union
 
 from vtcore.conformance import CHECKS, QUANT_CHECKS
 from vtcore.conformance.checks import CheckResult, FamilyGate
+from vtcore.conformance.results import Progress
 from vtcore.conformance.quant_checks import QuantGate
 from vtcore.plugins.manager import Plugins, get_plugins, use_plugins
 from vtcore.worker.tensor_parallel import reused_workers
@@ -17,10 +18,11 @@ Gate = Union[FamilyGate, QuantGate]
 
 def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Plugins | None = None,
              quant: list[str] | None = None, checks: list[str] | None = None,
-             tensor_parallel_size: int = 1) -> list[Gate]:
+             tensor_parallel_size: int = 1, progress: Progress | None = None) -> list[Gate]:
     """Run every check (or ``checks`` and the ones they need) on each named family (default: all
     registered), then the quant checks of each named quant format (default: all registered; ``[]`` for
-    none) over those families; every engine over ``tensor_parallel_size`` ranks."""
+    none) over those families; every engine over ``tensor_parallel_size`` ranks; each check's result handed to
+    ``progress`` as it ends."""
     plugins = plugins or get_plugins()
     names = families or sorted(plugins.families)
     formats = sorted(plugins.quant_methods) if quant is None else quant
@@ -44,14 +46,14 @@ def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Pl
             reused_workers():
         for name in names:
             gate = FamilyGate(plugins, plugins.family(name), device, workdir, tensor_parallel_size)
-            gate.run(checks)
+            gate.run(checks, progress)
             gates.append(gate)
         # A family that failed its own gate would fail the quant checks for its own fault: left out.
         failed = {g.name for g in gates if _failed(g)}
         for fmt in formats:
             gate = QuantGate(plugins, fmt, [plugins.family(n) for n in names if n not in failed], device, workdir,
                              left_out=sorted(failed), tensor_parallel_size=tensor_parallel_size)
-            gate.run()
+            gate.run(progress)
             gates.append(gate)
     return gates
 
@@ -123,7 +125,8 @@ def summary(gates: list[Gate]) -> str:
 
 def to_json(gates: list[Gate], device: str, tensor_parallel_size: int = 1) -> dict:
     def checks(g: Gate) -> dict:
-        return {c: {"status": r.status, "detail": r.detail} for c, r in g.results.items()}
+        return {c: {"status": r.status, "detail": r.detail, "seconds": round(r.seconds, 3)}
+                for c, r in g.results.items()}
 
     return {"device": device, "tensor_parallel_size": tensor_parallel_size, "passed": passed(gates),
             "families": {g.name: {"plugin": g.family.plugin, "oracle": g.oracle, "checks": checks(g)}
@@ -132,10 +135,21 @@ def to_json(gates: list[Gate], device: str, tensor_parallel_size: int = 1) -> di
                       for g in gates if isinstance(g, QuantGate)}}
 
 
+def progress_lines(stream: TextIO) -> Progress:
+    """A ``Progress`` writing one line a check to ``stream`` (flushed): gate, check, status, seconds."""
+    def report(name: str, result: CheckResult) -> None:
+        stream.write(f"{name}  {result.check}  {result.status.upper()}  {result.seconds:.1f} s\n")
+        stream.flush()
+    return report
+
+
 def main(families: list[str] | None, device: str, json_path: str | None, out: TextIO,
-         quant: list[str] | None = None, checks: list[str] | None = None, tensor_parallel_size: int = 1) -> int:
-    """The ``vtcore conformance`` command: exit code 1 on any failure (or nothing to check)."""
-    gates = run_gate(families, device, quant=quant, checks=checks, tensor_parallel_size=tensor_parallel_size)
+         quant: list[str] | None = None, checks: list[str] | None = None, tensor_parallel_size: int = 1,
+         progress: TextIO | None = None) -> int:
+    """The ``vtcore conformance`` command: exit code 1 on any failure (or nothing to check); a line a check on
+    ``progress`` as it ends."""
+    gates = run_gate(families, device, quant=quant, checks=checks, tensor_parallel_size=tensor_parallel_size,
+                     progress=None if progress is None else progress_lines(progress))
     write_table(gates, out, device, tensor_parallel_size)
     if json_path:
         with open(json_path, "w") as f:
@@ -143,4 +157,4 @@ def main(families: list[str] | None, device: str, json_path: str | None, out: Te
     return 0 if passed(gates) else 1
 
 
-__all__ = ["CheckResult", "run_gate", "passed", "summary", "write_table", "to_json", "main"]
+__all__ = ["CheckResult", "run_gate", "passed", "summary", "write_table", "to_json", "progress_lines", "main"]

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from vtcore.conformance import QUANT_CHECKS
-from vtcore.conformance.checks import BLOCK, CheckResult, Failed, Skipped
+from vtcore.conformance.checks import BLOCK
+from vtcore.conformance.results import CheckResult, Failed, Progress, Skipped, timed
 from vtcore.family import ModelFamily
 from vtcore.plugins.manager import Plugins
 
@@ -52,19 +53,23 @@ class QuantGate:
     def name(self) -> str:
         return self.fmt
 
-    def run(self) -> dict[str, CheckResult]:
+    def run(self, progress: Progress | None = None) -> dict[str, CheckResult]:
+        """Run every quant check in order, each result handed to ``progress`` as it ends."""
         for check in QUANT_CHECKS:
-            try:
-                result = CheckResult(check, "pass", getattr(self, "check_" + check)() or "")
-            except Skipped as exc:
-                result = CheckResult(check, "skip", str(exc))
-            except Failed as exc:
-                result = CheckResult(check, "fail", f"quant method {self.fmt!r}: {exc}")
-            except Exception as exc:  # noqa: BLE001
-                result = CheckResult(check, "fail", f"quant method {self.fmt!r}: {check} raised "
-                                                    f"{type(exc).__name__}: {exc}")
-            self.results[check] = result
+            result = self.results[check] = timed(lambda: self._run_check(check))
+            if progress is not None:
+                progress(self.name, result)
         return self.results
+
+    def _run_check(self, check: str) -> CheckResult:
+        try:
+            return CheckResult(check, "pass", getattr(self, "check_" + check)() or "")
+        except Skipped as exc:
+            return CheckResult(check, "skip", str(exc))
+        except Failed as exc:
+            return CheckResult(check, "fail", f"quant method {self.fmt!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001
+            return CheckResult(check, "fail", f"quant method {self.fmt!r}: {check} raised {type(exc).__name__}: {exc}")
 
     def _oracle(self) -> Any:
         try:

@@ -1,5 +1,8 @@
-"""A check's result and the two ways a check ends early."""
+"""A check's result, the two ways a check ends early, and the hook a gate reports each result to as it ends."""
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import attrs
 
@@ -9,6 +12,20 @@ class CheckResult:
     check: str
     status: str  # "pass", "fail" or "skip"
     detail: str = ""
+    seconds: float = 0.0  # how long the check ran, its engines' start and shutdown included
+
+
+#: called with a gate's name (a family's, a quant format's) and each check's result as soon as it ends: a long gate
+#: (every family on a GPU runs for minutes) shows where it is, and a run cut short still says what passed
+Progress = Callable[[str, CheckResult], None]
+
+
+def timed(run: Callable[[], CheckResult]) -> CheckResult:
+    """``run()``'s result with the seconds it took."""
+    start = time.perf_counter()
+    result = run()
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 class Failed(Exception):
