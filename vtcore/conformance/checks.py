@@ -125,7 +125,7 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
 
         with reused_workers():
             for check in CHECKS:
-                result = self.results[check] = timed(lambda: self._run_check(check, only))
+                result = self.results[check] = timed(self._run_check, check, only)
                 if progress is not None:
                     progress(self.name, result)
         return self.results

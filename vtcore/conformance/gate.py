@@ -136,10 +136,19 @@ def to_json(gates: list[Gate], device: str, tensor_parallel_size: int = 1) -> di
 
 
 def progress_lines(stream: TextIO) -> Progress:
-    """A ``Progress`` writing one line a check to ``stream`` (flushed): gate, check, status, seconds."""
+    """A ``Progress`` writing one line a check to ``stream`` (flushed): gate, check, status, seconds. A stream that
+    cannot be written (a closed pipe, a full disk) ends the lines, not the gate."""
+    broken = False
+
     def report(name: str, result: CheckResult) -> None:
-        stream.write(f"{name}  {result.check}  {result.status.upper()}  {result.seconds:.1f} s\n")
-        stream.flush()
+        nonlocal broken
+        if broken:
+            return
+        try:
+            stream.write(f"{name}  {result.check}  {result.status.upper()}  {result.seconds:.1f} s\n")
+            stream.flush()
+        except OSError:
+            broken = True
     return report
 
 

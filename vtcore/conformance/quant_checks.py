@@ -56,7 +56,7 @@ class QuantGate:
     def run(self, progress: Progress | None = None) -> dict[str, CheckResult]:
         """Run every quant check in order, each result handed to ``progress`` as it ends."""
         for check in QUANT_CHECKS:
-            result = self.results[check] = timed(lambda: self._run_check(check))
+            result = self.results[check] = timed(self._run_check, check)
             if progress is not None:
                 progress(self.name, result)
         return self.results

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 
@@ -12,7 +12,9 @@ class CheckResult:
     check: str
     status: str  # "pass", "fail" or "skip"
     detail: str = ""
-    seconds: float = 0.0  # how long the check ran, its engines' start and shutdown included
+    #: how long the check ran, its engines' start and shutdown included (and the oracle checkpoint's building, for
+    #: the first check that needs it)
+    seconds: float = 0.0
 
 
 #: called with a gate's name (a family's, a quant format's) and each check's result as soon as it ends: a long gate
@@ -20,10 +22,10 @@ class CheckResult:
 Progress = Callable[[str, CheckResult], None]
 
 
-def timed(run: Callable[[], CheckResult]) -> CheckResult:
-    """``run()``'s result with the seconds it took."""
+def timed(run: Callable[..., CheckResult], *args: Any) -> CheckResult:
+    """``run(*args)``'s result with the seconds it took."""
     start = time.perf_counter()
-    result = run()
+    result = run(*args)
     result.seconds = time.perf_counter() - start
     return result
 
