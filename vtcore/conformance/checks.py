@@ -5,6 +5,7 @@ seeds, pool sizes and lengths; the plugin supplies only its tiny config and orac
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 import traceback
@@ -15,7 +16,7 @@ import torch
 from vtcore.conformance import CHECKS
 from vtcore.conformance.cuda_checks import CudaChecks
 from vtcore.conformance.harness import build_engine, greedy, mixed_arrivals, run_engine
-from vtcore.conformance.results import CheckResult, Failed, Progress, Skipped, timed
+from vtcore.conformance.results import CheckResult, Failed, Progress, Skipped, run_in_order
 from vtcore.conformance.device_drafts import DeviceDraftChecks, staggered
 from vtcore.conformance.mtp import MTPChecks
 from vtcore.conformance.structured import StructuredChecks
@@ -124,11 +125,8 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
         from vtcore.worker.tensor_parallel import reused_workers
 
         with reused_workers():
-            for check in CHECKS:
-                result = self.results[check] = timed(self._run_check, check, only)
-                if progress is not None:
-                    progress(self.name, result)
-        return self.results
+            return run_in_order(self.name, CHECKS, functools.partial(self._run_check, only=only), self.results,
+                                progress)
 
     def _run_check(self, check: str, only: list[str] | None) -> CheckResult:
         try:

@@ -18,7 +18,7 @@ import torch
 
 from vtcore.conformance import QUANT_CHECKS
 from vtcore.conformance.checks import BLOCK
-from vtcore.conformance.results import CheckResult, Failed, Progress, Skipped, timed
+from vtcore.conformance.results import CheckResult, Failed, Progress, Skipped, run_in_order
 from vtcore.family import ModelFamily
 from vtcore.plugins.manager import Plugins
 
@@ -55,11 +55,7 @@ class QuantGate:
 
     def run(self, progress: Progress | None = None) -> dict[str, CheckResult]:
         """Run every quant check in order, each result handed to ``progress`` as it ends."""
-        for check in QUANT_CHECKS:
-            result = self.results[check] = timed(self._run_check, check)
-            if progress is not None:
-                progress(self.name, result)
-        return self.results
+        return run_in_order(self.name, QUANT_CHECKS, self._run_check, self.results, progress)
 
     def _run_check(self, check: str) -> CheckResult:
         try:

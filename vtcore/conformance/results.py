@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable, Iterable
 
 import attrs
 
@@ -22,12 +22,17 @@ class CheckResult:
 Progress = Callable[[str, CheckResult], None]
 
 
-def timed(run: Callable[..., CheckResult], *args: Any) -> CheckResult:
-    """``run(*args)``'s result with the seconds it took."""
-    start = time.perf_counter()
-    result = run(*args)
-    result.seconds = time.perf_counter() - start
-    return result
+def run_in_order(name: str, checks: Iterable[str], run: Callable[[str], CheckResult],
+                 results: dict[str, CheckResult], progress: Progress | None) -> dict[str, CheckResult]:
+    """``run(check)`` for each check in order into ``results``, each result with the seconds it took and handed
+    to ``progress`` (with the gate's ``name``) as it ends."""
+    for check in checks:
+        start = time.perf_counter()
+        result = results[check] = run(check)
+        result.seconds = time.perf_counter() - start
+        if progress is not None:
+            progress(name, result)
+    return results
 
 
 class Failed(Exception):
