@@ -10,6 +10,7 @@
 # not finish.
 # Usage (device machine): [STAGES="gate memcheck racecheck"] bash scripts/gpu_conformance.sh [FAMILY ...]
 set -uo pipefail
+[[ ${GATE_S:-480} =~ ^[0-9]+$ ]] || { echo "GATE_S=$GATE_S: expected whole seconds, e.g. GATE_S=480" >&2; exit 2; }
 OUT=${OUT:-/tmp/vtcore-gpu-conformance}
 mkdir -p "$OUT"
 python3 -m pip install --no-deps --no-build-isolation -q -e . -e plugins/qwen3_dense -e plugins/qwen3_5 \
