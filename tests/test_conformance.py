@@ -75,6 +75,32 @@ def test_cli_exit_code_and_json(plugins: Plugins, tmp_path, capsys: pytest.Captu
     assert lines[0] not in out.getvalue()  # progress is not in the report
 
 
+def test_the_whole_gate_fails_while_an_installed_plugin_did_not_load(tmp_path) -> None:
+    """A plugin that raised at import is a family the gate never proved: the whole gate names it and fails; a gate
+    narrowed with --family proves what it names."""
+    sys.path.insert(0, ROOT)  # (tests.fixture_plugins)
+    eps = [e for e in md.entry_points(group="vtcore") if e.name == "qwen3_dense"]
+    reset_plugins(Plugins(entry_points=eps + [md.EntryPoint(
+        name="broken", value="tests.fixture_plugins.broken_import", group="vtcore")]))
+    error = "RuntimeError: fixture plugin exploded at import"
+    try:
+        out = io.StringIO()
+        argv = ["conformance", "--check", "example", "--no-quant", "--json", str(tmp_path / "all.json")]
+        assert main(argv, out=out) == 1
+        lines = out.getvalue().splitlines()
+        assert f"NOT LOADED plugin broken: {error}" in lines
+        assert lines[-1] == "FAILED: families: 1 passed; quant methods: none run; plugins that did not load: broken"
+        report = json.loads((tmp_path / "all.json").read_text())
+        assert report["passed"] is False and report["unloaded_plugins"] == {"broken": error}
+        assert report["families"]["qwen3_dense"]["checks"]["example"]["status"] == "pass"
+        out = io.StringIO()
+        assert main(["conformance", "--family", "qwen3_dense", "--check", "example", "--no-quant"], out=out) == 0
+        assert "NOT LOADED" not in out.getvalue() and out.getvalue().rstrip().endswith("PASSED: 1 family, 0 quant "
+                                                                                        "methods")
+    finally:
+        reset_plugins(None)
+
+
 def test_progress_lines_stop_at_a_broken_stream_without_ending_the_gate() -> None:
     """``vtcore conformance 2>&1 | head``: once stderr is a closed pipe, the gate goes on to its verdict."""
     from vtcore.conformance.gate import progress_lines

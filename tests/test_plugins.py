@@ -163,6 +163,10 @@ def test_plugin_clashing_with_qwen3_dense(name: str) -> None:
     with pytest.raises(PluginError) as exc:
         plugins.family_for("Qwen3ForCausalLM")
     assert f"architecture 'Qwen3ForCausalLM' is registered by both '{first}' and '{second}'" in str(exc.value)
+    if second == "qwen3_dense":  # its family never registered: asked for by name, the error says why
+        with pytest.raises(UnknownArchitectureError) as exc:
+            plugins.family("qwen3_dense")
+        assert str(exc.value).endswith(f"plugins that did not load: qwen3_dense ({plugins.errors['qwen3_dense']})")
     # narrowing VTCORE_PLUGINS is the way out: only one of them remains
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VTCORE_PLUGINS", "qwen3_dense")

@@ -58,8 +58,10 @@ def run_gate(families: list[str] | None = None, device: str = "cpu", plugins: Pl
     return gates
 
 
-def passed(gates: list[Gate]) -> bool:
-    return bool(gates) and all(r.status != "fail" for g in gates for r in g.results.values())
+def passed(gates: list[Gate], unloaded: dict[str, str] | None = None) -> bool:
+    """Every check that ran passed, and no plugin in ``unloaded`` (name -> load error: what the gate could not
+    prove) failed to load."""
+    return bool(gates) and not unloaded and all(r.status != "fail" for g in gates for r in g.results.values())
 
 
 def _section(gates: list[Gate], checks: tuple[str, ...], title: str, out: TextIO) -> None:
@@ -76,8 +78,10 @@ def _section(gates: list[Gate], checks: tuple[str, ...], title: str, out: TextIO
         out.write("  ".join(cells) + "\n")
 
 
-def write_table(gates: list[Gate], out: TextIO, device: str, tensor_parallel_size: int = 1) -> None:
-    """Family x check and quant method x check, then what to fix for each failure and why each skip happened."""
+def write_table(gates: list[Gate], out: TextIO, device: str, tensor_parallel_size: int = 1,
+                unloaded: dict[str, str] | None = None) -> None:
+    """Family x check and quant method x check, then what to fix for each failure, why each skip happened and
+    each plugin in ``unloaded`` with its load error."""
     ranks = f", tensor_parallel_size {tensor_parallel_size}" if tensor_parallel_size > 1 else ""
     out.write(f"vtcore conformance (device {device}{ranks})\n")
     _section([g for g in gates if isinstance(g, FamilyGate)], CHECKS, "family", out)
@@ -92,7 +96,9 @@ def write_table(gates: list[Gate], out: TextIO, device: str, tensor_parallel_siz
                 skips.setdefault(r.detail, []).append(r.check)
         for reason, checks in skips.items():
             out.write(f"skip {g.name} ({', '.join(checks)}): {reason}\n")
-    out.write(summary(gates) + "\n")
+    for name, error in (unloaded or {}).items():
+        out.write(f"NOT LOADED plugin {name}: {error}\n")
+    out.write(summary(gates, unloaded) + "\n")
 
 
 def _failed(g: Gate) -> bool:
@@ -103,13 +109,14 @@ def _plural(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
-def summary(gates: list[Gate]) -> str:
-    """The last line: PASSED with the counts, or FAILED naming every family and quant method that failed."""
+def summary(gates: list[Gate], unloaded: dict[str, str] | None = None) -> str:
+    """The last line: PASSED with the counts, or FAILED naming every family and quant method that failed and every
+    plugin in ``unloaded``."""
     families = [g for g in gates if isinstance(g, FamilyGate)]
     quant = [g for g in gates if not isinstance(g, FamilyGate)]
     # a quant gate whose every check skipped proved nothing: counted apart
     skipped = [g for g in quant if all(r.status == "skip" for r in g.results.values())]
-    if passed(gates):
+    if passed(gates, unloaded):
         return (f"PASSED: {_plural(len(families), 'family', 'families')}, "
                 f"{_plural(len(quant), 'quant method', 'quant methods')}"
                 + (f" ({len(skipped)} of them all skipped)" if skipped else ""))
@@ -120,15 +127,18 @@ def summary(gates: list[Gate]) -> str:
     parts = ([f"{len(bad_quant)} failed ({', '.join(bad_quant)})"] if bad_quant else []) + \
         ([f"{len(quant) - len(bad_quant) - len(skipped)} passed"] if len(quant) > len(bad_quant) + len(skipped) else []) + \
         ([f"{len(skipped)} all skipped"] if skipped else [])
-    return f"FAILED: {fam}; quant methods: {', '.join(parts) or 'none run'}"
+    not_loaded = f"; plugins that did not load: {', '.join(unloaded)}" if unloaded else ""
+    return f"FAILED: {fam}; quant methods: {', '.join(parts) or 'none run'}{not_loaded}"
 
 
-def to_json(gates: list[Gate], device: str, tensor_parallel_size: int = 1) -> dict:
+def to_json(gates: list[Gate], device: str, tensor_parallel_size: int = 1,
+            unloaded: dict[str, str] | None = None) -> dict:
     def checks(g: Gate) -> dict:
         return {c: {"status": r.status, "detail": r.detail, "seconds": round(r.seconds, 3)}
                 for c, r in g.results.items()}
 
-    return {"device": device, "tensor_parallel_size": tensor_parallel_size, "passed": passed(gates),
+    return {"device": device, "tensor_parallel_size": tensor_parallel_size, "passed": passed(gates, unloaded),
+            "unloaded_plugins": dict(unloaded or {}),
             "families": {g.name: {"plugin": g.family.plugin, "oracle": g.oracle, "checks": checks(g)}
                          for g in gates if isinstance(g, FamilyGate)},
             "quant": {g.name: {"plugin": g.plugins.quant_methods[g.fmt][0], "checks": checks(g)}
@@ -156,14 +166,18 @@ def main(families: list[str] | None, device: str, json_path: str | None, out: Te
          quant: list[str] | None = None, checks: list[str] | None = None, tensor_parallel_size: int = 1,
          progress: TextIO | None = None) -> int:
     """The ``vtcore conformance`` command: exit code 1 on any failure (or nothing to check); a line a check on
-    ``progress`` as it ends."""
-    gates = run_gate(families, device, quant=quant, checks=checks, tensor_parallel_size=tensor_parallel_size,
+    ``progress`` as it ends. Run over every family (no ``families``), it fails too when an installed plugin did
+    not load: the gate cannot prove what it could not load."""
+    plugins = get_plugins()
+    unloaded = {} if families else plugins.errors
+    gates = run_gate(families, device, plugins, quant=quant, checks=checks,
+                     tensor_parallel_size=tensor_parallel_size,
                      progress=None if progress is None else progress_lines(progress))
-    write_table(gates, out, device, tensor_parallel_size)
+    write_table(gates, out, device, tensor_parallel_size, unloaded)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(to_json(gates, device, tensor_parallel_size), f, indent=2)
-    return 0 if passed(gates) else 1
+            json.dump(to_json(gates, device, tensor_parallel_size, unloaded), f, indent=2)
+    return 0 if passed(gates, unloaded) else 1
 
 
 __all__ = ["CheckResult", "run_gate", "passed", "summary", "write_table", "to_json", "progress_lines", "main"]

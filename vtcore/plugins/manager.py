@@ -234,8 +234,10 @@ class Plugins:
     def family(self, name: str) -> ModelFamily:
         """A family by its registered name."""
         if name not in self.families:
+            failed = "; ".join(f"{n} ({e})" for n, e in self.errors.items())
             raise UnknownArchitectureError(
-                f"model family {name!r} is not registered; registered: {sorted(self.families) or 'none'}")
+                f"model family {name!r} is not registered; registered: {sorted(self.families) or 'none'}"
+                + (f"; plugins that did not load: {failed}" if failed else ""))
         return self.families[name]
 
     def loader(self, load_format: str) -> Callable[..., None]:
