@@ -287,6 +287,7 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("prompt_logprobs", dict(extra_body={"prompt_logprobs": -1})),
     ("truncate_prompt_tokens", dict(extra_body={"truncate_prompt_tokens": -2})),
     ("response_format", dict(extra_body={"response_format": {"type": "xml"}})),
+    ("stream_options", dict(stream_options={"include_usage": True})),  # without stream=true
     ("response_format.json_schema.schema", dict(extra_body={"response_format": {"type": "json_schema",
                                                                                 "json_schema": {"name": "x"}}})),
 ])
@@ -322,6 +323,7 @@ def test_an_infinite_float_is_400_naming_its_field(server: ServerThread, path: s
                          tool_choice={"type": "function", "function": {"name": "g"}})),
     ("tool_choice", dict(tool_choice="required")),
     ("response_format", dict(response_format={"type": "xml"})),
+    ("stream_options", dict(stream=False, stream_options={"include_usage": True})),
     ("messages", dict(messages=[{"role": "user"}, {"content": "no role"}])),
     ("messages", dict(messages=[])),
     ("messages", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),

@@ -206,6 +206,11 @@ BODIES = [
     ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
     ("/v1/chat/completions", _chat(prompt_logprobs=1), None),
     ("/v1/chat/completions", _chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    ("/v1/completions", _completion(stream_options={"include_usage": True}), "stream_options"),  # not streamed
+    ("/v1/completions", _completion(stream=True, stream_options={"include_usage": True}), None),
+    ("/v1/completions", _completion(stream=False, stream_options=None), None),
+    ("/v1/chat/completions", _chat(stream=False, stream_options={"include_usage": False}), "stream_options"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream_options": {}}, "stream_options"),
     ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Oh"}],
                                    continue_final_message=True, add_generation_prompt=False), None),
     ("/detokenize", {"tokens": [5]}, None),

@@ -331,6 +331,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
 
     # ------------------------------------------------------------------ checks every endpoint makes
     def check_unsupported(self, body: Body) -> None:
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: only for a streamed response; send stream=true or leave "
+                                "stream_options out", "stream_options")
         if body.best_of not in (None, 1):
             raise APIError(400, f"best_of={body.best_of}: only best_of=1 is supported", "best_of", "unsupported")
         if body.use_beam_search:

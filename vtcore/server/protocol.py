@@ -45,6 +45,10 @@ _ONE_SWITCH = {"if": {"properties": {"continue_final_message": {"const": True}},
                "then": {"properties": {"add_generation_prompt": {"const": False}},
                         "required": ["add_generation_prompt"]}}
 
+#: stream_options apply to a streamed response only (OpenAI's and vLLM's rule): without stream=true, none
+STREAMED_ONLY = {"if": {"not": {"properties": {"stream": {"const": True}}, "required": ["stream"]}},
+                 "then": {"properties": {"stream_options": {"type": "null"}}}}
+
 
 #: pydantic's "string_unicode" error, as the server words it: JSON's "\ud800" decodes to such a string
 NOT_UNICODE = "not valid Unicode text: it holds a lone surrogate, which has no UTF-8 form"
@@ -260,7 +264,7 @@ class GenerationRequest(BoundedModel):
     #: why a refused field is refused, where it is not a vLLM extension this server lacks
     refusal_reasons: ClassVar[dict[str, str]] = {}
     #: JSON Schema keywords for what the endpoint refuses across fields
-    schema_rules: ClassVar[dict[str, Any]] = {}
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [STREAMED_ONLY]}
     #: the fields that count output tokens: each leaves room for a prompt token within the context
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
@@ -423,7 +427,7 @@ class ChatCompletionRequest(GenerationRequest):
     # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
     # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false;
     # prompt_logprobs, for no stream
-    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [_ONE_SWITCH, {
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [_ONE_SWITCH, STREAMED_ONLY, {
         "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
         "then": {"properties": {"prompt_logprobs": {"type": "null"}}}},
         {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},

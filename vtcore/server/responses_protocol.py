@@ -7,8 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from vtcore.server.protocol import (TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count, GenerationRequest, Text,
-                                    TopLogprobs, integer)
+from vtcore.server.protocol import (STREAMED_ONLY, TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count,
+                                    GenerationRequest, Text, TopLogprobs, integer)
 
 
 class InputPart(BaseModel):
@@ -114,7 +114,7 @@ class ResponsesRequest(GenerationRequest):
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_output_tokens")
     # what the endpoint refuses otherwise, the document says: a required or named tool_choice asks for tools
     # (alternatives to a token's logprob ask for its logprobs, which no offered tool may split from the answer)
-    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [{
+    schema_rules: ClassVar[dict[str, Any]] = {"allOf": [STREAMED_ONLY, {
         "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
                "required": ["tool_choice"]},
         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}, {
