@@ -38,6 +38,13 @@ def test_llm_chat_takes_vllms_template_arguments(offline: LLM) -> None:  # noqa:
     assert custom.prompt_token_ids == tok.encode(custom.prompt, add_special_tokens=False)
     with pytest.raises(ValueError, match="add_generation_prompt=True and continue_final_message=True"):
         offline.chat(STARTED, continue_final_message=True)
+    # a message the template cannot take is named, not left to fail inside Jinja
+    with pytest.raises(ValueError, match=r"^messages\[1\]=\{'content': 'x'\}: expected a dict with a 'role'"):
+        offline.chat([ASKED[0], {"content": "x"}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]='hi': expected a dict"):
+        offline.chat_prompt(["hi"])
+    with pytest.raises(ValueError, match=r"^messages=\[\]: expected a non-empty list"):
+        offline.chat_prompt([])
 
 
 @pytest.fixture(scope="module")

@@ -203,6 +203,9 @@ def test_cli_refusals_before_any_work(tmp_path, capsys: pytest.CaptureFixture, m
     with pytest.raises(SystemExit):
         run_cli("conformance", "--no-quant", "--quant", "nvfp4-pack-quantized")
     assert "not allowed with argument --no-quant" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (SamplingParams' message offered None, which no flag can pass)
+        run_cli("generate", "--max-tokens", "-1", "Hi")
+    assert "--max-tokens='-1': expected an integer >= 0" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ subprocess smoke tests

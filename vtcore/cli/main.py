@@ -105,7 +105,7 @@ def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from vtcore.bench.serving import add_bench_parser, json_path
     from vtcore.conformance import CHECKS
-    from vtcore.engine.arg_utils import add_engine_args, positive_int
+    from vtcore.engine.arg_utils import add_engine_args, non_negative_int, positive_int
     from vtcore.tools.quantize import add_quantize_parser
     from vtcore.server.serve import add_serve_parser
 
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     add_engine_args(p)
     given = "default: the checkpoint's generation_config.json, else"
-    p.add_argument("--max-tokens", type=int, default=None, help=f"{given} 64")
+    p.add_argument("--max-tokens", type=non_negative_int("--max-tokens"), default=None, help=f"{given} 64")
     p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy ({given} 0)")
     p.add_argument("--top-p", type=float, default=None, help=f"{given} 1")
     p.add_argument("--top-k", type=int, default=None, help=f"{given} 0, no top-k")

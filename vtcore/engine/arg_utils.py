@@ -45,6 +45,11 @@ def positive_int(flag_name: str) -> Callable[[str], int]:
     return _checked(flag_name, int, lambda v: v > 0, "a positive integer")
 
 
+def non_negative_int(flag_name: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= 0; anything else is refused naming ``flag_name`` and the text."""
+    return _checked(flag_name, int, lambda v: v >= 0, "an integer >= 0")
+
+
 def unit_fraction(flag_name: str) -> Callable[[str], float]:
     """An argparse type: a number in (0, 1]; anything else is refused naming ``flag_name`` and the text."""
     return _checked(flag_name, float, lambda v: 0.0 < v <= 1.0, "a fraction in (0, 1]")

@@ -40,6 +40,18 @@ def _unicode(text: Any) -> bool:
     return True
 
 
+def check_messages(messages: Any) -> None:
+    """A conversation as a chat template takes it: a non-empty list of dicts, each with a string ``role`` (a
+    template given anything else fails inside Jinja, naming neither the message nor what it lacks)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages={messages!r}: expected a non-empty list of messages (dicts with 'role' and "
+                         "'content')")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}]={m!r}: expected a dict with a 'role' (a string, e.g. 'user') and "
+                             "its 'content'")
+
+
 class PromptText:
     """Over ``tokenizer`` (a Hugging Face tokenizer or None), ``vocab_size``, ``eos_token_ids`` and
     ``config.model`` (named in errors)."""
@@ -108,6 +120,7 @@ class PromptText:
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt=True and continue_final_message=True: expected at most one "
                              "(open the assistant's turn, or go on with the final message)")
+        check_messages(messages)
         text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, **template_kwargs)
