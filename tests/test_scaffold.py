@@ -37,6 +37,9 @@ def test_scaffold_installs_and_the_gate_reports_the_unfinished_model(tmp_path) -
 @pytest.mark.parametrize("argv, message", [
     (["new-plugin", "My-Family", "--arch", "XForCausalLM"], "NAME='My-Family': expected a lowercase identifier"),
     (["new-plugin", "fam", "--arch", "not a class"], "--arch='not a class': expected an HF architecture class name"),
+    (["new-plugin", "fam", "--arch", "llama"], "--arch='llama': expected an HF architecture class name"),  # a model_type
+    (["new-plugin", "fam", "--arch", "Qwen3ForCausalLM"], "--arch='Qwen3ForCausalLM': installed plugin qwen3_dense "
+                                                          "serves it already"),
 ])
 def test_scaffold_rejects_bad_names(argv, message, tmp_path, capsys) -> None:
     assert main([*argv, "--dir", str(tmp_path)]) == 2
@@ -44,8 +47,8 @@ def test_scaffold_rejects_bad_names(argv, message, tmp_path, capsys) -> None:
 
 
 def test_scaffold_refuses_to_overwrite(tmp_path, capsys) -> None:
-    assert main(["new-plugin", "fam", "--arch", "LlamaForCausalLM", "--dir", str(tmp_path)], out=io.StringIO()) == 0
-    assert main(["new-plugin", "fam", "--arch", "LlamaForCausalLM", "--dir", str(tmp_path)]) == 2
+    assert main(["new-plugin", "fam", "--arch", "MistralForCausalLM", "--dir", str(tmp_path)], out=io.StringIO()) == 0
+    assert main(["new-plugin", "fam", "--arch", "MistralForCausalLM", "--dir", str(tmp_path)]) == 2
     assert "already exists" in capsys.readouterr().err
 
 

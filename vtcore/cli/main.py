@@ -95,6 +95,11 @@ def cmd_new_plugin(args: argparse.Namespace, out: TextIO) -> int:
     if args.name in plugins.infos or args.name in plugins.families:
         raise ValueError(f"NAME={args.name!r}: a plugin or family of that name is installed; installing the "
                          "scaffold would replace it. Choose another name")
+    if args.arch in plugins.architectures or args.arch in plugins.conflicts:
+        by = plugins.architectures[args.arch].plugin if args.arch in plugins.architectures else \
+            " and ".join(plugins.conflicts[args.arch])
+        raise ValueError(f"--arch={args.arch!r}: installed plugin {by} serves it already; a second plugin for it "
+                         "would leave it to neither (uninstall one, or narrow VTCORE_PLUGINS)")
 
     root = new_plugin(args.name, args.arch, args.dir)
     out.write(f"wrote {root}\nnext: write the model in {root}/vtcore_{args.name}/model.py, then\n"

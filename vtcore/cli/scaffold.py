@@ -5,7 +5,7 @@ import os
 import re
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-_ARCH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ARCH = re.compile(r"^[A-Z][A-Za-z0-9_]*$")  # a class name, as config.json's "architectures" lists it
 
 PYPROJECT = '''[build-system]
 requires = ["setuptools>=61"]
@@ -118,7 +118,8 @@ def new_plugin(name: str, arch: str, directory: str) -> str:
     if not _NAME.match(name):
         raise ValueError(f"NAME={name!r}: expected a lowercase identifier such as 'llama' or 'my_family'")
     if not _ARCH.match(arch):
-        raise ValueError(f"--arch={arch!r}: expected an HF architecture class name such as 'LlamaForCausalLM'")
+        raise ValueError(f"--arch={arch!r}: expected an HF architecture class name such as 'LlamaForCausalLM' (as "
+                         "config.json's 'architectures' lists it; not a model_type such as 'llama')")
     dist, module = "vtcore-" + name.replace("_", "-"), "vtcore_" + name
     root = os.path.join(directory, dist)
     if os.path.exists(root):
