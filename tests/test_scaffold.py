@@ -37,7 +37,7 @@ def test_scaffold_installs_and_the_gate_reports_the_unfinished_model(tmp_path) -
 @pytest.mark.parametrize("argv, message", [
     (["new-plugin", "My-Family", "--arch", "XForCausalLM"], "NAME='My-Family': expected a lowercase identifier"),
     (["new-plugin", "fam", "--arch", "not a class"], "--arch='not a class': expected an HF architecture class name"),
-    (["new-plugin", "fam", "--arch", "llama"], "--arch='llama': expected an HF architecture class name"),  # a model_type
+    (["new-plugin", "fam", "--arch", "llama"], "--arch='llama': expected an HF architecture class name"),  # model_type
     (["new-plugin", "fam", "--arch", "Qwen3ForCausalLM"], "--arch='Qwen3ForCausalLM': installed plugin qwen3_dense "
                                                           "serves it already"),
 ])
