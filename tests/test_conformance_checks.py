@@ -179,6 +179,19 @@ def test_a_mismatch_no_reset_explains_names_no_cause(plugins: Plugins) -> None:
     assert gate.results["oracle-greedy"].status == "fail" and "likely cause" not in detail, detail
 
 
+def test_a_fault_everywhere_is_pinned_on_no_tensor_and_no_feature(plugins: Plugins) -> None:
+    """A RoPE with the wrong theta makes every request a little wrong: no check's hint may blame a tensor (a reset
+    that matched one request by chance once did) or what the schedule did to some requests."""
+    (gate,) = run_gate(["wrong_rope_theta"], plugins=plugins, quant=[])
+    failed = {c: r.detail for c, r in gate.results.items() if r.status == "fail"}
+    assert {"oracle-greedy", "oracle-schedule", "prefix-cache", "structured"} <= set(failed), failed
+    assert not any("likely cause" in detail for detail in failed.values()), failed
+    assert "all 9 requests differ, whatever the schedule did to each" in failed["oracle-schedule"]
+    out = io.StringIO()
+    write_table([gate], out, "cpu")
+    assert "note wrong_rope_theta: oracle-greedy fails on the plainest requests: fix it first" in out.getvalue()
+
+
 def test_cuda_checks_skip_on_cpu_saying_why(plugins: Plugins) -> None:
     (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["cuda-graphs", "cuda-bf16"])
     assert {(r.status, r.detail) for c, r in gate.results.items() if c.startswith("cuda")} == \

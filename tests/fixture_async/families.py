@@ -20,6 +20,7 @@ from vtcore.layers.attention import Attention, get_attention_metadata, set_atten
 from vtcore.layers.gated_deltanet import GatedDeltaNet
 from vtcore.layers.linear import Linear
 from vtcore.layers.norm import RMSNorm, rms_norm
+from vtcore.layers.rotary import RotaryEmbedding
 from vtcore_qwen3_5.model import Qwen3_5ForCausalLM
 from vtcore_qwen3_5.plugin import dense_example as qwen3_5_example
 from vtcore_qwen3_dense.model import Qwen3ForCausalLM
@@ -83,6 +84,18 @@ class IgnoresNormWeight(Qwen3ForCausalLM):
         super().__init__(config, max_position)
         for layer in self.model.layers:
             layer.input_layernorm.__class__ = _WeightlessNorm
+
+
+class WrongRopeTheta(Qwen3ForCausalLM):
+    """Rotates with twice the checkpoint's rope_theta: every position past 0 is a little wrong, and no oracle tensor's
+    reset explains it."""
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__(config, max_position)
+        wrong = RotaryEmbedding(config.head_dim, max_position, 2 * config.rope_theta, config.rope_parameters)
+        rotary = self.model.layers[0].self_attn.rotary  # (one module, shared by every layer)
+        rotary.cos_cache.copy_(wrong.cos_cache)
+        rotary.sin_cache.copy_(wrong.sin_cache)
 
 
 class _UndeclaredNorm(RMSNorm):
@@ -309,6 +322,10 @@ def ignores_norm_weight_example() -> ConformanceExample:
     return _example("IgnoresNormWeightForCausalLM")
 
 
+def wrong_rope_theta_example() -> ConformanceExample:
+    return _example("WrongRopeThetaForCausalLM")
+
+
 def prefill_ignores_cache_example() -> ConformanceExample:
     return _example("PrefillIgnoresCacheForCausalLM")
 
@@ -386,7 +403,8 @@ def vtcore_model_families() -> list[ModelFamily]:
                     consumes_device_tokens=True, conformance_example=f"{HERE}:lossy_example"),
         *(ModelFamily(name=name, architectures=(f"{cls}ForCausalLM",), model_cls=f"{HERE}:{cls}",
                       consumes_device_tokens=True, conformance_example=f"{HERE}:{name}_example")
-          for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("prefill_ignores_cache", "PrefillIgnoresCache"),
+          for name, cls in (("ignores_norm_weight", "IgnoresNormWeight"), ("wrong_rope_theta", "WrongRopeTheta"),
+                            ("prefill_ignores_cache", "PrefillIgnoresCache"),
                             ("cached_prefix_off_by_one", "CachedPrefixOffByOne"),
                             ("host_context_length", "HostContextLength"),
                             ("state_not_reset", "StateNotReset"),

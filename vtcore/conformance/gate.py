@@ -90,6 +90,10 @@ def write_table(gates: list[Gate], out: TextIO, device: str, tensor_parallel_siz
         for r in g.results.values():
             if r.status == "fail":
                 out.write(f"FAIL {r.check}: {r.detail}\n")
+        if isinstance(g, FamilyGate) and g.results["oracle-greedy"].status == "fail" and \
+                sum(r.status == "fail" for r in g.results.values()) > 1:
+            out.write(f"note {g.name}: oracle-greedy fails on the plainest requests: fix it first (the later checks "
+                      "may fail of the same cause, whatever their hints say)\n")
         skips: dict[str, list[str]] = {}
         for r in g.results.values():
             if r.status == "skip":

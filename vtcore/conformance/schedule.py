@@ -79,9 +79,12 @@ class ScheduleLog:
     def missing(self) -> list[str]:
         return [f for f in FEATURES if f not in self.seen]
 
-    def hint(self, rids: list[str]) -> str:
-        """What every one of the requests ``rids`` went through (else what the first did), each with
-        what a family may get wrong there."""
+    def hint(self, rids: list[str], of: int) -> str:
+        """What every one of the requests ``rids`` (of the ``of`` the schedule ran) went through (else what the
+        first did), each with what a family may get wrong there; where every request differs, that the schedule
+        singles nothing out (what all went through points at nothing)."""
+        if len(rids) == of:
+            return f"all {of} requests differ, whatever the schedule did to each: a fault it does not single out"
         each = [self.events.get(rid, set()) for rid in rids]
         common = set.intersection(*each) or each[0]
         said = "; ".join(text for key, text in HINTS.items() if key in common) or "run beside late arrivals"
