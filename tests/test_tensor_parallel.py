@@ -138,17 +138,19 @@ def fp4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     moe = {**moe_example().hf_config, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
            "linear_value_head_dim": 16}
     out = {}
-    for name, config, scheme in (("qwen3-mxfp4", tiny_config(), "MXFP4A16"), ("moe-nvfp4", moe, "NVFP4A16")):
+    for name, config, scheme in (("qwen3-mxfp4", tiny_config(), "MXFP4A16"), ("moe-nvfp4", moe, "NVFP4A16"),
+                                 ("qwen3-nvfp4-w4a4", tiny_config(), "NVFP4")):
         src = save_checkpoint(hf_model(config, seed=3), str(tmp_path_factory.mktemp(name + "-dense")))
         out[name] = str(tmp_path_factory.mktemp(name))
         quantize_checkpoint(src, out[name], scheme, show_progress=False)
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen3-mxfp4", "moe-nvfp4"])
+@pytest.mark.parametrize("name", ["qwen3-mxfp4", "moe-nvfp4", "qwen3-nvfp4-w4a4"])
 def test_fp4_checkpoints_on_two_ranks_give_the_whole_models_logits(fp4_checkpoints, tmp_path: Any, name: str) -> None:
     """Packed codes and group scales split with the rows (column-parallel) or the input groups (row-parallel,
-    the experts' down), global scales whole on every rank."""
+    the experts' down), global scales whole on every rank; W4A4's input global scale, shared by the shards of one
+    matrix, checked as it loads lazily (it once read the lazy slice as a tensor)."""
     path = fp4_checkpoints[name]
     assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]
     out = str(tmp_path / "logits")
@@ -166,3 +168,27 @@ def test_an_fp4_layer_whose_part_of_its_input_splits_a_group_is_refused_by_name(
               r"rank's part at tensor_parallel_size=2"
     with tensor_parallel(0, 2), pytest.raises(CheckpointError, match=refused):
         build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="dummy")
+
+
+def test_shards_of_one_matrix_with_different_input_scales_are_refused_naming_them(fp4_checkpoints, tmp_path) -> None:
+    """W4A4's q, k and v see one input, so one input global scale: a checkpoint whose k_proj has its own is refused
+    with each shard's value, whole or in a rank's part."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(fp4_checkpoints["qwen3-nvfp4-w4a4"], path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    key = "model.layers.0.self_attn.k_proj.input_global_scale"
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, file, metadata={"format": "pt"})
+    hf = HFConfig(json.load(open(os.path.join(path, "config.json"))))
+    for rank, world in ((0, 1), (1, 2)):
+        with tensor_parallel(rank, world), pytest.raises(CheckpointError) as exc:
+            build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors")
+        message = str(exc.value)
+        assert "tensor 'model.layers.0.self_attn.q_proj.input_global_scale' has a value its shards disagree on: " \
+               "model.layers.0.self_attn.q_proj.input_global_scale = " in message, message
+        assert "k_proj.input_global_scale = " in message and "so one input_global_scale is expected" in message

@@ -101,18 +101,18 @@ def _loader(load: Loader, weights: QuantWeights, slot: QuantSlot, key: str, shar
     def loader(param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
         load(param, loaded, shard)
         weights.invalidate()
-        if shared:
-            _check_shared(param.data, slot, key, float(loaded.reshape(-1)[0]))
+        if shared:  # (what the loader wrote: ``loaded`` may be a lazy slice of the file)
+            _check_shared(param.data, slot, key)
     return loader
 
 
-def _check_shared(data: torch.Tensor, slot: QuantSlot, key: str, value: float) -> None:
+def _check_shared(data: torch.Tensor, slot: QuantSlot, key: str) -> None:
     for m, row in enumerate(data.reshape(-1, data.shape[-1]).tolist()):
         loaded = {slot.modules[m * len(row) + j]: v for j, v in enumerate(row) if v == v}  # NaN: not loaded
         if len(set(loaded.values())) > 1:
             shown = " and ".join(f"{module}.{key} = {v!r}" for module, v in loaded.items())
-            raise ValueError(f"value {value!r}: {shown} differ; the shards of one matrix see one input, so one "
-                             f"{key} is expected")
+            raise ValueError(f"a value its shards disagree on: {shown}; the shards of one matrix see one input, so "
+                             f"one {key} is expected")
 
 
 def _some(names: list[str], shown: int = 6) -> str:
