@@ -207,7 +207,17 @@ def test_a_stream_the_engine_refuses_is_a_plain_400(client: Any) -> None:
         with client.responses.stream(model=MODEL, input="hi", max_output_tokens=5,
                                      text={"format": {"type": "json_schema", "name": "x", "schema": bad}}) as s:
             list(s)
-    assert "xgrammar cannot compile it" in error_of(info.value)["message"]
+    err = error_of(info.value)
+    assert err["param"] == "text.format.schema" and err["message"].startswith("text.format.schema: xgrammar cannot "
+                                                                               "compile it: "), err
+
+
+def test_a_forced_tool_xgrammar_cannot_compile_is_a_400_naming_the_tools(tool_client: Any) -> None:
+    bad = [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(tool_client, tools=bad, tool_choice="required")
+    err = error_of(info.value)
+    assert err["param"] == "tools" and "function 'f''s parameters: xgrammar cannot compile it" in err["message"], err
 
 
 @pytest.mark.parametrize("extra,field", [({"add_generation_prompt": False}, "add_generation_prompt"),

@@ -14,9 +14,8 @@ from vtcore.server.errors import APIError
 from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Prompts
 from vtcore.server.protocol import ChatCompletionRequest, ChatMessage
 from vtcore.server.reasoning import ThinkSplitter, split_reasoning
-from vtcore.server.tool_calls import CallStream, call_id, split_calls
+from vtcore.server.tool_calls import CallStream, call_id, forced_calls, split_calls
 from vtcore.server.structured import structured_outputs
-from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import after_thinking
 from vtcore.server.serving import Serving
 
@@ -162,8 +161,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                 raise APIError(400, "tool_choice: a required or named tool call is itself the output's format; leave "
                                     "response_format out", "tool_choice")
             many = forced is body.tools and body.parallel_tool_calls is not False
-            kw["structured_outputs"] = StructuredOutputsParams(grammar=self.tool_parser.block_grammar(
-                forced, many))
+            kw["structured_outputs"] = forced_calls(self.tool_parser, forced, many)
         # response_format and a forced tool call shape the answer, not the thought; vLLM's structured_outputs
         # field constrains the output as written (a grammar may itself spell out the thinking block)
         fmt = body.response_format is not None and body.response_format.type != "text"

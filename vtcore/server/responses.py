@@ -29,9 +29,9 @@ from vtcore.server.reasoning import ThinkSplitter, split_reasoning
 from vtcore.server.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, InputMessage, NamedFunction,
                                               ResponsesRequest)
 from vtcore.server.serving import Serving
-from vtcore.server.tool_calls import CallStream, split_calls
+from vtcore.server.tool_calls import CallStream, forced_calls, split_calls
 from vtcore.server.sse import EventStream, compact_json
-from vtcore.server.structured import structured_outputs
+from vtcore.server.structured import checked, structured_outputs
 from vtcore.structured import StructuredOutputsParams
 from vtcore.structured.grammar import after_thinking
 
@@ -96,11 +96,11 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
                            "text.format.schema")
         if fmt is not None and fmt.type != "text":
             constraint = StructuredOutputsParams(json_object=True) if fmt.type == "json_object" else \
-                StructuredOutputsParams(json=fmt.schema_)
+                checked(StructuredOutputsParams(json=fmt.schema_), "text.format.schema")
         forced = self.forced(body)
         if forced is not None:  # "required": one call or more (unless parallel_tool_calls is false); named: one
             many = body.tool_choice == "required" and body.parallel_tool_calls is not False
-            constraint = StructuredOutputsParams(grammar=self.tool_parser.block_grammar(forced, many))
+            constraint = forced_calls(self.tool_parser, forced, many)
         if constraint is not None:
             parser = self.reasoning_parser
             kw["structured_outputs"] = constraint if parser is None else after_thinking(constraint, parser.START,

@@ -2,7 +2,8 @@
 
 ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ...,
 "schema": {...}, "strict": ...}}`` (OpenAI); ``structured_outputs``: vLLM's object of one of ``json``,
-``regex``, ``choice``, ``grammar``, ``json_object``. A bad one is a 400 naming the field.
+``regex``, ``choice``, ``grammar``, ``json_object``. A bad one, or one xgrammar cannot compile, is a 400 naming
+the field.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from vtcore.server.errors import APIError
 from vtcore.structured import StructuredOutputsParams
+from vtcore.structured.grammar import GrammarRefused, grammar_of
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
@@ -27,9 +29,10 @@ def structured_outputs(body: Any) -> StructuredOutputsParams | None:
             raise APIError(400, f"structured_outputs={extra!r}: expected an object with one of json, regex, choice, "
                                 "grammar, json_object", "structured_outputs")
         try:
-            return StructuredOutputsParams(**extra)
+            params = StructuredOutputsParams(**extra)
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"structured_outputs: {exc}", "structured_outputs") from None
+        return checked(params, "structured_outputs")
     if not asked:
         return None
     if fmt.type == "json_object":
@@ -40,4 +43,14 @@ def structured_outputs(body: Any) -> StructuredOutputsParams | None:
         raise APIError(400, "response_format.json_schema.schema: expected the JSON schema object (response_format "
                             '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})',
                        "response_format.json_schema.schema")
-    return StructuredOutputsParams(json=schema)
+    return checked(StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+
+
+def checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
+    """``params`` once xgrammar builds its grammar; one it refuses is a 400 naming ``field`` (the request's own
+    name for the constraint) with xgrammar's reason, before the request reaches the engine."""
+    try:
+        grammar_of(params)
+    except GrammarRefused as exc:
+        raise APIError(400, f"{field}: xgrammar cannot compile it: {exc.reason}", field) from None
+    return params

@@ -11,7 +11,11 @@ import json
 import uuid
 from typing import Any, Protocol, Sequence
 
+from vtcore.server.errors import APIError
 from vtcore.server.reasoning import partial_suffix
+from vtcore.server.structured import checked
+from vtcore.structured import StructuredOutputsParams
+from vtcore.structured.grammar import GrammarRefused, refused_as_value_error
 
 
 class ToolParser(Protocol):
@@ -29,7 +33,8 @@ class ToolParser(Protocol):
     @staticmethod
     def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
         """An EBNF grammar (xgrammar's dialect) of one call block of one of ``tools`` (``many``: one or
-        more blocks), for tool_choice "required" or a named function."""
+        more blocks), for tool_choice "required" or a named function; a tool it cannot express raises
+        ``vtcore.structured.grammar.GrammarRefused`` naming it (``refused_as_value_error``)."""
         ...
 
 
@@ -51,16 +56,30 @@ class HermesToolParser:
     def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
         import xgrammar as xgr
 
-        calls = [xgr.Grammar.from_json_schema(json.dumps({
-            "type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                             "arguments": t["function"].get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"]}), any_whitespace=False) for t in tools]
+        calls = [refused_as_value_error(f"function {t['function']['name']!r}'s parameters",
+                                        lambda t=t: xgr.Grammar.from_json_schema(json.dumps({
+                                            "type": "object",
+                                            "properties": {"name": {"const": t["function"]["name"]},
+                                                           "arguments": t["function"].get("parameters")
+                                                           or {"type": "object"}},
+                                            "required": ["name", "arguments"]}), any_whitespace=False))
+                 for t in tools]
         body = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
         block = str(xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), body,
                                        xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"')))
         if not many:
             return block
         return 'root ::= tool_block ("\\n" tool_block)*\n' + block.replace("root ::=", "tool_block ::=", 1)
+
+
+def forced_calls(parser: ToolParser, tools: list[dict[str, Any]], many: bool) -> StructuredOutputsParams:
+    """The constraint of a forced call (tool_choice "required" or a named function): ``parser``'s block grammar of
+    ``tools``; a tool whose parameters xgrammar cannot compile is a 400 naming it (``GrammarRefused``)."""
+    try:
+        grammar = parser.block_grammar(tools, many)
+    except GrammarRefused as exc:
+        raise APIError(400, f"tools: {exc}", "tools") from None
+    return checked(StructuredOutputsParams(grammar=grammar), "tools")
 
 
 def call_id() -> str:

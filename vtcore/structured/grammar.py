@@ -11,8 +11,9 @@ scheduling the row is drawn late, once its request's in-flight token has landed
 from __future__ import annotations
 
 import json
+import re
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -55,7 +56,9 @@ class GrammarCache:
             with self._lock:
                 if key in self._compiled:
                     return self._compiled[key]
-            grammar = _refused_as_value_error(key[0], lambda: self.compiler.compile_grammar(grammar_of(params)))
+            parsed = grammar_of(params)  # (refuses by itself, naming the field)
+            grammar = refused_as_value_error(f"structured_outputs.{key[0]}",
+                                             lambda: self.compiler.compile_grammar(parsed))
             with self._lock:
                 self._compiled[key] = grammar
                 self._compiling.pop(key, None)
@@ -122,7 +125,7 @@ def grammar_of(params: StructuredOutputsParams) -> Any:
             return xgr.Grammar.from_regex("|".join(_regex_literal(s) for s in json.loads(value)))
         return xgr.Grammar.from_ebnf(value)
 
-    return _refused_as_value_error(kind, build)
+    return refused_as_value_error(f"structured_outputs.{kind}", build)
 
 
 def after_thinking(params: StructuredOutputsParams, start: str, end: str) -> StructuredOutputsParams:
@@ -141,11 +144,25 @@ def after_thinking(params: StructuredOutputsParams, start: str, end: str) -> Str
     return StructuredOutputsParams(grammar=str(xgr.Grammar.concat(optional, grammar_of(params))))
 
 
-def _refused_as_value_error(kind: str, build: Any) -> Any:
+class GrammarRefused(ValueError):
+    """A constraint xgrammar cannot build or compile: ``field`` (as the caller named it) and xgrammar's ``reason``."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: xgrammar cannot compile it: {reason}")
+        self.field, self.reason = field, reason
+
+
+#: the C++ log prefix of xgrammar's errors: "[05:35:06] /project/cpp/json_schema_converter.cc:5082: "
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
+
+
+def refused_as_value_error(field: str, build: Callable[[], Any]) -> Any:
+    """``build()``; what xgrammar raises for a bad constraint is a ``GrammarRefused`` naming ``field``, with
+    xgrammar's own reason (its log prefix dropped)."""
     try:
         return build()
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for a bad input
-        raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {exc}") from None
+        raise GrammarRefused(field, _LOG_PREFIX.sub("", str(exc)).strip()) from None
 
 
 def _regex_literal(text: str) -> str:
