@@ -114,3 +114,24 @@ def test_the_cli_takes_the_flag_and_a_bad_size_is_refused(tiny_checkpoint, tmp_p
         LLM(str(tmp_path), **KNOBS, load_format="dummy", tensor_parallel_size=2)
     time.sleep(0.1)
     assert not multiprocessing.active_children()  # the workers of the refused engines were stopped
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_a_main_guard_fails_at_once_saying_so(tiny_checkpoint, tmp_path) -> None:
+    """A spawned worker imports the main module first: a script building the engine at its top level makes the
+    worker die while starting. Rank 0 says so at once (it once waited two minutes for a rendezvous, then said
+    "Wait timeout")."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("from vtcore import LLM\n"
+                      f"LLM({tiny_checkpoint[0]!r}, tensor_parallel_size=2, device='cpu', max_model_len=64)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VTCORE_")}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "worker rank 1" in proc.stderr and "exited while starting" in proc.stderr, proc.stderr[-2000:]
+    assert 'under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - start < 60

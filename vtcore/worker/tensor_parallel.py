@@ -19,6 +19,7 @@ import os
 import pickle
 import tempfile
 import threading
+import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
@@ -154,6 +155,8 @@ class Peers:
             for rank in range(1, size):
                 self.workers.append(_take_worker(device.type))
                 self.workers[-1].conn.send((rank, size, self._store))
+            for rank, w in enumerate(self.workers, start=1):
+                _joining(rank, w)
             self.group, self.control = _groups(0, size, self._store, device.type)
         except BaseException:  # the workers taken so far are stopped, the store removed
             for w in self.workers:
@@ -230,6 +233,27 @@ class Peers:
             os.unlink(self._store)
 
 
+def _joining(rank: int, w: _Worker) -> None:
+    """Wait for worker ``w``'s word that it joins as ``rank``; one that exits first (a spawned process that could
+    not even start) is a ``TensorParallelError`` at once, not a rendezvous that times out minutes later."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while w.process.is_alive() or w.conn.poll(0):
+        if w.conn.poll(0.05):
+            try:
+                w.conn.recv()
+                return
+            except (EOFError, OSError):  # its end of the pipe closed: it is exiting
+                w.process.join(timeout=5)
+                break
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel worker rank {rank} did not start within {TIMEOUT_S} s")
+    raise TensorParallelError(
+        f"tensor-parallel worker rank {rank} (pid {w.process.pid}) exited while starting (exit code "
+        f"{w.process.exitcode}), before it could join the engine. A worker is a spawned process that first imports "
+        "the main module: a script that builds an engine at its top level must do so under "
+        "`if __name__ == \"__main__\":` (its error, if any, is above)")
+
+
 def _groups(rank: int, size: int, store_path: str, device_type: str) -> tuple[Any, Any]:
     """(the model's group, the control group) of this engine's ranks, over a file store."""
     timeout = timedelta(seconds=TIMEOUT_S)
@@ -274,6 +298,7 @@ def worker_main(conn: Connection, device_type: str) -> None:
     ends the process)."""
     thread_lock_for_progress()
     while (job := conn.recv()) is not None:
+        conn.send("joining")  # (rank 0 waits for it: ``_joining``)
         _serve(*job, device_type)
 
 
