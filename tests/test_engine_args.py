@@ -113,6 +113,11 @@ def test_no_flags_give_engine_config_defaults() -> None:
     assert bench_engine_config(_parse("bench", "--max-num-seqs", "5")).max_num_seqs == 5
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_tp_is_vllms_short_flag_for_tensor_parallel_size(command: str) -> None:
+    assert engine_config_from_args(_parse(command, "-tp", "2")).tensor_parallel_size == 2
+
+
 def test_async_scheduling_is_a_pair_of_flags() -> None:
     for argv, want in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
         assert engine_config_from_args(_parse("serve", *argv)).async_scheduling is want

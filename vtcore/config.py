@@ -230,7 +230,7 @@ class EngineConfig:
         "choices": SCHEDULING_POLICIES})
     tensor_parallel_size: int = attrs.field(default=1, validator=positive, metadata={
         "help": "ranks the model is split over (tensor parallelism, one process each: this one is rank 0; "
-                "gloo on CPU, NCCL on CUDA)"})
+                "gloo on CPU, NCCL on CUDA)", "short": "-tp"})
     max_num_batched_tokens: int | None = attrs.field(default=None, validator=positive, metadata={
         "help": "the most tokens in one step (prefill chunks included)",
         "default_help": "max(max_model_len, 2048)"})

@@ -111,8 +111,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
             group.add_argument("--model", dest=MODEL_OPTION, default=argparse.SUPPRESS, metavar="MODEL",
                                action=_DeprecatedModelOption, help="deprecated: pass MODEL positionally")
             continue
-        group.add_argument(flag(field.name), dest=field.name, default=argparse.SUPPRESS,
-                           help=_help(field, shown), **_value_kwargs(field))
+        names = [flag(field.name)] + ([field.metadata["short"]] if "short" in field.metadata else [])  # vLLM's
+        group.add_argument(*names, dest=field.name, default=argparse.SUPPRESS, help=_help(field, shown),
+                           **_value_kwargs(field))
 
 
 def _model_given(args: argparse.Namespace) -> dict[str, str]:
