@@ -83,11 +83,30 @@ def test_client_processes_default_to_one_per_8_streams_leaving_cores_to_the_serv
     assert http.client_processes(128, asked=20) == 20  # asked: as many as asked
 
 
+def test_a_shared_prefix_over_http_reports_the_servers_cached_tokens(server: ServerThread,  # noqa: F811
+                                                                      tmp_path: Any) -> None:
+    """``--prefix-len`` over HTTP as in-process: one prefix before every prompt; the hit rate is the share of prompt
+    tokens the server's usage says came from its cache (the first request fills it: 0 of 36, then 32 of 36 twice,
+    the 16-token blocks the prefix fills)."""
+    path = tmp_path / "prefix.json"
+    out = io.StringIO()
+    rc = main(["bench", "--base-url", f"{server.url}/v1", "--concurrency", "1", "--num-prompts", "3",
+               "--input-len", "4", "--prefix-len", "32", "--output-len", "2", "--seed", "7", "--json", str(path)],
+              out=out)
+    assert rc == 0, out.getvalue()
+    (r,) = json.loads(path.read_text())["runs"]
+    assert (r["prefix_len"], r["prompt_tokens"]) == (32, 3 * 36)
+    assert r["prefix_cache_hit_rate"] == pytest.approx(64 / 108)
+    assert out.getvalue().splitlines()[1].endswith("hit %") and out.getvalue().splitlines()[2].endswith(" 59.3")
+
+
 def test_engine_only_flags_are_refused_with_a_base_url(capsys: Any) -> None:
     assert main(["bench", "--client-processes", "2", "--model", "x"], out=io.StringIO()) == 2
     assert "--client-processes=2: only with --base-url or --serve" in capsys.readouterr().err
     assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--compare-prefix-caching"], out=io.StringIO()) == 2
     assert "--base-url measures a server as it runs; --compare-prefix-caching needs" in capsys.readouterr().err
+    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--turns", "2"], out=io.StringIO()) == 2
+    assert "--base-url measures a server as it runs; --turns needs" in capsys.readouterr().err
 
 
 def test_an_unreachable_server_is_an_error_naming_it(capsys: Any) -> None:

@@ -44,7 +44,7 @@ async def _one(connection: StreamingConnection, model: str, prompt: list[int], o
         body["structured_outputs"] = {"json": schema}
     payload = json.dumps(body).encode()  # before the clock: the client's encoding is not the server's time
     arrivals: list[float] = []
-    tokens = None
+    tokens = cached = None
     finish = None
     sent = time.perf_counter()
     async for data in connection.events(payload):
@@ -59,11 +59,13 @@ async def _one(connection: StreamingConnection, model: str, prompt: list[int], o
             finish = choice.get("finish_reason") or finish
         if event.get("usage"):
             tokens = event["usage"].get("completion_tokens")
+            cached = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     done = time.perf_counter()
     ttft = arrivals[0] - sent if arrivals else None
     latency = done - sent
     tpot = (latency - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
-    return {"prompt_tokens": len(prompt), "output_tokens": tokens, "finish_reason": finish, "latency_s": latency,
+    return {"prompt_tokens": len(prompt), "cached_tokens": cached, "output_tokens": tokens, "finish_reason": finish,
+            "latency_s": latency,
             "constrained": schema is not None, "ttft_s": ttft, "tpot_s": tpot,
             "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
@@ -129,9 +131,11 @@ def _client_process(args: tuple) -> tuple[list[dict[str, Any]], float, float]:
 
 
 def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len: int, output_len: int,
-                 rng: random.Random, processes: int, warm_up: bool, share: float, schema_len: int) -> dict[str, Any]:
+                 rng: random.Random, processes: int, warm_up: bool, share: float, schema_len: int,
+                 prefix_len: int = 0) -> dict[str, Any]:
     schema = bench_schema(schema_len)
-    prompts = [([rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)], schema if held else None)
+    prefix = [rng.randrange(PROMPT_ID_BOUND) for _ in range(prefix_len)]
+    prompts = [(prefix + [rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)], schema if held else None)
                for held in constrained_flags(num_prompts, share)]
     if processes == 1:
         results, begin, end = asyncio.run(_closed_loop(base_url, model, c, prompts, output_len, warm_up))
@@ -149,8 +153,13 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
     wall = end - begin
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     output_tokens = sum(r["output_tokens"] or 0 for r in results)
+    reported = [r["cached_tokens"] for r in results if r["cached_tokens"] is not None]
     return {"concurrency": c, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-            "client_processes": processes,
+            "prefix_len": prefix_len, "client_processes": processes,
+            # (the share of prompt tokens the server's usage says came from its prefix cache: vLLM's hit rate;
+            # None where a response reported none)
+            "prefix_cache_hit_rate": sum(reported) / prompt_tokens if len(reported) == len(results) and prompt_tokens
+            else None,
             "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
             "total_throughput_tok_s": (prompt_tokens + output_tokens) / wall,
             "output_throughput_tok_s": output_tokens / wall, "request_throughput_req_s": len(results) / wall,
@@ -180,16 +189,18 @@ def served_model(base_url: str) -> str:
 
 def run_http(base_url: str, concurrency: Sequence[int], num_prompts: int | None, input_len: int, output_len: int,
              seed: int, model: str | None = None, processes: int | None = None, warm_up: bool = True,
-             structured_share: float = 0.0, schema_len: int | None = None) -> dict[str, Any]:
+             structured_share: float = 0.0, schema_len: int | None = None, prefix_len: int = 0) -> dict[str, Any]:
     """Every concurrency against ``base_url`` (ending in ``/v1``), each over ``client_processes(c,
     processes)`` client processes, each stream's connection first sending an untimed request unless not
     ``warm_up``; ``structured_share`` of the requests held to ``bench_schema(schema_len)`` (default
-    ``output_len``: a warm-up of short requests compiles the timed run's schema); the --json document."""
+    ``output_len``: a warm-up of short requests compiles the timed run's schema); every prompt after one shared
+    prefix of ``prefix_len`` random ids (as the in-process bench's ``--prefix-len``); the --json document."""
     plain_http(base_url)
     model = model or served_model(base_url)
     rng = random.Random(seed)
     runs = [_concurrency(base_url, model, c, requests_per_concurrency(c, num_prompts), input_len, output_len, rng,
-                         client_processes(c, processes), warm_up, structured_share, schema_len or output_len)
+                         client_processes(c, processes), warm_up, structured_share, schema_len or output_len,
+                         prefix_len)
             for c in concurrency]
     return {"mode": "http", "base_url": base_url, "model": model, "input_len": input_len, "output_len": output_len,
             "seed": seed, "timer": "time.perf_counter", "runs": runs}
@@ -202,11 +213,12 @@ def format_http(doc: dict[str, Any]) -> str:
     lines = [f"served: {doc['base_url']} model={doc['model']} input_len={doc['input_len']} "
              f"output_len={doc['output_len']} (OpenAI streaming /completions)",
              " conc  reqs   wall s  out tok/s  TTFT ms mean/med/p90/p99  TPOT ms mean/med/p90/p99  "
-             "ITL ms mean/med/p90/p99  clients"]
+             "ITL ms mean/med/p90/p99  clients  hit %"]
     for r in doc["runs"]:
+        rate = r.get("prefix_cache_hit_rate")
         lines.append(f"{r['concurrency']:>5} {r['num_prompts']:>5} {r['wall_s']:>8.2f} "
                      f"{r['output_throughput_tok_s']:>10.1f}  {ms(r['ttft_s'])}  {ms(r['tpot_s'])}  {ms(r['itl_s'])}  "
-                     f"{r['client_processes']:>7}")
+                     f"{r['client_processes']:>7}  {'-' if rate is None else f'{100 * rate:.1f}':>5}")
     for r in doc["runs"]:
         lines += format_groups(r)
     return "\n".join(lines) + "\n"

@@ -84,6 +84,7 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
              ["--engine-core-process" if args.engine_core_process else "--no-engine-core-process"])]
     seed = getattr(args, "seed", None) or 0
     share = getattr(args, "structured_share", 0.0) or 0.0
+    prefix_len = getattr(args, "prefix_len", 0) or 0
     fd, log_path = tempfile.mkstemp(prefix="vtcore-serve-", suffix=".log")
     runs = []
     with os.fdopen(fd, "w") as log:
@@ -92,11 +93,11 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
             _wait_healthy(url, proc, log_path)
             for c in concurrency:  # warmed up first (untimed): the server's histogram then holds the timed requests
                 run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes),
-                         structured_share=share, schema_len=args.output_len)
+                         structured_share=share, schema_len=args.output_len, prefix_len=prefix_len)
                 before, logged = _server_ttft(url), os.path.getsize(log_path)
                 doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, seed,
                                processes=client_processes(c, args.client_processes), warm_up=False,
-                               structured_share=share)
+                               structured_share=share, prefix_len=prefix_len)
                 after = _server_ttft(url)
                 run = doc["runs"][0]
                 count = after[1] - before[1]

@@ -427,9 +427,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         return {**header, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
                 **doc["knobs"], "timer": "time.perf_counter", "runs": [], "offline": doc["offline"]}
     concurrency = _concurrency(args)
-    prefix_len = getattr(args, "prefix_len", 0) or 0
-    if prefix_len < 0:
-        raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
+    prefix_len = _prefix_len(args)
     turns = getattr(args, "turns", 1) or 1
     share = check_share(getattr(args, "structured_share", 0.0) or 0.0)
     input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
@@ -658,16 +656,26 @@ def format_comparison(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _prefix_len(args: argparse.Namespace) -> int:
+    """``--prefix-len`` (0 where the command has none); a negative one is refused by name."""
+    prefix_len = getattr(args, "prefix_len", 0) or 0
+    if prefix_len < 0:
+        raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
+    return prefix_len
+
+
 def _in_process_only(args: argparse.Namespace) -> list[str]:
     """The flags given that only the in-process bench honours."""
     return [flag for flag, on in (("--compare-prefix-caching", args.compare_prefix_caching),
                                   ("--offline", args.offline), ("--peer", args.peer),
-                                  ("--speculative-config", getattr(args, "speculative_config", None))) if on]
+                                  ("--speculative-config", getattr(args, "speculative_config", None)),
+                                  ("--turns", (getattr(args, "turns", 1) or 1) > 1)) if on]
 
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
     local = _in_process_only(args)
+    _prefix_len(args)  # (refused before a server starts)
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
@@ -677,7 +685,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
             raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes,
-                       structured_share=check_share(args.structured_share))
+                       structured_share=check_share(args.structured_share), prefix_len=_prefix_len(args))
         out.write(format_http(doc))
     elif args.serve:
         from vtcore.bench.http import format_http
