@@ -206,6 +206,8 @@ BODIES = [
     ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
     ("/v1/chat/completions", _chat(prompt_logprobs=1), None),
     ("/v1/chat/completions", _chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+    ("/v1/completions", _completion(suffix="tail"), "suffix"),  # insertion is not served
+    ("/v1/completions", _completion(suffix=""), None),
     ("/v1/completions", _completion(stream_options={"include_usage": True}), "stream_options"),  # not streamed
     ("/v1/completions", _completion(stream=True, stream_options={"include_usage": True}), None),
     ("/v1/completions", _completion(stream=False, stream_options=None), None),

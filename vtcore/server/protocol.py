@@ -335,7 +335,8 @@ class CompletionRequest(GenerationRequest):
     logprobs: CompletionLogprobs | None = None
     add_special_tokens: bool = Field(True, description="vLLM's: a text prompt is encoded with the tokenizer's "
                                                        "special tokens (a BOS where it adds one).")
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="Insertion is not served: only an empty suffix (or null).",
+                               json_schema_extra={"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]})
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
