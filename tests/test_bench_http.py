@@ -139,7 +139,7 @@ def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None
 
 def test_bench_serve_refuses_what_only_one_side_has(capsys: Any) -> None:
     assert main(["bench", "--serve", "--offline"], out=io.StringIO()) == 2
-    assert "--serve compares the served loop with the in-process one; --offline applies to neither" in \
+    assert "--serve compares the served loop with the in-process one; the served loop cannot take --offline" in \
         capsys.readouterr().err
     assert main(["bench", "--serve", "--base-url", "http://127.0.0.1:9/v1"], out=io.StringIO()) == 2
     assert "--serve needs an engine in this process" in capsys.readouterr().err

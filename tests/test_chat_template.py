@@ -44,7 +44,8 @@ def test_llm_chat_takes_vllms_template_arguments(offline: LLM) -> None:  # noqa:
     with pytest.raises(ValueError, match=r"^messages\[0\]='hi': expected a dict"):
         offline.chat_prompt(["hi"])
     with pytest.raises(ValueError, match=r"^messages=\[\]: expected a non-empty list"):
-        offline.chat_prompt([])
+        offline.chat([])  # (one empty conversation, not none)
+    assert offline.chat_prompt(tuple(ASKED)) == offline.chat_prompt(ASKED)
 
 
 @pytest.fixture(scope="module")

@@ -217,7 +217,7 @@ def test_a_forced_tool_xgrammar_cannot_compile_is_a_400_naming_the_tools(tool_cl
     with pytest.raises(openai.BadRequestError) as info:
         _ask(tool_client, tools=bad, tool_choice="required")
     err = error_of(info.value)
-    assert err["param"] == "tools" and "function 'f''s parameters: xgrammar cannot compile it" in err["message"], err
+    assert err["param"] == "tools" and "function 'f': xgrammar cannot compile it" in err["message"], err
 
 
 @pytest.mark.parametrize("extra,field", [({"add_generation_prompt": False}, "add_generation_prompt"),

@@ -91,5 +91,29 @@ def test_a_bad_constraint_is_a_400_and_the_server_serves_on(client: Any, kw: dic
         assert err["message"].startswith(f"{param}: ") and err["message"].count("xgrammar cannot compile it") == 1
         assert "/cpp/" not in err["message"] and not err["message"].endswith("\n"), err
     if param == "tools":
-        assert err["message"].startswith("tools: function 'f''s parameters: xgrammar cannot compile it: "), err
+        assert err["message"].startswith("tools: function 'f': xgrammar cannot compile it: "), err
     assert _chat(client, max_tokens=3).choices[0].message.content is not None
+
+
+def test_a_constraint_is_built_once_for_the_servers_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checked`` runs on the event loop for a light request, and a request may be checked more than once: each
+    distinct constraint is built by xgrammar once, refused or not."""
+    from vtcore.server import structured
+    from vtcore.server.errors import APIError
+    from vtcore.structured import StructuredOutputsParams
+
+    built = []
+    monkeypatch.setattr(structured, "grammar_of", lambda params: built.append(params.key()))
+    structured._refusal.cache_clear()
+    try:
+        for _ in range(3):
+            structured.checked(StructuredOutputsParams(json={"type": "object"}), "response_format.json_schema.schema")
+        assert built == [("json", '{"type": "object"}')]
+    finally:
+        structured._refusal.cache_clear()
+    monkeypatch.undo()
+    for _ in range(2):  # a refusal is remembered too, and raised each time
+        with pytest.raises(APIError, match="^structured_outputs: xgrammar cannot compile it: "):
+            structured.checked(StructuredOutputsParams(regex="(unclosed"), "structured_outputs")
+    assert structured._refusal.cache_info().hits >= 1
+

@@ -132,6 +132,6 @@ def test_a_script_without_a_main_guard_fails_at_once_saying_so(tiny_checkpoint, 
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110, env=env,
                           cwd=tmp_path)
     assert proc.returncode != 0
-    assert "worker rank 1" in proc.stderr and "exited while starting" in proc.stderr, proc.stderr[-2000:]
+    assert "worker rank 1" in proc.stderr and "before it could join the engine" in proc.stderr, proc.stderr[-2000:]
     assert 'under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - start < 60

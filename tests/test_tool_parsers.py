@@ -10,6 +10,7 @@ import pytest
 from vtcore import LLM, SamplingParams
 from vtcore.server.tool_calls import CallStream, HermesToolParser, Qwen3XMLToolParser, split_calls
 from vtcore.structured import StructuredOutputsParams
+from vtcore.structured.grammar import GrammarRefused
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -38,6 +39,18 @@ def test_the_grammar_writes_what_the_parser_reads(llm: LLM, parser, many) -> Non
             assert name in ("get_weather", "ping")
             if name == "get_weather":
                 jsonschema.validate(json.loads(args), WEATHER)
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser, Qwen3XMLToolParser])
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "required": ["a"], "properties": {"a": {"type": "nope"}}},  # xgrammar's refusal
+    {"type": "object", "required": ["a"], "properties": []},  # (Qwen3's XML grammar reads the properties itself)
+])
+def test_a_tool_no_grammar_can_express_is_refused_naming_it(parser, parameters) -> None:
+    """Named for the server's 400 (``forced_calls``), not a 500 from inside xgrammar or the parser."""
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+    with pytest.raises(GrammarRefused, match="^function 'bad': xgrammar cannot compile it: "):
+        parser.block_grammar(tools, False)
 
 
 def test_xml_values_are_typed_by_the_tools_schema() -> None:

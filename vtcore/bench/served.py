@@ -92,10 +92,13 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
         try:
             _wait_healthy(url, proc, log_path)
             for c in concurrency:  # warmed up first (untimed): the server's histogram then holds the timed requests
-                run_http(url + "/v1", [c], c, input_len, 2, seed, processes=client_processes(c, args.client_processes),
-                         structured_share=share, schema_len=args.output_len, prefix_len=prefix_len)
+                timed = seed * 1_000_003 + c  # (a prompt set, and prefix, a concurrency of its own, as in-process;
+                # the warm-up's another: it must not fill the prefix cache for the timed run)
+                run_http(url + "/v1", [c], c, input_len, 2, -1 - timed,
+                         processes=client_processes(c, args.client_processes), structured_share=share,
+                         schema_len=args.output_len, prefix_len=prefix_len)
                 before, logged = _server_ttft(url), os.path.getsize(log_path)
-                doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, seed,
+                doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, timed,
                                processes=client_processes(c, args.client_processes), warm_up=False,
                                structured_share=share, prefix_len=prefix_len)
                 after = _server_ttft(url)

@@ -675,7 +675,7 @@ def _in_process_only(args: argparse.Namespace) -> list[str]:
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
     local = _in_process_only(args)
-    _prefix_len(args)  # (refused before a server starts)
+    prefix_len = _prefix_len(args)  # (refused before a server starts)
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
@@ -685,14 +685,15 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
             raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes,
-                       structured_share=check_share(args.structured_share), prefix_len=_prefix_len(args))
+                       structured_share=check_share(args.structured_share), prefix_len=prefix_len)
         out.write(format_http(doc))
     elif args.serve:
         from vtcore.bench.http import format_http
         from vtcore.bench.served import format_served, run_served
 
         if local:
-            raise ValueError(f"--serve compares the served loop with the in-process one; {local[0]} applies to neither")
+            raise ValueError(f"--serve compares the served loop with the in-process one; the served loop cannot take "
+                             f"{local[0]}")
         check_share(args.structured_share)
         doc = run_served(args, _concurrency(args), args.input_len or DEFAULT_INPUT_LEN, progress)
         out.write(format_http(doc["served"]) + format_table(doc["inprocess"]))

@@ -111,7 +111,7 @@ class LLM(EngineFrontEnd):
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation through the chat template (the tokenizer's, or ``chat_template``; the
         switches and ``tools`` as vLLM's ``LLM.chat`` and :meth:`chat_prompt` take them) and generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [self.chat_prompt(c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, **kwargs)

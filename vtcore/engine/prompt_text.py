@@ -41,9 +41,9 @@ def _unicode(text: Any) -> bool:
 
 
 def check_messages(messages: Any) -> None:
-    """A conversation as a chat template takes it: a non-empty list of dicts, each with a string ``role`` (a
-    template given anything else fails inside Jinja, naming neither the message nor what it lacks)."""
-    if not isinstance(messages, list) or not messages:
+    """A conversation as a chat template takes it: a non-empty list (or tuple) of dicts, each with a string
+    ``role`` (a template given anything else fails inside Jinja, naming neither the message nor what it lacks)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r}: expected a non-empty list of messages (dicts with 'role' and "
                          "'content')")
     for i, m in enumerate(messages):
@@ -121,7 +121,7 @@ class PromptText:
             raise ValueError("add_generation_prompt=True and continue_final_message=True: expected at most one "
                              "(open the assistant's turn, or go on with the final message)")
         check_messages(messages)
-        text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+        text = tok.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, **template_kwargs)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}

@@ -7,6 +7,8 @@ the field.
 """
 from __future__ import annotations
 
+import functools
+import json
 from typing import Any
 
 from vtcore.server.errors import APIError
@@ -48,9 +50,21 @@ def structured_outputs(body: Any) -> StructuredOutputsParams | None:
 
 def checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsParams:
     """``params`` once xgrammar builds its grammar; one it refuses is a 400 naming ``field`` (the request's own
-    name for the constraint) with xgrammar's reason, before the request reaches the engine."""
-    try:
-        grammar_of(params)
-    except GrammarRefused as exc:
-        raise APIError(400, f"{field}: xgrammar cannot compile it: {exc.reason}", field) from None
+    name for the constraint) with xgrammar's reason, before the request reaches the engine. Each distinct
+    constraint is built once (``_refusal``): a large schema takes milliseconds, on the event loop for a light
+    request, and a request may be checked more than once."""
+    reason = _refusal(*params.key())
+    if reason is not None:
+        raise APIError(400, f"{field}: xgrammar cannot compile it: {reason}", field)
     return params
+
+
+@functools.lru_cache(maxsize=256)
+def _refusal(kind: str, value: str) -> str | None:
+    """Why xgrammar refuses the constraint of key ``(kind, value)`` (``StructuredOutputsParams.key``), or None."""
+    arg = json.loads(value) if kind == "choice" else True if kind == "json_object" else value
+    try:
+        grammar_of(StructuredOutputsParams(**{kind: arg}))
+    except GrammarRefused as exc:
+        return exc.reason
+    return None

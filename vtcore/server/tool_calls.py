@@ -56,7 +56,7 @@ class HermesToolParser:
     def block_grammar(tools: list[dict[str, Any]], many: bool) -> str:
         import xgrammar as xgr
 
-        calls = [refused_as_value_error(f"function {t['function']['name']!r}'s parameters",
+        calls = [refused_as_value_error(f"function {t['function']['name']!r}",
                                         lambda t=t: xgr.Grammar.from_json_schema(json.dumps({
                                             "type": "object",
                                             "properties": {"name": {"const": t["function"]["name"]},
@@ -177,8 +177,7 @@ class Qwen3XMLToolParser:
         def lit(text: str) -> Any:
             return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))
 
-        calls = []
-        for t in tools:
+        def call(t: dict[str, Any]) -> Any:
             params = t["function"].get("parameters") or {}
             parts = [lit(f"<tool_call>\n<function={t['function']['name']}>\n")]
             for key in params.get("required", []):
@@ -187,7 +186,9 @@ class Qwen3XMLToolParser:
                          xgr.Grammar.from_json_schema(json.dumps(prop), any_whitespace=False))
                 parts += [lit(f"<parameter={key}>\n"), value, lit("\n</parameter>\n")]
             parts.append(lit("</function>\n</tool_call>"))
-            calls.append(xgr.Grammar.concat(*parts))
+            return xgr.Grammar.concat(*parts)
+
+        calls = [refused_as_value_error(f"function {t['function']['name']!r}", lambda t=t: call(t)) for t in tools]
         block = str(calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls))
         if not many:
             return block

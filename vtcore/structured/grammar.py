@@ -145,11 +145,12 @@ def after_thinking(params: StructuredOutputsParams, start: str, end: str) -> Str
 
 
 class GrammarRefused(ValueError):
-    """A constraint xgrammar cannot build or compile: ``field`` (as the caller named it) and xgrammar's ``reason``."""
+    """A constraint xgrammar cannot build or compile, naming the field as the caller did, with xgrammar's
+    ``reason``."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: xgrammar cannot compile it: {reason}")
-        self.field, self.reason = field, reason
+        self.reason = reason
 
 
 #: the C++ log prefix of xgrammar's errors: "[05:35:06] /project/cpp/json_schema_converter.cc:5082: "

@@ -91,6 +91,7 @@ class _Worker:
     process: Any  # multiprocessing.Process
     conn: Connection
     device_type: str
+    fresh: bool = True  # not yet joined an engine (a death before then may be the main module's import)
 
     def stop(self) -> None:
         """End the process (a stop on its pipe, then termination if it lingers) and join it."""
@@ -234,24 +235,28 @@ class Peers:
 
 
 def _joining(rank: int, w: _Worker) -> None:
-    """Wait for worker ``w``'s word that it joins as ``rank``; one that exits first (a spawned process that could
-    not even start) is a ``TensorParallelError`` at once, not a rendezvous that times out minutes later."""
+    """Wait for worker ``w``'s word that it joins as ``rank``; one that exits first is a ``TensorParallelError``
+    at once, not a rendezvous that times out minutes later (for a new process, with the likely cause: a script
+    that builds the engine outside a main guard)."""
     deadline = time.monotonic() + TIMEOUT_S
     while w.process.is_alive() or w.conn.poll(0):
         if w.conn.poll(0.05):
             try:
                 w.conn.recv()
+                w.fresh = False
                 return
             except (EOFError, OSError):  # its end of the pipe closed: it is exiting
                 w.process.join(timeout=5)
                 break
         if time.monotonic() > deadline:
             raise TensorParallelError(f"tensor-parallel worker rank {rank} did not start within {TIMEOUT_S} s")
-    raise TensorParallelError(
-        f"tensor-parallel worker rank {rank} (pid {w.process.pid}) exited while starting (exit code "
-        f"{w.process.exitcode}), before it could join the engine. A worker is a spawned process that first imports "
-        "the main module: a script that builds an engine at its top level must do so under "
-        "`if __name__ == \"__main__\":` (its error, if any, is above)")
+    code = w.process.exitcode
+    hint = (". A worker is a spawned process that first imports the main module: a script that builds an engine "
+            "at its top level must do so under `if __name__ == \"__main__\":` (its error, if any, is above)"
+            if w.fresh else "")
+    raise TensorParallelError(f"tensor-parallel worker rank {rank} (pid {w.process.pid}) exited "
+                              f"{'(its pipe closed)' if code is None else f'(exit code {code})'} before it could "
+                              f"join the engine{hint}")
 
 
 def _groups(rank: int, size: int, store_path: str, device_type: str) -> tuple[Any, Any]:
