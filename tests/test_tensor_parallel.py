@@ -189,6 +189,6 @@ def test_shards_of_one_matrix_with_different_input_scales_are_refused_naming_the
         with tensor_parallel(rank, world), pytest.raises(CheckpointError) as exc:
             build_model(path, hf, torch.device("cpu"), torch.float32, 64, load_format="safetensors")
         message = str(exc.value)
-        assert "tensor 'model.layers.0.self_attn.q_proj.input_global_scale' has a value its shards disagree on: " \
+        assert "tensor 'model.layers.0.self_attn.q_proj.input_global_scale' has a value its shards disagree on (" \
                "model.layers.0.self_attn.q_proj.input_global_scale = " in message, message
         assert "k_proj.input_global_scale = " in message and "so one input_global_scale is expected" in message

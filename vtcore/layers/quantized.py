@@ -111,8 +111,8 @@ def _check_shared(data: torch.Tensor, slot: QuantSlot, key: str) -> None:
         loaded = {slot.modules[m * len(row) + j]: v for j, v in enumerate(row) if v == v}  # NaN: not loaded
         if len(set(loaded.values())) > 1:
             shown = " and ".join(f"{module}.{key} = {v!r}" for module, v in loaded.items())
-            raise ValueError(f"a value its shards disagree on: {shown}; the shards of one matrix see one input, so "
-                             f"one {key} is expected")
+            raise ValueError(f"a value its shards disagree on ({shown} differ); the shards of one matrix see one "
+                             f"input, so one {key} is expected")
 
 
 def _some(names: list[str], shown: int = 6) -> str:
