@@ -113,6 +113,12 @@ def test_models_shows_conflicts() -> None:
         f"{'Qwen3ForCausalLM':<40} family=qwen3_dense plugin=qwen3_dense device-tokens",
         f"{'ClashForCausalLM':<40} CONFLICT: registered by clash_a, clash_b",
     ]
+    rc, out = run_cli("plugins")  # the plugin that loaded first is listed in the conflict too, not as healthy only
+    assert rc == 1
+    lines = out.splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("clash_a ")))
+    assert lines[first + 2] == "    CONFLICT: architecture 'ClashForCausalLM' is registered by clash_a and clash_b; it " \
+                               "resolves to neither", lines
 
 
 # ------------------------------------------------------------------------------------------- generate

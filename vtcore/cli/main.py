@@ -12,7 +12,8 @@ from vtcore.errors import VtcoreError
 def cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
     from vtcore.plugins.manager import get_plugins
 
-    infos = list(get_plugins().infos.values())
+    plugins = get_plugins()
+    infos = list(plugins.infos.values())
     if args.json:
         json.dump([{"name": i.name, "module": i.module, "dist": i.dist, "version": i.version, "hooks": i.hooks,
                     "error": i.error} for i in infos], out, indent=2)
@@ -21,6 +22,10 @@ def cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
         for i in infos:
             status = f"FAILED: {i.error}" if i.error else ", ".join(i.hooks)
             out.write(f"{i.name:<20} {i.dist or 'vtcore'} {i.version or ''}\n    {status}\n")
+            for arch, names in sorted(plugins.conflicts.items()):  # (the one that loaded first is no less in it)
+                if i.name in names and not i.error:
+                    out.write(f"    CONFLICT: architecture {arch!r} is registered by {' and '.join(names)}; it "
+                              "resolves to neither\n")
     return 1 if any(i.error for i in infos) else 0
 
 
