@@ -117,8 +117,8 @@ def test_models_shows_conflicts() -> None:
     assert rc == 1
     lines = out.splitlines()
     first = lines.index(next(line for line in lines if line.startswith("clash_a ")))
-    assert lines[first + 2] == "    CONFLICT: architecture 'ClashForCausalLM' is registered by clash_a and clash_b; it " \
-                               "resolves to neither", lines
+    assert lines[first + 2] == ("    CONFLICT: architecture 'ClashForCausalLM' is registered by clash_a and clash_b; "
+                                "it resolves to neither"), lines
 
 
 # ------------------------------------------------------------------------------------------- generate
