@@ -71,6 +71,13 @@ def _server_ttft(url: str) -> tuple[float, float]:
         return histogram_totals(r.read().decode(), TTFT_METRIC)
 
 
+def run_seeds(seed: int, concurrency: int) -> tuple[int, int]:
+    """The (warm-up, timed) prompt seeds of one concurrency: prompts and a shared prefix of the concurrency's own, as
+    in-process, and a warm-up drawing others (the same prefix would be cached before the timed run starts)."""
+    timed = seed * 1_000_003 + concurrency
+    return -1 - timed, timed
+
+
 def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int, progress: bool) -> dict[str, Any]:
     """Served, then in-process; the --json document (``served``: the HTTP runs, each with the server's own
     mean TTFT; ``inprocess``: the in-process bench's document)."""
@@ -92,9 +99,8 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
         try:
             _wait_healthy(url, proc, log_path)
             for c in concurrency:  # warmed up first (untimed): the server's histogram then holds the timed requests
-                timed = seed * 1_000_003 + c  # (a prompt set, and prefix, a concurrency of its own, as in-process;
-                # the warm-up's another: it must not fill the prefix cache for the timed run)
-                run_http(url + "/v1", [c], c, input_len, 2, -1 - timed,
+                warm, timed = run_seeds(seed, c)
+                run_http(url + "/v1", [c], c, input_len, 2, warm,
                          processes=client_processes(c, args.client_processes), structured_share=share,
                          schema_len=args.output_len, prefix_len=prefix_len)
                 before, logged = _server_ttft(url), os.path.getsize(log_path)

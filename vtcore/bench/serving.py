@@ -82,7 +82,7 @@ from vtcore.bench.step_stats import (NO_CUDA, StepTimer, count_triton_compiles, 
 from vtcore.bench.structured_share import bench_schema, check_share, constrained_flags, format_groups, groups
 from vtcore.bench.summary import MIN_REQUESTS, requests_per_concurrency, summarize
 from vtcore.config import EngineConfig
-from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, positive_int
+from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args, non_negative_int, positive_int
 from vtcore.structured import StructuredOutputsParams
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
@@ -132,7 +132,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=positive_int("--input-len"), default=None,
                    help=f"prompt tokens per request (default: {DEFAULT_INPUT_LEN}, clamped to fit max_model_len)")
     p.add_argument("--output-len", type=positive_int("--output-len"), default=DEFAULT_OUTPUT_LEN)
-    p.add_argument("--prefix-len", type=int, default=0, metavar="N",
+    p.add_argument("--prefix-len", type=non_negative_int("--prefix-len"), default=0, metavar="N",
                    help="one shared prefix of N random tokens before every prompt of a run (its --input-len "
                         "tokens follow), for prefix caching (default: 0)")
     p.add_argument("--num-prompts", type=positive_int("--num-prompts"), default=None,
@@ -427,7 +427,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
         return {**header, "mode": "offline", "device": doc["device"], "dtype": doc["dtype"],
                 **doc["knobs"], "timer": "time.perf_counter", "runs": [], "offline": doc["offline"]}
     concurrency = _concurrency(args)
-    prefix_len = _prefix_len(args)
+    prefix_len = getattr(args, "prefix_len", 0) or 0
     turns = getattr(args, "turns", 1) or 1
     share = check_share(getattr(args, "structured_share", 0.0) or 0.0)
     input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
@@ -656,14 +656,6 @@ def format_comparison(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _prefix_len(args: argparse.Namespace) -> int:
-    """``--prefix-len`` (0 where the command has none); a negative one is refused by name."""
-    prefix_len = getattr(args, "prefix_len", 0) or 0
-    if prefix_len < 0:
-        raise ValueError(f"--prefix-len={prefix_len}: expected 0 or more tokens")
-    return prefix_len
-
-
 def _in_process_only(args: argparse.Namespace) -> list[str]:
     """The flags given that only the in-process bench honours."""
     return [flag for flag, on in (("--compare-prefix-caching", args.compare_prefix_caching),
@@ -675,7 +667,6 @@ def _in_process_only(args: argparse.Namespace) -> list[str]:
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
     progress = not getattr(args, "no_progress", False)
     local = _in_process_only(args)
-    prefix_len = _prefix_len(args)  # (refused before a server starts)
     if getattr(args, "base_url", None):
         from vtcore.bench.http import format_http, run_http
 
@@ -685,7 +676,7 @@ def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
             raise ValueError(f"--base-url measures a server as it runs; {flag} needs an engine in this process")
         doc = run_http(args.base_url, _concurrency(args), args.num_prompts, args.input_len or DEFAULT_INPUT_LEN,
                        args.output_len, getattr(args, "seed", None) or 0, processes=args.client_processes,
-                       structured_share=check_share(args.structured_share), prefix_len=prefix_len)
+                       structured_share=check_share(args.structured_share), prefix_len=args.prefix_len)
         out.write(format_http(doc))
     elif args.serve:
         from vtcore.bench.http import format_http
