@@ -100,6 +100,22 @@ def test_a_shared_prefix_over_http_reports_the_servers_cached_tokens(server: Ser
     assert out.getvalue().splitlines()[1].endswith("hit %") and out.getvalue().splitlines()[2].endswith(" 59.3")
 
 
+def test_the_served_warm_up_draws_prompts_no_timed_run_sends() -> None:
+    """A warm-up sending the timed run's shared prefix would leave it cached before the clock starts."""
+    from vtcore.bench.served import run_seeds
+
+    for seed in (0, 7):
+        warm = [run_seeds(seed, c)[0] for c in (1, 2, 64, 128)]
+        timed = [run_seeds(seed, c)[1] for c in (1, 2, 64, 128)]
+        assert len(set(timed)) == 4 and not set(warm) & set(timed)
+
+
+def test_a_negative_prefix_len_is_refused_by_name(capsys: Any) -> None:
+    with pytest.raises(SystemExit):  # (argparse's, before any server is asked)
+        main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--prefix-len", "-1"], out=io.StringIO())
+    assert "--prefix-len='-1': expected an integer >= 0" in capsys.readouterr().err
+
+
 def test_engine_only_flags_are_refused_with_a_base_url(capsys: Any) -> None:
     assert main(["bench", "--client-processes", "2", "--model", "x"], out=io.StringIO()) == 2
     assert "--client-processes=2: only with --base-url or --serve" in capsys.readouterr().err

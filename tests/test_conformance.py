@@ -94,9 +94,13 @@ def test_the_whole_gate_fails_while_an_installed_plugin_did_not_load(tmp_path) -
         assert report["passed"] is False and report["unloaded_plugins"] == {"broken": error}
         assert report["families"]["qwen3_dense"]["checks"]["example"]["status"] == "pass"
         out = io.StringIO()
-        assert main(["conformance", "--family", "qwen3_dense", "--check", "example", "--no-quant"], out=out) == 0
+        narrowed = ["conformance", "--family", "qwen3_dense", "--check", "example", "--no-quant", "--json",
+                    str(tmp_path / "one.json")]
+        assert main(narrowed, out=out) == 0
         assert "NOT LOADED" not in out.getvalue() and out.getvalue().rstrip().endswith("PASSED: 1 family, 0 quant "
                                                                                         "methods")
+        report = json.loads((tmp_path / "one.json").read_text())  # listed still, not counted
+        assert report["passed"] is True and report["unloaded_plugins"] == {"broken": error}
     finally:
         reset_plugins(None)
 

@@ -192,6 +192,24 @@ def test_a_fault_everywhere_is_pinned_on_no_tensor_and_no_feature(plugins: Plugi
     assert "note wrong_rope_theta: oracle-greedy fails on the plainest requests: fix it first" in out.getvalue()
 
 
+def test_the_fix_greedy_first_note_needs_a_later_check_failing(plugins: Plugins) -> None:
+    """A failing oracle-greedy is named as the root to fix only over checks after it: an earlier failure (the
+    weights) is the likelier root."""
+    from vtcore.conformance.checks import CheckResult
+
+    (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["example"])
+    note = "note qwen3_dense: oracle-greedy fails on the plainest requests: fix it first"
+    for failing, shown in ((("weights", "oracle-greedy"), False), (("oracle-greedy", "async-abc"), True),
+                           (("oracle-greedy",), False)):
+        for check in failing:
+            gate.results[check] = CheckResult(check, "fail", "why")
+        out = io.StringIO()
+        write_table([gate], out, "cpu")
+        assert (note in out.getvalue()) == shown, (failing, out.getvalue())
+        for check in failing:
+            gate.results[check] = CheckResult(check, "pass")
+
+
 def test_cuda_checks_skip_on_cpu_saying_why(plugins: Plugins) -> None:
     (gate,) = run_gate(["qwen3_dense"], plugins=plugins, quant=[], checks=["cuda-graphs", "cuda-bf16"])
     assert {(r.status, r.detail) for c, r in gate.results.items() if c.startswith("cuda")} == \

@@ -135,3 +135,22 @@ def test_a_script_without_a_main_guard_fails_at_once_saying_so(tiny_checkpoint, 
     assert "worker rank 1" in proc.stderr and "before it could join the engine" in proc.stderr, proc.stderr[-2000:]
     assert 'under `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_worker_dead_before_it_joins_is_named_at_once(fresh: bool) -> None:
+    """Rank 0 waits for a worker's word that it joins while watching its process; the main-guard hint is only for
+    a new process (a parked one that died was no script's import)."""
+    from vtcore.worker.tensor_parallel import _joining, _Worker
+
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=os._exit, args=(3,))
+    process.start()
+    theirs.close()
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) exited \(exit code 3\) before it "
+                                                  r"could join the engine") as exc:
+        _joining(1, _Worker(process, ours, "cpu", fresh=fresh))
+    assert ("__main__" in str(exc.value)) == fresh and time.monotonic() - start < 10
+
