@@ -345,27 +345,6 @@ def test_prefill_kernel_matches_reference(heads, kv_heads, bs, table_dtype):
 
 
 @interp
-@pytest.mark.parametrize("values", [512, 1024])
-def test_prefill_combine_in_chunks_leaves_the_counters_zero(monkeypatch, values):
-    """The last-arriving split of a query block combines the partials a chunk of splits at a time (forced down
-    to 1 or 2 splits a chunk) and resets its counter: a second launch of another split count combines again."""
-    monkeypatch.setattr(pa, "_COMBINE_VALUES", values)  # chunk = values // (block_m 16 * dim 32)
-    heads, kv_heads, dim, bs = 4, 2, 32, 8
-    qlens, ctx = [20, 3], [90, 41]
-    pc = _paged(ctx, kv_heads, dim, bs, seed=values)
-    q, qsl = _varlen(qlens, heads, kv_heads, dim, seed=3, dtype=torch.float32)
-    q = q * 4  # peaked: the max matters
-    args = (qsl, pc.context_lens, 0.3, bs, max(qlens), max(ctx))
-    ref = paged_prefill_attention_ref(q, pc.k_cache, pc.v_cache, pc.block_tables, *args)
-    groups = 2 * heads * len(ctx)  # (query blocks, heads, seqs)
-    for splits in (5, 2, 5):
-        out = paged_prefill_attention(q, pc.k_nan, pc.v_nan, pc.block_tables, *args, block_m=16, block_n=16,
-                                      num_splits=splits)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        assert not arrival_counters(torch.device("cpu"), groups)[:groups].any()
-
-
-@interp
 def test_prefill_splits_leave_padding_rows_unwritten_and_name_bad_counts():
     heads, kv_heads, dim, bs = 2, 1, 32, 8
     qlens, ctx = [3], [70]

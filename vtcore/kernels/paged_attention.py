@@ -397,7 +397,7 @@ def paged_decode_attention(
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_mt", "stride_mh"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, sem_ptr, scale_log2, num_splits,
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, scale_log2, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_cs, stride_ch, stride_cd,
     stride_bt,
@@ -406,18 +406,16 @@ def _prefill_kernel(
     stride_mt, stride_mh, stride_mk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT_OUT: tl.constexpr, CHUNK: tl.constexpr,
+    SPLIT_OUT: tl.constexpr,
 ):
     """Program (query block x split, head, seq): BLOCK_M queries of one head, causal over the paged
     context, over every ``num_splits``-th key tile from the ``split``-th of each of the two ranges below.
 
     Keys below the block's first query position (rounded down to BLOCK_N) are visible to every row
     and run unmasked; the tiles up to the last row's position run with the causal mask. ``SPLIT_OUT``:
-    every split writes its unnormalised partial (acc, max, sum) to scratch and counts itself in the
-    (query block, head, seq)'s arrival counter; the last to arrive combines the partials in split order,
-    writes the output and resets the counter (see :mod:`vtcore.kernels.workspace`), as the decode kernel
-    does. A split may hold no tile, or only tiles some of its rows see nothing of, so the running max
-    starts at a finite floor (a row that saw nothing keeps it, with sum 0, and weighs 0 in the combine).
+    the unnormalised partial (acc, max, sum) goes to scratch for ``_prefill_combine_kernel``; a split
+    may hold no tile, or only tiles some of its rows see nothing of, so the running max starts at a
+    finite floor (a row that saw nothing keeps it, with sum 0, and weighs 0 in the combine).
     Otherwise (one split) the program writes the normalised output.
     """
     pid_m = tl.program_id(0) // num_splits
@@ -465,19 +463,32 @@ def _prefill_kernel(
         ml = rows * stride_mt + h * stride_mh + split * stride_mk
         tl.store(ml_ptr + ml, m_i, mask=offs_m < qlen)
         tl.store(ml_ptr + ml + 1, l_i, mask=offs_m < qlen)
-        tl.debug_barrier()  # every thread's partial is issued before the (release) arrival
-        counter = sem_ptr + (b * tl.num_programs(1) + h) * (tl.num_programs(0) // num_splits) + pid_m
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_splits - 1:
-            return
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        o = _combine_splits(part_ptr + h * stride_ph, ml_ptr + h * stride_mh, num_splits, stride_pt, stride_pk,
-                            stride_mt, stride_mk, rows, offs_m < qlen, offs_d, d_mask, CHUNK)
-        tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_mt", "stride_mh"])
+def _prefill_combine_kernel(
+    part_ptr, ml_ptr, qsl_ptr, out_ptr, num_splits, num_seqs, num_heads,
+    stride_pt, stride_ph, stride_pk, stride_mt, stride_mh, stride_mk, stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Program (query row, head block): the row's split partials combined in split order; rows past
+    the last sequence's end (padding) are left unwritten."""
+    t = tl.program_id(0)
+    if t >= tl.load(qsl_ptr + num_seqs):
+        return
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < num_heads
+    d_mask = offs_d < HEAD_DIM
+    row = t.to(tl.int64)
+    o = _combine_splits(part_ptr + row * stride_pt, ml_ptr + row * stride_mt, num_splits, stride_ph, stride_pk,
+                        stride_mh, stride_mk, offs_h, h_mask, offs_d, d_mask, CHUNK)
+    tl.store(out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 def prefill_num_splits(max_query_len: int, heads: int, seqs: int, max_context_len: int, device: torch.device,
@@ -509,8 +520,7 @@ def paged_prefill_attention(
     ``block_m``/``block_n`` must be powers of two >= 16. ``num_splits`` (default
     :func:`prefill_num_splits`) > 1 splits each block's key tiles over that many programs, whose
     float32 partials ``[tokens, heads, splits, head_dim]`` and ``[tokens, heads, splits, 2]``
-    (allocated per call, sized by host ints) the last split of each query block to finish combines in split
-    order (arrival counters, :mod:`vtcore.kernels.workspace`: run the shape eagerly before a graph captures it).
+    (allocated per call, sized by host ints) a second launch combines in split order.
     """
     tokens, heads, head_dim = q.shape
     seqs = query_start_loc.shape[0] - 1
@@ -523,16 +533,14 @@ def paged_prefill_attention(
     bm = block_m or _PREFILL_BLOCK_M
     splits = num_splits or prefill_num_splits(max_query_len, heads, seqs, max_context_len, q.device, bm, block_n)
     block_d = triton.next_power_of_2(head_dim)
-    part = ml = sem = out
+    part = ml = out
     pml_strides = (0,) * 6
-    q_blocks = triton.cdiv(max_query_len, bm)
     if splits > 1:
-        sem = arrival_counters(q.device, q_blocks * heads * seqs)
         part = torch.empty((tokens, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((tokens, heads, splits, 2), dtype=torch.float32, device=q.device)
         pml_strides = (part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
-    _prefill_kernel[(q_blocks * splits, heads, seqs)](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, part, ml, sem, scale * _LOG2E, splits,
+    _prefill_kernel[(triton.cdiv(max_query_len, bm) * splits, heads, seqs)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, part, ml, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -540,9 +548,16 @@ def paged_prefill_attention(
         *pml_strides,
         GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), SPLIT_OUT=splits > 1,
-        CHUNK=max(1, _COMBINE_VALUES // (bm * block_d)), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), SPLIT_OUT=splits > 1, num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        block_h = min(triton.next_power_of_2(heads), 32)
+        _prefill_combine_kernel[(tokens, triton.cdiv(heads, block_h))](
+            part, ml, query_start_loc, out, splits, seqs, heads, *pml_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+            CHUNK=max(1, _COMBINE_VALUES // (block_h * block_d)), num_warps=4,
+        )
     return out
 
 

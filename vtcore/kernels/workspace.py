@@ -1,11 +1,11 @@
 """Arrival counters for kernels whose last-finishing program reduces the others' partials.
 
-Split-K GEMV, split-KV decode attention, the key-split prefill attention and the fused MoE write float32
-partials; instead of a second launch to combine them, every program of a group bumps the group's counter
-after its partial is stored, and the program that sees ``arrivals - 1`` (the last one) sums the partials
-in index order (so results stay deterministic) and resets the counter to zero. Every kernel thus leaves
-the counters all zero, which is what lets all kernels on a device share one buffer: launches on a stream run one after
-the other. Two streams of one device must therefore not run these kernels at once (the engine
+Split-K GEMV, split-KV decode attention and the fused MoE write float32 partials; instead of a second
+launch to combine them, every program of a group bumps the group's counter after its partial is stored,
+and the program that sees ``arrivals - 1`` (the last one) sums the partials in index order (so results
+stay deterministic) and resets the counter to zero. Every kernel thus leaves the counters all zero,
+which is what lets all kernels on a device share one buffer: launches on a stream run one after the
+other. Two streams of one device must therefore not run these kernels at once (the engine
 runs all device work on one stream; graph replays go on it too).
 
 The buffer is allocated zeroed on first use, outside any CUDA graph capture (the runner's warm-up
