@@ -93,7 +93,7 @@ class EmbedInto(nn.Module):
                 input_ids = override.device_ids
             elif override.host_ids_stale:
                 raise DeviceTokenOverrideIgnored(self.family)
-        if self.num_local == self.num_embeddings:
+        if not self.tp_group.collective:
             return nn.functional.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_local)

@@ -51,7 +51,7 @@ class Linear(nn.Module, QuantTarget):
         if parallel not in (None, "column", "row"):
             raise ValueError(f"Linear parallel={parallel!r}: expected None, 'column' or 'row'")
         self.tp_group = group = tp.tp()
-        self.parallel = parallel if group.size > 1 else None
+        self.parallel = parallel if group.collective else None
         self.reduce_bias = self.parallel != "row" or group.rank == 0  # a row-parallel bias is added once
         #: shard (None: the whole layer) -> (whole rows, this rank's part, parts) of a column-parallel layer
         self.column_parts: dict[str | None, tuple[int, int, int]] = {}

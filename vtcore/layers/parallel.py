@@ -24,6 +24,13 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed process group (None: the default group)
 
+    @property
+    def collective(self) -> bool:
+        """Whether the collectives run: at a size above 1, and over a group of one rank given at size 1 (each
+        collective then returns its input, as at size 1 without a group; what lets one GPU run the model's NCCL
+        calls, inside CUDA graphs too)."""
+        return self.size > 1 or self.group is not None
+
 
 _current = TensorParallel()
 
@@ -94,7 +101,7 @@ def all_reduce(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
     """The sum of ``x`` over ``group`` (the one a layer was built for; in place, ``x`` itself at size 1).
     ``group.group``: a process group object of its own (an engine's ranks), or None for torch.distributed's
     default group."""
-    if group.size > 1:
+    if group.collective:
         if group.group is None:
             torch.distributed.all_reduce(x)
         else:
@@ -104,7 +111,7 @@ def all_reduce(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
 
 def all_gather_last(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
     """The ranks' ``x`` concatenated along the last dimension, in rank order (``x`` itself at size 1)."""
-    if group.size == 1:
+    if not group.collective:
         return x
     parts = [torch.empty_like(x) for _ in range(group.size)]
     if group.group is None:
@@ -116,7 +123,7 @@ def all_gather_last(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
 
 def broadcast(x: torch.Tensor, group: TensorParallel) -> torch.Tensor:
     """Rank 0's ``x`` on every rank (in place; ``x`` itself at size 1)."""
-    if group.size > 1:
+    if group.collective:
         if group.group is None:
             torch.distributed.broadcast(x, src=0)
         else:

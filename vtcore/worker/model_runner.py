@@ -645,7 +645,7 @@ class ModelRunner:
             input_ids = d_ids.clone()
             input_ids[d_crows] = self.last_sampled_tokens[d_cslots]
             input_ids[d_drows] = self.device_drafts.view(-1)[d_dindex].clamp(min=0)  # (0: a slot never drafted)
-        if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
+        if self.tp_group.collective:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(input_ids, self.tp_group)
         table = d_table.view(inputs.num_seqs, inputs.max_blocks)
         shift: torch.Tensor | None = None
@@ -797,7 +797,7 @@ class ModelRunner:
         after its last real row; a verify row's continues where its first position is past 0, the state after
         each token written to its ``state_out`` slot."""
         fed = torch.where(combine >= 0, self.device_tokens[combine.clamp(min=0)], ids)
-        if self.tp_group.size > 1:  # rank 0's ids, its in-flight tokens combined in
+        if self.tp_group.collective:  # rank 0's ids, its in-flight tokens combined in
             tp.broadcast(fed, self.tp_group)
         decode, chunk, verify = query_len == 1, last is not None, state_out is not None
         set_attention_metadata(md := AttentionMetadata(

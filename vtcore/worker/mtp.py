@@ -134,7 +134,7 @@ class MTPDrafter:
 
     def shared_tokens(self, tokens: torch.Tensor | None, sample_rows: torch.Tensor) -> torch.Tensor:
         """The step's sampled tokens, rank 0's on every rank of several (None on a worker)."""
-        if self.tp_group.size > 1:
+        if self.tp_group.collective:
             tokens = tp.broadcast(torch.empty(sample_rows.numel(), dtype=torch.int64, device=sample_rows.device)
                                   if tokens is None else tokens.to(torch.int64).contiguous(), self.tp_group)
         return tokens
