@@ -86,9 +86,16 @@ def test_prompt_ids_that_are_not_ints(llm: LLM, prompt) -> None:
 
 
 def test_prompt_of_the_wrong_type(llm: LLM) -> None:
-    with pytest.raises(ValueError, match=r"prompt=\{'text': 'hi'\}: expected a string or a dict with 'prompt' \(a "
+    with pytest.raises(ValueError, match=r"prompt=\{'prompt': 5\}: expected a string or a dict with 'prompt' \(a "
                                          r"string\) or 'prompt_token_ids'"):
-        llm.generate({"text": "hi"}, GREEDY)
+        llm.generate({"prompt": 5}, GREEDY)
+
+
+def test_a_prompt_key_the_engine_does_not_take_is_named(llm: LLM) -> None:
+    """(vLLM's multi-modal prompts included: a text-only engine would otherwise drop the image silently.)"""
+    with pytest.raises(ValueError, match=r"prompt keys \['multi_modal_data', 'text'\]: not prompt fields this engine "
+                                         r"takes; expected \['cache_salt', 'prompt', 'prompt_token_ids'\]"):
+        llm.generate({"text": "hi", "prompt": "hi", "multi_modal_data": {"image": None}}, GREEDY)
 
 
 def test_empty_prompt(llm: LLM) -> None:
@@ -123,8 +130,19 @@ def test_text_prompt_without_tokenizer(llm: LLM, tiny_checkpoint, text: str) -> 
     (dict(max_tokens=True), "max_tokens", "True"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens", "5"),
     (dict(min_tokens=-1), "min_tokens", "-1"),
-    (dict(logprobs=-1), "logprobs", "-1"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs", "-1"),
+    (dict(logprobs=-2), "logprobs", "-2"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs", "-2"),
+    (dict(temperature=float("inf")), "temperature", "inf"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty", "inf"),
+    (dict(stop=5), "stop", "5"),
+    (dict(stop_token_ids=5), "stop_token_ids", "5"),
+    (dict(allowed_token_ids=5), "allowed_token_ids", "5"),
+    (dict(bad_words=5), "bad_words", "5"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens", "'no'"),
+    (dict(ignore_eos=1), "ignore_eos", "1"),
+    (dict(detokenize=None), "detokenize", "None"),
+    (dict(stop=["x"], detokenize=False), "stop", "['x']"),
+    (dict(extra_args=[1]), "extra_args", "[1]"),
     (dict(stop=[""]), "stop", "['']"),
     (dict(stop=""), "stop", "['']"),
     (dict(stop=["ok", 3]), "stop", "['ok', 3]"),

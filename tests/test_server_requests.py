@@ -251,3 +251,12 @@ def test_bodies_are_parsed_by_orjson_and_what_it_refuses_by_json(server: ServerT
     assert len(parsed) == 2 and b'"max_tokens": 1' in parsed[0]
     r = post_json(server.url + "/v1/completions", {**body, "logit_bias": {"35": float("nan")}})
     assert len(parsed) == 3 and assert_400(r, "logit_bias")
+
+
+def test_an_unknown_field_is_served_and_named_in_the_log(server: ServerThread, client: Any,  # noqa: F811
+                                                         server_log: Records) -> None:
+    """(vLLM's warning: a misspelt sampling field would otherwise go without effect, unseen.)"""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body={"temprature": 0.0})
+    assert r.choices[0].finish_reason == "length"
+    warned = [rec.getMessage() for rec in server_log.records if rec.levelno == logging.WARNING]
+    assert "request fields ignored (not fields of this endpoint): temprature" in warned, warned

@@ -231,10 +231,23 @@ def test_chat_fields_are_refused_or_served_never_ignored(client: Any, extra: dic
     assert error_of(info.value)["param"] == field
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"tools": [{"type": "web_search"}]},
+     "tools[0]: a 'web_search' tool (hosted tools): not served; expected function (got "),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]: a 'input_image' content part: not served; expected input_text or output_text (got ")])
+def test_a_hosted_tool_or_an_image_is_refused_as_not_served(client: Any, extra: dict[str, Any], message: str) -> None:
+    """(Not as a field the other kind lacks, nor under a model class's name.)"""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, extra_body=extra)
+    assert error_of(info.value)["message"].startswith(message), error_of(info.value)
+
+
 def test_the_response_echoes_the_values_it_ran_with(client: Any, engine: Any) -> None:
     r = client.responses.create(model=MODEL, input="Hi", extra_body={"max_tokens": 3})
     assert r.temperature == engine.default_sampling().get("temperature", 1.0) and r.max_output_tokens == 3
     assert r.top_p == engine.default_sampling().get("top_p", 1.0) and r.usage.output_tokens <= 3
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=0).max_output_tokens == 0
 
 
 def test_an_aborted_response_is_cancelled_not_cut_at_its_length(server: Any) -> None:

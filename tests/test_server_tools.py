@@ -99,16 +99,18 @@ def test_streamed_tool_calls_equal_the_whole_response(client: Any) -> None:
     whole = _chat(client, tool_choice="required").choices[0]
     calls: dict[int, dict] = {}
     finish = None
+    empty = 0
     for chunk in _chat(client, tool_choice="required", stream=True):
         if not chunk.choices:
             continue
         c = chunk.choices[0]
         finish = c.finish_reason or finish
+        empty += not (c.delta.content or c.delta.tool_calls or c.delta.role or c.finish_reason)
         for d in c.delta.tool_calls or []:
             entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
             entry["name"] += d.function.name or ""
             entry["arguments"] += d.function.arguments or ""
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and empty == 0  # (a chunk a token of the call's markup, empty, was sent)
     assert [calls[i] for i in sorted(calls)] == [{"name": t.function.name, "arguments": t.function.arguments}
                                                  for t in whole.message.tool_calls]
 

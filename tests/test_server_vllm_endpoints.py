@@ -65,6 +65,9 @@ def test_tokenize_gives_the_ids_generation_takes(server: ServerThread, client: A
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
     assert r.json()["count"] == chat.usage.prompt_tokens and r.json()["token_strs"] is None
     assert r.json()["tokens"] == engine.chat_prompt(MESSAGES)["prompt_token_ids"]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES, "tools": tools})
+    assert r.status_code == 200 and r.json()["tokens"] == engine.chat_prompt(MESSAGES, tools=tools)["prompt_token_ids"]
 
 
 def test_detokenize_inverts_tokenize(server: ServerThread) -> None:
@@ -81,6 +84,8 @@ def test_detokenize_inverts_tokenize(server: ServerThread) -> None:
     ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/tokenize", {"prompt": "hi", "tools": []}, 400, "tools"),
     ("/detokenize", {"tokens": [5, 10 ** 9]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": "5"}, 400, "tokens"),
@@ -89,6 +94,8 @@ def test_bad_tokenization_requests_name_the_field(server: ServerThread, path: st
                                                   param: str) -> None:
     r = httpx.post(server.url + path, json=body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    if body.get("prompt") == ["a", "b"]:  # (not /v1/completions' forms, which /tokenize does not take)
+        assert r.json()["error"]["message"].startswith("prompt: expected one string, the text to tokenize"), r.text
 
 
 def test_the_api_key_guards_tokenization_too(keyed_server: ServerThread) -> None:

@@ -130,6 +130,15 @@ def fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
         raise ValueError(f"{attribute.name}={value!r}: expected a fraction in (0, 1]")
 
 
+def _seed(value: Any) -> int:
+    """attrs converter: the engine's seed, an integer torch's generators take; None is 0 (vLLM's default)."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not -2 ** 63 <= value < 2 ** 64:
+        raise ValueError(f"seed={value!r}: expected an integer in [-2**63, 2**64) (or None for 0)")
+    return value
+
+
 def _dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     name = value if isinstance(value, str) else str(value).removeprefix("torch.")  # torch.bfloat16 is fine too
     if name not in DTYPES:
@@ -217,7 +226,7 @@ class EngineConfig:
     load_format: str = attrs.field(default="auto", metadata={
         "help": "the weight loader: auto (the checkpoint's safetensors), dummy (random weights from "
                 "config.json), or one a plugin registers"})
-    seed: int = attrs.field(default=0, metadata={
+    seed: int = attrs.field(default=0, converter=_seed, metadata={
         "help": "the engine's random seed (requests without their own seed sample from it; dummy weights)"})
     max_model_len: int | None = attrs.field(default=None, validator=positive, metadata={
         "help": "the longest sequence, prompt and output, in tokens",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import attrs
@@ -45,16 +46,18 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     bad_words: list[str] | None = None  # never generated: a word's last token is banned after the rest (vLLM's)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len (vLLM's)
-    seed: int | None = None
+    seed: int | None = None  # -1: None (vLLM's)
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = None  # -1: the whole vocabulary (vLLM's)
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: no text (token ids only; no stop strings)
+    extra_args: dict[str, Any] | None = None  # vLLM's: for a custom sampler or logits processor; vtcore reads none
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -85,18 +88,29 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise _bad("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None
         if self.seed is not None and not (_is_int(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
             raise _bad("seed", self.seed, "an integer in [-2**63, 2**64) or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise _bad(name, value, "an integer >= 0 (how many top alternatives to return) or None")
+            if value is not None and (not _is_int(value) or value < -1):
+                raise _bad(name, value, "an integer >= 0 (how many top alternatives to return), -1 (the whole "
+                                        "vocabulary) or None")
+        for name in ("skip_special_tokens", "detokenize", "include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise _bad("extra_args", self.extra_args, "a dict or None")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = _listed("stop", self.stop, "a non-empty string or a list of them")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise _bad("stop", self.stop, "a non-empty string or a list of them")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop and not self.detokenize:
+            raise _bad("stop", self.stop, "no stop strings with detokenize=False (they match text; stop_token_ids "
+                                          "match ids)")
+        self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         if self.logit_bias is not None:
@@ -108,11 +122,13 @@ class SamplingParams:
             if bad:
                 raise _bad("logit_bias", bad, "biases that are numbers < inf (-inf bans a token)")
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _listed("allowed_token_ids", self.allowed_token_ids,
+                                             "a non-empty list of token ids >= 0")
             if not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
                 raise _bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
         if self.bad_words is not None:
-            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else _listed(
+                "bad_words", self.bad_words, "a list of words (strings with more than white space)")
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 raise _bad("bad_words", self.bad_words, "a list of words (strings with more than white space)")
         if self.truncate_prompt_tokens is not None and not (
@@ -125,7 +141,7 @@ class SamplingParams:
 
     def _check_number(self, name: str, value: Any, low: float, high: float | None, expected: str,
                       open_low: bool = False) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise _bad(name, value, expected)
         if value < low or (open_low and value == low) or (high is not None and value > high):
             raise _bad(name, value, expected)
@@ -155,13 +171,16 @@ class SamplingParams:
         return attrs.evolve(self, n=1, seed=seed)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has."""
+        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has; a
+        count of alternatives of -1 becomes ``vocab_size``."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
                           ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise _bad(name, bad, f"token ids in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) == -1:
+                setattr(self, name, vocab_size)
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
@@ -170,7 +189,19 @@ class SamplingParams:
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt ids ``truncate_prompt_tokens`` keeps: the last k (-1: the last ``max_model_len``)."""
         keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if keep is not None and keep > max_model_len:
+            raise _bad("truncate_prompt_tokens", keep, f"at most the model's context length, max_model_len="
+                                                       f"{max_model_len} (or -1 for it)")
         return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+
+
+def _listed(name: str, value: Any, expected: str) -> list:
+    """``value`` (a list, tuple or None) as a new list; anything else is refused naming ``name``."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise _bad(name, value, expected)
+    return list(value)
 
 
 def _is_int(value: Any) -> bool:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 from vtcore.engine.arg_utils import engine_config
 from vtcore.engine.core_process import ENGINE_CALLS, CoreClient
@@ -68,6 +68,36 @@ class AsyncLLM(EngineFrontEnd):
         """True while the engine loop runs and takes requests (not dead, not shut down)."""
         return self.dead is None and not self._stopping and self._thread.is_alive()
 
+    @property
+    def is_running(self) -> bool:
+        """vLLM's: the engine takes requests (``healthy``)."""
+        return self.healthy
+
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's: the engine was shut down or died."""
+        return self._stopping or self.dead is not None
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's: the engine loop (or the core process) died."""
+        return self.dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        """vLLM's: the error every call raises once the engine died."""
+        return EngineDeadError(f"the engine loop died: {type(self.dead).__name__}: {self.dead}" if self.dead
+                               else "the engine is shut down")
+
+    async def check_health(self) -> None:
+        """vLLM's: raise ``EngineDeadError`` unless the engine takes requests."""
+        if not self.healthy:
+            raise self.dead_error
+
+    async def get_tokenizer(self) -> Any:
+        """vLLM's: the checkpoint's Hugging Face tokenizer (None when it has none)."""
+        return self.tokenizer
+
     # ------------------------------------------------------------------ caller side
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -83,8 +113,13 @@ class AsyncLLM(EngineFrontEnd):
         Leaving the loop early (a client that disconnects) aborts the request and frees its blocks.
         """
         self._check_alive()
-        if request_id is None:
-            raise ValueError("request_id=None: expected a unique string")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r}: expected a unique string")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params={sampling_params!r}: expected a SamplingParams or None (the "
+                             "checkpoint's generation_config.json values)")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -93,7 +128,7 @@ class AsyncLLM(EngineFrontEnd):
             engine_id = self._engine_ids[request_id] = f"{request_id}-{next(self._serial)}"
             self._streams[engine_id] = (loop, stream)
             self._unsent[engine_id] = False
-        constraint = None if sampling_params is None else sampling_params.structured_outputs
+        constraint = sampling_params.structured_outputs
         if constraint is not None and not self.engine.grammar_compiled(constraint):
             try:  # compiled (once per distinct constraint) off the engine thread; add_request finds it cached
                 await loop.run_in_executor(None, self.engine.compile_grammar, constraint)
@@ -105,7 +140,7 @@ class AsyncLLM(EngineFrontEnd):
         try:
             with self._lock:
                 aborted = self._unsent.pop(engine_id)
-            self._submit(("add", engine_id, prompt, sampling_params or SamplingParams(), priority, added))
+            self._submit(("add", engine_id, prompt, sampling_params, priority, added))
             if aborted:  # while its grammar compiled: aborted once added, so it ends as any aborted request
                 self._submit(("abort", engine_id))
             try:
@@ -157,16 +192,17 @@ class AsyncLLM(EngineFrontEnd):
             self._engine_ids.pop(request_id, None)
             self._unsent.pop(engine_id, None)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with ``finish_reason="abort"``. An id with no unfinished request
-        is ignored (as vLLM does)."""
-        with self._lock:
-            engine_id = self._engine_ids.get(request_id)
-            if engine_id in self._unsent:  # its add is not sent: the add sends the abort after it
-                self._unsent[engine_id] = True
-                return
-        if engine_id is not None:
-            self._submit(("abort", engine_id))
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of several (vLLM's); its stream ends with ``finish_reason="abort"``. An id
+        with no unfinished request is ignored (as vLLM does)."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            with self._lock:
+                engine_id = self._engine_ids.get(rid)
+                if engine_id in self._unsent:  # its add is not sent: the add sends the abort after it
+                    self._unsent[engine_id] = True
+                    continue
+            if engine_id is not None:
+                self._submit(("abort", engine_id))
 
     def _submit(self, msg: tuple) -> None:
         """An add or an engine call (its last item the future its caller awaits) or an abort: into the engine thread's

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vtcore.engine.llm_engine import LLMEngine, Prompt
@@ -68,6 +69,11 @@ class EngineFrontEnd:
         """The ``SamplingParams`` fields the checkpoint's generation_config.json sets (vLLM's
         ``generation_config="auto"``), or {} with ``generation_config="vllm"``."""
         return self.engine.default_sampling()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json sampling values (vLLM's
+        ``generation_config="auto"``); what ``generate`` uses when given none."""
+        return SamplingParams(**self.default_sampling())
 
     def stats(self) -> EngineStats:
         """The engine's load now (safe from any thread): running, waiting, KV usage, preemptions."""

@@ -16,8 +16,8 @@ from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 
 def text_in_front_end(params: SamplingParams) -> bool:
-    """Whether an engine core leaves this request's text to the front end (it has no stop strings)."""
-    return not params.stop
+    """Whether an engine core leaves this request's text to the front end (it has text, and no stop strings)."""
+    return params.detokenize and not params.stop
 
 
 class _Completion:
@@ -54,7 +54,10 @@ class FrontEndText:
             state = completions.get(c.index)
             if state is None:
                 state = completions[c.index] = _Completion(self.tokenizer, out.prompt_token_ids, params)
-            for token in c.token_ids if delta else c.token_ids[state.fed:]:
+            new = c.token_ids if delta else c.token_ids[state.fed:]
+            if c.finish_reason == "stop" and not params.include_stop_str_in_output:
+                new = new[:-1]  # the stop token's (or EOS's) text is not in the output (vLLM's)
+            for token in new:
                 state.detok.add(token)
             state.fed += len(c.token_ids) if delta else len(c.token_ids) - state.fed
             text = state.detok.output_text(c.finish_reason is not None, c.stop_reason)

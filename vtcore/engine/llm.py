@@ -9,6 +9,7 @@ from tqdm import tqdm
 from vtcore.engine.arg_utils import engine_config
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.llm_engine import LLMEngine, Prompt
+from vtcore.errors import EngineDeadError, NotSupportedError
 from vtcore.outputs import RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,6 +21,12 @@ class LLM(EngineFrontEnd):
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = LLMEngine(engine_config("LLM", model, kwargs))
         self._counter = 0
+        self._shut_down = False
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine (``engine``)."""
+        return self.engine
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -39,29 +46,37 @@ class LLM(EngineFrontEnd):
         return self.engine.stop_profile()
 
     def shutdown(self) -> None:
-        """Stop the engine's threads and tensor-parallel worker processes (also done at interpreter exit)."""
+        """Stop the engine's threads and tensor-parallel worker processes (also done at interpreter exit); later
+        calls of ``generate`` raise ``EngineDeadError``."""
+        self._shut_down = True
         self.engine.shutdown()
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the checkpoint's generation_config.json sampling values (vLLM's
-        ``generation_config="auto"``); what ``generate`` uses when given none."""
-        return SamplingParams(**self.default_sampling())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, *, priority: Sequence[int] | None = None,
+                 lora_request: Any = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         Every prompt is validated before any runs, so a bad one raises without leaving work behind.
         ``priority`` (vLLM's): one per prompt, for ``scheduling_policy="priority"`` (lower first).
+        ``lora_request`` (vLLM's) must be None: no adapters.
         """
+        if self._shut_down:
+            raise EngineDeadError("the engine is shut down")
+        if lora_request is not None:
+            raise NotSupportedError(f"lora_request={lora_request!r}: LoRA adapters are not supported; expected None")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts={prompts!r}: expected a prompt (a string or a dict) or a list of them")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+            raise ValueError(f"sampling_params={sampling_params!r}: expected a SamplingParams, one per prompt, or "
+                             "None (the checkpoint's generation_config.json values)")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -108,12 +123,15 @@ class LLM(EngineFrontEnd):
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Render each conversation through the chat template (the tokenizer's, or ``chat_template``; the
-        switches and ``tools`` as vLLM's ``LLM.chat`` and :meth:`chat_prompt` take them) and generate."""
+        switches and ``tools`` as vLLM's ``LLM.chat`` and :meth:`chat_prompt` take them) and generate. As in
+        vLLM, ``chat_template_kwargs`` may also set the two switches, over the arguments."""
         conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
         prompts = [self.chat_prompt(c, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, **kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

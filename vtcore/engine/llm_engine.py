@@ -388,7 +388,8 @@ class LLMEngine(PromptText):
                                                 params.bad_words, self.vocab_size)
         if params.structured_outputs is not None:
             req.grammar = self._grammars().matcher(params.structured_outputs)
-        if self.tokenizer is not None and not (self.front_end_text and text_in_front_end(params)):
+        if self.tokenizer is not None and params.detokenize and not (
+                self.front_end_text and text_in_front_end(params)):
             req.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
         if params.prompt_logprobs is not None:
@@ -581,14 +582,18 @@ class LLMEngine(PromptText):
             req.logprobs.append(entry)
             req.cumulative_logprob += r.logprobs[row]
         past_min = outputs > p.min_tokens
-        stop_str = req.detok.add(token, check_stop=past_min) if req.detok is not None else None
-        if stop_str is not None:
-            req.stop_reason = stop_str
+        eos = not p.ignore_eos and token in self.eos_token_ids and past_min
+        stop_token = past_min and token in p.stop_token_ids
+        # a stop token's (and EOS's) text is not in the output unless include_stop_str_in_output (vLLM's)
+        text = req.detok is not None and not ((eos or stop_token) and not p.include_stop_str_in_output)
+        stop_str = req.detok.add(token, check_stop=past_min) if text else None
+        if eos:
             self.scheduler.finish(req, "stop")
-        elif not p.ignore_eos and token in self.eos_token_ids and past_min:
-            self.scheduler.finish(req, "stop")
-        elif token in p.stop_token_ids and past_min:
+        elif stop_token:
             req.stop_reason = token
+            self.scheduler.finish(req, "stop")
+        elif stop_str is not None:
+            req.stop_reason = stop_str
             self.scheduler.finish(req, "stop")
         elif outputs >= req.max_output:
             self.scheduler.finish(req, "length")
@@ -608,18 +613,23 @@ class LLMEngine(PromptText):
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         text = req.detok.output_text(finished, req.stop_reason) if req.detok is not None else ""
-        logprobs = req.logprobs
+        logprobs, prompt_logprobs = req.logprobs, req.prompt_logprobs
         if kind == RequestOutputKind.DELTA:  # (only the new tail is copied: a long output stays linear)
             sent_text, sent_tokens = req.sent
             tokens = req.token_ids[req.num_prompt_tokens + sent_tokens:]
             req.sent = (len(text), sent_tokens + len(tokens))
             text = text[sent_text:]
             logprobs = None if logprobs is None else logprobs[sent_tokens:]
+            # the prompt's logprobs until one output carried them whole, then None (as vLLM's deltas)
+            if req.sent_prompt_logprobs:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None and len(prompt_logprobs) >= req.num_prompt_tokens:
+                req.sent_prompt_logprobs = True
         else:
             tokens, logprobs = req.output_token_ids, None if logprobs is None else list(logprobs)
         completion = CompletionOutput(0, text, tokens, req.cumulative_logprob if req.logprobs is not None else None,
                                       logprobs, req.finish_reason, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, [completion],
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, [completion],
                              finished, req.num_cached_tokens,
                              RequestMetrics(req.num_draft_tokens, req.num_accepted_tokens))
 

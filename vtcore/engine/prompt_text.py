@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 #: A prompt: text, ``{"prompt": text}``, or ``{"prompt_token_ids": [...]}`` (with an optional ``"prompt"``);
 #: a dict may carry vLLM's ``"cache_salt"`` (:func:`prompt_cache_salt`).
 Prompt = str | dict[str, Any]
+#: the keys a prompt dict may have
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 def prompt_cache_salt(prompt: Prompt) -> str | None:
@@ -50,6 +52,38 @@ def check_messages(messages: Any) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"messages[{i}]={m!r}: expected a dict with a 'role' (a string, e.g. 'user') and "
                              "its 'content'")
+
+
+#: apply_chat_template's own arguments, which a caller may not pass as template variables
+TEMPLATE_ARGUMENTS = frozenset({"chat_template", "conversation", "tokenize", "add_generation_prompt",
+                                "continue_final_message", "tools", "documents", "return_dict", "tokenizer_kwargs"})
+
+
+class UnsupportedContent(ValueError):
+    """A message content part of a type other than text."""
+
+
+def message_text(i: int, role: str, content: Any, tool_calls: Any = None) -> str:
+    """Message ``i``'s content as a chat template takes it (OpenAI's and vLLM's forms): a string as it is, a
+    list of text parts (``{"type": "text", "text": ...}``) joined by newlines, None only for an assistant
+    message of ``tool_calls`` (then ""). Anything else raises ``ValueError`` naming the message
+    (``UnsupportedContent`` for a part of another type)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if role == "assistant" and tool_calls:
+            return ""
+        raise ValueError(f"messages[{i}].content: null; only an assistant message of tool_calls may have no content")
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"messages[{i}].content={content!r}: expected a string, a list of text parts or null")
+    parts = []
+    for part in content:
+        kind, text = (part.get("type"), part.get("text")) if isinstance(part, dict) else \
+            (getattr(part, "type", None), getattr(part, "text", None))
+        if kind != "text" or not isinstance(text, str):
+            raise UnsupportedContent(f"messages[{i}].content: part of type {kind!r}; only text parts are supported")
+        parts.append(text)
+    return "\n".join(parts)
 
 
 class PromptText:
@@ -86,6 +120,9 @@ class PromptText:
         ids are checked against the vocabulary. Text is encoded with the tokenizer's special tokens (a
         BOS where the tokenizer adds one), as vLLM and ``tokenizer(text)`` do, unless ``add_special_tokens``
         is False; ids are taken as given."""
+        if isinstance(prompt, dict) and not set(prompt) <= PROMPT_KEYS:
+            raise ValueError(f"prompt keys {sorted(set(prompt) - PROMPT_KEYS)}: not prompt fields this engine takes; "
+                             f"expected {sorted(PROMPT_KEYS)} (text only: no multi_modal_data)")
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
@@ -121,7 +158,13 @@ class PromptText:
             raise ValueError("add_generation_prompt=True and continue_final_message=True: expected at most one "
                              "(open the assistant's turn, or go on with the final message)")
         check_messages(messages)
-        text = tok.apply_chat_template(list(messages), chat_template=chat_template, tokenize=False,
+        reserved = sorted(set(template_kwargs) & (TEMPLATE_ARGUMENTS - {"tools"}))
+        if reserved:
+            raise ValueError(f"chat template variable {reserved[0]!r}: it is one of apply_chat_template's own "
+                             "arguments; expected other variables (e.g. enable_thinking)")
+        messages = [{**m, "content": message_text(i, m["role"], m.get("content"), m.get("tool_calls"))}
+                    for i, m in enumerate(messages)]
+        text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, **template_kwargs)
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}

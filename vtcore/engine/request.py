@@ -73,6 +73,7 @@ class Request:
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, this request's
         self.resume_draft_state = -1  # its last verify row accepted this many of fewer draft tokens
         self.sent = (0, 0)  # (characters, tokens) already streamed, for DELTA outputs
+        self.sent_prompt_logprobs = False  # a DELTA output carried them whole (later ones carry None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from vtcore.engine.front_end import EngineFrontEnd
+from vtcore.engine.prompt_text import TEMPLATE_ARGUMENTS, UnsupportedContent, message_text
 from vtcore.outputs import PositionLogprobs
 from vtcore.server.errors import APIError
 from vtcore.server.generation import Choice, Delta, GenerationEndpoint, Job, Prompts
@@ -18,11 +19,6 @@ from vtcore.server.tool_calls import CallStream, call_id, forced_calls, split_ca
 from vtcore.server.structured import structured_outputs
 from vtcore.structured.grammar import after_thinking
 from vtcore.server.serving import Serving
-
-#: apply_chat_template's own arguments: a request may not set them through chat_template_kwargs (a
-#: custom template would get round the refusal of the top-level field)
-_RESERVED_TEMPLATE_KWARGS = {"chat_template", "conversation", "tokenize", "add_generation_prompt",
-                             "continue_final_message", "tools", "documents", "return_dict", "tokenizer_kwargs"}
 
 
 def load_chat_template(value: str) -> str:
@@ -65,22 +61,16 @@ def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage], template_kw
     the field."""
     conversation = []
     for i, m in enumerate(messages):
-        if m.content is None and not (m.role == "assistant" and (m.model_extra or {}).get("tool_calls")):
-            raise APIError(400, f"messages[{i}].content: null; only an assistant message of tool_calls may have "
-                                "no content", "messages")
-        content = "" if m.content is None else m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content: part of type {part.type!r}; only text parts "
-                                        "are supported", "messages", "unsupported")
-                parts.append(part.text)
-            content = "\n".join(parts)
+        extra = m.model_extra or {}
+        try:
+            content = message_text(i, m.role, m.content, extra.get("tool_calls"))
+        except UnsupportedContent as exc:
+            raise APIError(400, str(exc), "messages", "unsupported") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "messages") from None
         msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
-        extra = m.model_extra or {}
         if extra.get("tool_calls") is not None:
             msg["tool_calls"] = _template_calls(extra["tool_calls"])
         if extra.get("tool_call_id") is not None:
@@ -89,7 +79,9 @@ def render_chat(engine: EngineFrontEnd, messages: list[ChatMessage], template_kw
                                     "of the call this message answers", "messages")
             msg["tool_call_id"] = extra["tool_call_id"]
         conversation.append(msg)
-    reserved = sorted(set(template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
+    # (a request sets the switches and tools by their own fields: through the variables, a custom template would
+    # get round those fields' checks)
+    reserved = sorted(set(template_kwargs or {}) & TEMPLATE_ARGUMENTS)
     if reserved:
         raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is not a template variable the server lets a "
                             "request set", "chat_template_kwargs", "unsupported")
@@ -241,11 +233,13 @@ class _ChatChunks:
         if self.splitters is not None:
             content = self._split(choice.index, delta.text, delta.finish_reason is not None)
         finish = delta.finish_reason
+        ids = {"token_ids": delta.token_ids} if self.body.return_token_ids else {}
         if self.tools is not None:
             content, called = self._tool_calls(choice.index, content, finish is not None)
             if called and finish == "stop":
                 finish = "tool_calls"
-        ids = {"token_ids": delta.token_ids} if self.body.return_token_ids else {}
+            if not content and finish is None and logprobs is None and not ids:
+                return out  # (tokens of a call not complete yet: no chunk, as vLLM sends none)
         out.append(({"index": choice.index, "delta": content, "logprobs": logprobs,
                      "finish_reason": finish, "stop_reason": delta.stop_reason, **ids}, delta.num_tokens))
         return out
@@ -260,7 +254,7 @@ class _ChatChunks:
             rest, more = stream.flush()
             content, calls = content + rest, calls + more
         out = {k: v for k, v in delta.items() if k != "content"}
-        if content or (not last and not out and not calls):
+        if content:
             out["content"] = content
         if calls:
             out["tool_calls"] = [{"index": len(sent) + i, **_call_entry(name, args)}

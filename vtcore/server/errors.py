@@ -19,7 +19,8 @@ log = logging.getLogger("vtcore.server")
 #: pydantic error types that only say "not this member of a union" (another member's error says why)
 _MISMATCHES = {"string_type", "int_type", "int_parsing", "float_type", "float_parsing", "bool_type", "bool_parsing",
                "list_type", "dict_type", "model_type", "model_attributes_type", "none_required", "literal_error"}
-#: loc parts that name a union member, not a field ("str", "list[int]", "constrained-str", ...)
+#: loc parts that name a union member, not a field ("str", "list[int]", "constrained-str", ...; a model's class
+#: name, capitalised, as no field is)
 _MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _PARAM = re.compile(r"SamplingParams\.(\w+)=")
 
@@ -62,7 +63,7 @@ def to_api_error(exc: BaseException, renames: dict[str, str] | None = None) -> A
 
 
 def _is_field(part: Any) -> bool:
-    return isinstance(part, int) or (re.fullmatch(r"\w+", str(part)) is not None and part not in _MEMBER_TAGS)
+    return isinstance(part, int) or (re.fullmatch(r"[a-z_]\w*", str(part)) is not None and part not in _MEMBER_TAGS)
 
 
 def validation_error(exc: RequestValidationError, content_type: str) -> APIError:

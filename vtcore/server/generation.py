@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 import uuid
@@ -28,6 +29,8 @@ from vtcore.server.protocol import GenerationRequest, json_equal
 from vtcore.server.serving import Serving
 from vtcore.server.sse import DONE, EventStream, sse, unless_disconnected
 from vtcore.server.structured import RESPONSE_FORMATS, structured_outputs
+
+log = logging.getLogger("vtcore.server")
 
 Body = TypeVar("Body", bound=GenerationRequest)
 #: the logprob shown for -inf (JSON has no infinities; OpenAI shows -9999.0)
@@ -347,6 +350,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
             if value is not None and not json_equal(value, harmless):
                 why = body.refusal_reasons.get(field, "this vLLM extension is not supported here")
                 raise APIError(400, f"{field}={value!r}: {why}; leave it out", field, "unsupported")
+        ignored = sorted(set(body.model_extra or ()) - set(body.refused_extensions))
+        if ignored:  # (as vLLM: a misspelt field is otherwise silently without effect)
+            log.warning("request fields ignored (not fields of this endpoint): %s", ", ".join(ignored))
 
     def sampling_kwargs(self, body: Body) -> dict[str, Any]:
         """SamplingParams fields both endpoints take alike; the checkpoint's generation_config.json
@@ -394,8 +400,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         if n_prompt == 0:
             raise APIError(400, f"{field}: the prompt is empty; expected at least one token", field)
         if n_prompt >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the {field} has "
-                                f"{n_prompt} tokens, which leaves no room to generate; shorten the {field}",
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but {n_prompt} tokens "
+                                f"are in the {field}, which leaves no room to generate; shorten the {field}",
                            field, "context_length_exceeded")
         if max_tokens is not None and n_prompt + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "

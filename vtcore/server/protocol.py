@@ -5,9 +5,9 @@ What a field's shape and range can say is said here, so validation and ``/openap
 every such value is answered with a 400 naming its field. Bodies are strict: a field takes JSON's type
 as the document gives it, in JSON Schema's terms ("1" is no integer, false no 0 and 0 no false; 1.0 is
 the integer 1). Values that depend on each other or on the model are checked by ``SamplingParams`` and
-the endpoints. Unknown fields are ignored (as vLLM does), but for vLLM's own extensions that this
-server does not implement and that would change the output (``UNSUPPORTED_EXTENSIONS``, in the
-document at the one value each takes): answering those with unconstrained text would be silently
+the endpoints. Unknown fields are ignored, with a warning in the log (as vLLM does), but for vLLM's own
+extensions that this server does not implement and that would change the output (``UNSUPPORTED_EXTENSIONS``,
+in the document at the one value each takes): answering those with unconstrained text would be silently
 wrong. ``bounded`` fits a model's token-id and output-count fields to one engine's vocabulary and
 context.
 """
@@ -458,6 +458,13 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # ------------------------------------------------------------------------------ vLLM's tokenization
+def _one_text(value: Any) -> Any:
+    """/tokenize's prompt is one text (a batch, or ids, would be /v1/completions' forms)."""
+    if value is not None and not isinstance(value, str):
+        raise PydanticCustomError("tokenize_prompt", "expected one string, the text to tokenize")
+    return value
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's ``/tokenize``: a ``prompt`` (the ids ``/v1/completions`` generates from) or ``messages``
     (those of ``/v1/chat/completions``), one of the two."""
@@ -469,7 +476,7 @@ class TokenizeRequest(BaseModel):
             "then": {"properties": {"add_special_tokens": {"enum": [False, None]}}}}]})
 
     model: str | None = None
-    prompt: Text | None = None
+    prompt: Annotated[Text, BeforeValidator(_one_text)] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = Field(
         None, description="vLLM's: a prompt is encoded with the tokenizer's special tokens unless false, as in "
@@ -478,7 +485,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: None = None
+    tools: list[Tool] | None = Field(None, description="With messages: rendered by the chat template, as a chat's.")
     return_token_strs: bool | None = False
 
 

@@ -182,7 +182,8 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
         return {
             "id": job.id, "object": "response", "created_at": job.created, "status": status, "background": False,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens or body.max_tokens,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_tokens if body.max_output_tokens is None else body.max_output_tokens,
             "max_tool_calls": None, "metadata": body.metadata or {}, "model": self.serving.name, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": None, "store": False, "temperature": params.temperature, "top_p": params.top_p,

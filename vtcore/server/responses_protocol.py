@@ -5,10 +5,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic_core import PydanticCustomError
 
 from vtcore.server.protocol import (STREAMED_ONLY, TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count,
                                     GenerationRequest, Text, TopLogprobs, integer)
+
+
+def _only(kinds: tuple[str, ...], what: str) -> Any:
+    """A before-validator refusing, by its type, an object whose ``type`` is not one of ``kinds`` (a clearer word
+    than the fields that kind lacks)."""
+    def check(cls: type, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] not in kinds:
+            raise PydanticCustomError("unsupported_kind", "a '{kind}' {what}: not served; expected {kinds}",
+                                      {"kind": value["type"], "what": what, "kinds": " or ".join(kinds)})
+        return value
+    return model_validator(mode="before")(check)
 
 
 class InputPart(BaseModel):
@@ -16,6 +28,8 @@ class InputPart(BaseModel):
 
     type: Literal["input_text", "output_text"] = Field(description="Text parts only (the kind served).")
     text: Text
+
+    _text_only = _only(("input_text", "output_text"), "content part")
 
 
 class InputMessage(BaseModel):
@@ -62,6 +76,8 @@ class FunctionTool(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    _functions_only = _only(("function",), "tool (hosted tools)")
 
     def as_chat_tool(self) -> dict[str, Any]:
         """The chat form, which the chat template and the tool-call parser take."""

@@ -25,12 +25,14 @@ class Tokenization:
         self.serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt, messages: expected one of them (a text, or a conversation)", "prompt")
+        if body.tools is not None and body.messages is None:
+            raise APIError(400, "tools: rendered with messages only; expected messages, or no tools", "tools")
         check_switches(body.add_generation_prompt, body.continue_final_message)
         if body.messages is not None:
             if body.add_special_tokens:
                 raise APIError(400, "add_special_tokens=true with messages: a conversation's special tokens are the "
                                     "chat template's; expected false or none", "add_special_tokens")
-            ids = render_chat(self.engine, body.messages, body.chat_template_kwargs,
+            ids = render_chat(self.engine, body.messages, body.chat_template_kwargs, body.tools,
                               chat_template=self.serving.chat_template,
                               add_generation_prompt=body.add_generation_prompt,
                               continue_final_message=body.continue_final_message)["prompt_token_ids"]
