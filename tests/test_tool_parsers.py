@@ -78,3 +78,25 @@ def test_xml_values_read_as_json_where_they_parse() -> None:
         "x", [("f", json.dumps({"n": 3, "s": "hello world", "o": {"a": [1]}}))])
     assert split_calls(Qwen3XMLToolParser, "<tool_call>no function</tool_call>") == (
         "<tool_call>no function</tool_call>", [])
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser, Qwen3XMLToolParser])
+def test_streamed_content_joins_to_the_whole_outputs_around_calls(parser) -> None:
+    """White space before, between and after calls: the whole output's content is stripped, and the deltas,
+    cut anywhere, join to it (the stream held no white space back, so it sent "Let me check. " and "\\n")."""
+    import random
+
+    call = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>' if parser is HermesToolParser else
+            "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>")
+    rng = random.Random(0)
+    for whole, content, n in [(" Let me check. " + call + " done\n", "Let me check.  done", 1),
+                              (call + "\n" + call + "\n", "", 2), ("plain  text ", "plain  text", 0)]:
+        assert (split_calls(parser, whole)[0], len(split_calls(parser, whole)[1])) == (content, n)
+        for _ in range(30):
+            cuts = sorted(rng.sample(range(len(whole) + 1), 6))
+            stream, joined, calls = CallStream(parser), "", []
+            for piece in [whole[i:j] for i, j in zip([0] + cuts, cuts + [len(whole)])]:
+                text, done = stream.feed(piece)
+                joined, calls = joined + text, calls + done
+            text, done = stream.flush()
+            assert (joined + text, calls + done) == split_calls(parser, whole), cuts

@@ -92,16 +92,30 @@ def split_calls(parser: ToolParser, text: str, tools: Sequence[dict[str, Any]] =
     stream = CallStream(parser, tools)
     content, calls = stream.feed(text)
     rest, more = stream.flush()
-    return (content + rest).strip(), calls + more
+    return content + rest, calls + more
 
 
 class CallStream:
-    """One output fed in deltas: ``feed``/``flush`` give (content delta, calls completed in it)."""
+    """One output fed in deltas: ``feed``/``flush`` give (content delta, calls completed in it). The content is
+    the text outside the call blocks with its leading and trailing white space stripped, as a whole output's:
+    white space is held back until content follows it (so the deltas join to the whole output's content)."""
 
     def __init__(self, parser: ToolParser, tools: Sequence[dict[str, Any]] = ()) -> None:
         self.parser, self.tools = parser, tools
         self.held = ""
         self.in_block = False
+        self.began = False  # content other than white space was given out
+        self.space = ""  # white space after the last content given out
+
+    def _trimmed(self, content: str) -> str:
+        if not self.began:
+            content = content.lstrip()
+        body = content.rstrip()
+        if not body:
+            self.space += content
+            return ""
+        out, self.space, self.began = self.space + body, content[len(body):], True
+        return out
 
     def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
         content, calls = "", []
@@ -129,12 +143,12 @@ class CallStream:
                 keep = partial_suffix(text, p.start)
                 content += text[:len(text) - keep]
                 self.held, text = text[len(text) - keep:], ""
-        return content, calls
+        return self._trimmed(content), calls
 
     def flush(self) -> tuple[str, list[tuple[str, str]]]:
-        """What was held back once the output ended: an unclosed block is content."""
+        """What was held back once the output ended: an unclosed block is content (trailing white space goes)."""
         held, self.held = self.held, ""
-        return (self.parser.start + held if self.in_block else held), []
+        return self._trimmed(self.parser.start + held if self.in_block else held), []
 
 
 class Qwen3XMLToolParser:
