@@ -174,7 +174,7 @@ def test_the_front_end_keeps_a_prompt_the_core_runs_as_sent_and_takes_another_fr
     client = object.__new__(CoreClient)
     client._send_lock, client._unanswered = threading.Lock(), collections.defaultdict(collections.deque)
     client._unanswered_lock = threading.Lock()
-    client.conn, client.text, client._prompts = reader, FrontEndText(None), {}
+    client.conn, client.text, client._prompts = reader, FrontEndText(None, []), {}
     client._sender = type("Sink", (), {"send_pickled": lambda self, data: None})()
     sent_ids = [5, 6, 7]
     for rid in ("a", "b"):

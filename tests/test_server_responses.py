@@ -233,9 +233,10 @@ def test_chat_fields_are_refused_or_served_never_ignored(client: Any, extra: dic
 
 @pytest.mark.parametrize("extra, message", [
     ({"tools": [{"type": "web_search"}]},
-     "tools[0]: a 'web_search' tool (hosted tools): not served; expected function (got "),
+     "tools[0]: a tool of type 'web_search': not served; expected function (got "),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0]: a 'input_image' content part: not served; expected input_text or output_text (got ")])
+     "input[0].content[0]: a content part of type 'input_image': not served; expected input_text or output_text "
+     "(got ")])
 def test_a_hosted_tool_or_an_image_is_refused_as_not_served(client: Any, extra: dict[str, Any], message: str) -> None:
     """(Not as a field the other kind lacks, nor under a model class's name.)"""
     with pytest.raises(openai.BadRequestError) as info:

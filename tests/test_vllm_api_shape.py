@@ -159,3 +159,50 @@ def test_async_llm_has_vllms_members_and_aborts_several_ids() -> None:
     assert not engine.is_running and engine.is_stopped and not engine.errored
     with pytest.raises(EngineDeadError, match="the engine is shut down"):
         asyncio.run(engine.check_health())
+
+
+def test_review_fixes_whole_vocabulary_once_sets_and_limits(llm: LLM) -> None:
+    """-1 resolves per request, not on the caller's object (several requests and engines share one); a DELTA
+    stream carries the prompt's logprobs whole once even when the prompt is prefilled in chunks, and an n > 1
+    stream too; iterables as vLLM takes them; a number past float's range and a shared extra_args dict."""
+    shared = greedy(1, logprobs=-1)
+    llm.engine.add_request("shared", PROMPT, shared)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert shared.logprobs == -1
+    chunked = LLM(device="cpu", num_kv_blocks=256, max_num_batched_tokens=16).engine
+    try:
+        prompt = {"prompt_token_ids": list(range(3, 43))}  # 40 tokens: three chunks before the first token
+        for n in (1, 2):
+            chunked.add_request(f"n{n}", prompt, SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=3,
+                                                                ignore_eos=True, prompt_logprobs=1,
+                                                                output_kind=RequestOutputKind.DELTA))
+            carried = []  # (read as each output comes: the engine's list grows while the prompt is prefilled)
+            while chunked.has_unfinished_requests():
+                carried += [len(o.prompt_logprobs) for o in chunked.step() if o.prompt_logprobs is not None]
+            assert carried == [40], (n, carried)
+    finally:
+        chunked.shutdown()
+    sp = SamplingParams(stop=("a", "b"), stop_token_ids={5}, allowed_token_ids=range(3), extra_args={"k": 1})
+    assert (sp.stop, sp.stop_token_ids, sp.allowed_token_ids) == (["a", "b"], [5], [0, 1, 2])
+    assert sp.clone().extra_args is not sp.extra_args and sp.clone().extra_args == {"k": 1}
+    with pytest.raises(ValueError, match=r"SamplingParams.temperature=1000000000.*: expected a number >= 0"):
+        SamplingParams(temperature=10 ** 400)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": None}, greedy(2, logprobs=1, detokenize=False))[0]
+    assert {lp.decoded_token for step in out.outputs[0].logprobs for lp in step.values()} == {None}
+
+
+def test_a_grammars_end_gives_the_same_text_from_the_thread_and_a_core(llm: LLM) -> None:
+    """With ignore_eos the token a grammar ends on is no stopping token: both keep its text (the core's front end
+    once dropped the last token of every "stop")."""
+    from vtcore.structured import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    want = llm.generate(PROMPT, params)[0].outputs[0]
+    core = AsyncLLM(device="cpu", num_kv_blocks=256, engine_core_process=True)
+    try:
+        got = _stream(core, PROMPT, params)[-1].outputs[0]
+    finally:
+        core.shutdown()
+    assert want.finish_reason == got.finish_reason == "stop" and got.text == want.text and got.text != ""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -100,8 +101,10 @@ class SamplingParams:
         for name in ("skip_special_tokens", "detokenize", "include_stop_str_in_output", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise _bad("extra_args", self.extra_args, "a dict or None")
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise _bad("extra_args", self.extra_args, "a dict or None")
+            self.extra_args = dict(self.extra_args)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _listed("stop", self.stop, "a non-empty string or a list of them")
@@ -141,7 +144,7 @@ class SamplingParams:
 
     def _check_number(self, name: str, value: Any, low: float, high: float | None, expected: str,
                       open_low: bool = False) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
             raise _bad(name, value, expected)
         if value < low or (open_low and value == low) or (high is not None and value > high):
             raise _bad(name, value, expected)
@@ -171,20 +174,23 @@ class SamplingParams:
         return attrs.evolve(self, n=1, seed=seed)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has; a
-        count of alternatives of -1 becomes ``vocab_size``."""
+        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
                           ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise _bad(name, bad, f"token ids in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) == -1:
-                setattr(self, name, vocab_size)
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
 
+
+    def for_vocab(self, vocab_size: int) -> "SamplingParams":
+        """These params with a count of alternatives of -1 as ``vocab_size`` (a copy: the caller's object, which
+        other requests and engines may share, is left as it is)."""
+        counts = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(self, name) == -1}
+        return attrs.evolve(self, **counts) if counts else self
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt ids ``truncate_prompt_tokens`` keeps: the last k (-1: the last ``max_model_len``)."""
@@ -195,11 +201,19 @@ class SamplingParams:
         return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
+
+
 def _listed(name: str, value: Any, expected: str) -> list:
-    """``value`` (a list, tuple or None) as a new list; anything else is refused naming ``name``."""
+    """``value`` (any iterable but a string or a mapping, as vLLM's ``list(...)`` takes it; or None) as a new
+    list; anything else is refused naming ``name``."""
     if value is None:
         return []
-    if not isinstance(value, (list, tuple)):
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
         raise _bad(name, value, expected)
     return list(value)
 

@@ -333,7 +333,7 @@ class CoreClient(PromptText):
         self.latest_stats = info.stats
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
                                         else info.model_path)
-        self.text = FrontEndText(self.tokenizer)
+        self.text = FrontEndText(self.tokenizer, self.info.eos_token_ids)
 
     def send(self, msg: tuple) -> None:
         """Send a message to the core (from any thread; never blocking: see ``_Sender``)."""

@@ -32,8 +32,8 @@ class FrontEndText:
     """Fills in the text of core outputs whose requests the core does not detokenize: ``added`` as the core
     accepts a request, ``fill`` for each of its outputs (both on the receiving thread)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        self.tokenizer, self.eos_token_ids = tokenizer, set(eos_token_ids)
         self._params: dict[str, SamplingParams] = {}
         self._completions: dict[str, dict[int, _Completion]] = {}  # per request, per completion index
 
@@ -55,8 +55,8 @@ class FrontEndText:
             if state is None:
                 state = completions[c.index] = _Completion(self.tokenizer, out.prompt_token_ids, params)
             new = c.token_ids if delta else c.token_ids[state.fed:]
-            if c.finish_reason == "stop" and not params.include_stop_str_in_output:
-                new = new[:-1]  # the stop token's (or EOS's) text is not in the output (vLLM's)
+            if new and self._stopped_by(new[-1], c, params):
+                new = new[:-1]  # the stopping token's text is not in the output (as the engine leaves it out)
             for token in new:
                 state.detok.add(token)
             state.fed += len(c.token_ids) if delta else len(c.token_ids) - state.fed
@@ -65,3 +65,10 @@ class FrontEndText:
             state.sent = len(text)
         if out.finished:
             del self._params[rid], self._completions[rid]
+
+    def _stopped_by(self, token: int, c: Any, params: SamplingParams) -> bool:
+        """Whether ``token``, ``c``'s last, stopped it as a stop token or EOS (a grammar's end may also finish
+        "stop", on a token ``ignore_eos`` keeps), with its text left out (``LLMEngine._apply``'s rule)."""
+        if c.finish_reason != "stop" or params.include_stop_str_in_output:
+            return False
+        return isinstance(c.stop_reason, int) or (not params.ignore_eos and token in self.eos_token_ids)

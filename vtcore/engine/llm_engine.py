@@ -145,6 +145,11 @@ class _Fanout:
         return [None] * len(self.children)
 
 
+
+def _no_text(token: int) -> None:
+    """A logprob's decoded token under ``detokenize=False`` (vLLM's: None)."""
+    return None
+
 class LLMEngine(PromptText):
     """Owns the scheduler, the runner and the requests; ``step`` advances every running request.
 
@@ -376,6 +381,7 @@ class LLMEngine(PromptText):
         if not ids:
             raise RequestRejected(f"request {request_id!r}: the prompt is empty; expected at least one token")
         params.check_vocab(self.vocab_size)
+        params = params.for_vocab(self.vocab_size)
         req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
         req.cache_salt, req.priority = cache_salt, priority
         if params.seed is not None:
@@ -523,7 +529,10 @@ class LLMEngine(PromptText):
         if not completions:
             return None
         first = fan.children[0]
-        return RequestOutput(parent, first.prompt, first.prompt_token_ids, first.prompt_logprobs, completions,
+        plp = first.prompt_logprobs  # (sample 0's; in a DELTA stream its own output's, which carries them once)
+        if fan.kind == RequestOutputKind.DELTA:
+            plp = next((o.prompt_logprobs for i, o in changed if i == 0 and o is not None), None)
+        return RequestOutput(parent, first.prompt, first.prompt_token_ids, plp, completions,
                              finished, first.num_cached_tokens,
                              RequestMetrics(sum(c.num_draft_tokens for c in fan.children),
                                             sum(c.num_accepted_tokens for c in fan.children)))
@@ -576,17 +585,19 @@ class LLMEngine(PromptText):
         p = req.params
         if req.logprobs is not None:
             r = result
-            entry = {token: Logprob(r.logprobs[row], r.ranks[row], self._piece(token))}
+            piece = self._piece if p.detokenize else _no_text
+            entry = {token: Logprob(r.logprobs[row], r.ranks[row], piece(token))}
             for rank, (tid, lp) in enumerate(zip(r.top_ids[row][:p.logprobs], r.top_logprobs[row][:p.logprobs]), 1):
-                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid)))
+                entry.setdefault(tid, Logprob(lp, rank, piece(tid)))
             req.logprobs.append(entry)
             req.cumulative_logprob += r.logprobs[row]
         past_min = outputs > p.min_tokens
         eos = not p.ignore_eos and token in self.eos_token_ids and past_min
         stop_token = past_min and token in p.stop_token_ids
-        # a stop token's (and EOS's) text is not in the output unless include_stop_str_in_output (vLLM's)
-        text = req.detok is not None and not ((eos or stop_token) and not p.include_stop_str_in_output)
-        stop_str = req.detok.add(token, check_stop=past_min) if text else None
+        # a stopping token's text is not in the output unless include_stop_str_in_output (vLLM's detokenizer), and
+        # it stops the request before any stop string its text would complete (stop_reason: the token)
+        feeds_text = req.detok is not None and not ((eos or stop_token) and not p.include_stop_str_in_output)
+        stop_str = req.detok.add(token, check_stop=past_min) if feeds_text else None
         if eos:
             self.scheduler.finish(req, "stop")
         elif stop_token:
@@ -620,10 +631,11 @@ class LLMEngine(PromptText):
             req.sent = (len(text), sent_tokens + len(tokens))
             text = text[sent_text:]
             logprobs = None if logprobs is None else logprobs[sent_tokens:]
-            # the prompt's logprobs until one output carried them whole, then None (as vLLM's deltas)
-            if req.sent_prompt_logprobs:
+            # the prompt's logprobs once, whole (or as far as they got, in the last output): as vLLM's deltas
+            if req.sent_prompt_logprobs or prompt_logprobs is None or not (
+                    len(prompt_logprobs) >= req.num_prompt_tokens or finished):
                 prompt_logprobs = None
-            elif prompt_logprobs is not None and len(prompt_logprobs) >= req.num_prompt_tokens:
+            else:
                 req.sent_prompt_logprobs = True
         else:
             tokens, logprobs = req.output_token_ids, None if logprobs is None else list(logprobs)

@@ -63,7 +63,7 @@ def to_api_error(exc: BaseException, renames: dict[str, str] | None = None) -> A
 
 
 def _is_field(part: Any) -> bool:
-    return isinstance(part, int) or (re.fullmatch(r"[a-z_]\w*", str(part)) is not None and part not in _MEMBER_TAGS)
+    return isinstance(part, int) or (re.fullmatch(r"[a-z0-9_]\w*", str(part)) is not None and part not in _MEMBER_TAGS)
 
 
 def validation_error(exc: RequestValidationError, content_type: str) -> APIError:

@@ -17,7 +17,7 @@ def _only(kinds: tuple[str, ...], what: str) -> Any:
     than the fields that kind lacks)."""
     def check(cls: type, value: Any) -> Any:
         if isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] not in kinds:
-            raise PydanticCustomError("unsupported_kind", "a '{kind}' {what}: not served; expected {kinds}",
+            raise PydanticCustomError("unsupported_kind", "{what} of type '{kind}': not served; expected {kinds}",
                                       {"kind": value["type"], "what": what, "kinds": " or ".join(kinds)})
         return value
     return model_validator(mode="before")(check)
@@ -29,7 +29,7 @@ class InputPart(BaseModel):
     type: Literal["input_text", "output_text"] = Field(description="Text parts only (the kind served).")
     text: Text
 
-    _text_only = _only(("input_text", "output_text"), "content part")
+    _text_only = _only(("input_text", "output_text"), "a content part")
 
 
 class InputMessage(BaseModel):
@@ -77,7 +77,7 @@ class FunctionTool(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    _functions_only = _only(("function",), "tool (hosted tools)")
+    _functions_only = _only(("function",), "a tool")  # (hosted tools: web_search, file_search, ...)
 
     def as_chat_tool(self) -> dict[str, Any]:
         """The chat form, which the chat template and the tool-call parser take."""
