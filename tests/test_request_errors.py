@@ -138,6 +138,7 @@ def test_text_prompt_without_tokenizer(llm: LLM, tiny_checkpoint, text: str) -> 
     (dict(stop_token_ids=5), "stop_token_ids", "5"),
     (dict(allowed_token_ids=5), "allowed_token_ids", "5"),
     (dict(bad_words=5), "bad_words", "5"),
+    (dict(bad_words=[" \t\n"]), "bad_words", "[' \\t\\n']"),
     (dict(skip_special_tokens="no"), "skip_special_tokens", "'no'"),
     (dict(ignore_eos=1), "ignore_eos", "1"),
     (dict(detokenize=None), "detokenize", "None"),
@@ -404,3 +405,9 @@ def test_sampling_params_clone_is_an_independent_copy() -> None:
     q.stop_token_ids.append(5)
     q.logit_bias[6] = 2.0
     assert (p.stop, p.stop_token_ids, p.logit_bias) == (["x"], [3], {4: 1.0})
+
+
+def test_a_bad_word_of_a_control_character_is_a_word() -> None:
+    """White space is ASCII's, as the server's JSON Schema pattern says (Python's ``strip`` also takes \\x1c-\\x1f,
+    which schemathesis sent as schema-valid words)."""
+    assert SamplingParams(bad_words=["\x1e"]).bad_words == ["\x1e"]

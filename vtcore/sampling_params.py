@@ -23,6 +23,8 @@ class RequestOutputKind(enum.Enum):
 #: temperatures below this sample greedily (vLLM's threshold): dividing logits by less overflows float32
 GREEDY_TEMPERATURE = 1e-5
 _SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
+#: the white space a bad word must hold more than (ASCII's: one set in Python, JSON Schema and pydantic patterns)
+ASCII_SPACE = " \t\n\r\x0b\x0c"
 
 
 def _bad(name: str, value: Any, expected: str) -> ValueError:
@@ -132,7 +134,7 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else _listed(
                 "bad_words", self.bad_words, "a list of words (strings with more than white space)")
-            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            if not all(isinstance(w, str) and w.strip(ASCII_SPACE) for w in self.bad_words):
                 raise _bad("bad_words", self.bad_words, "a list of words (strings with more than white space)")
         if self.truncate_prompt_tokens is not None and not (
                 _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1

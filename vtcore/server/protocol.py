@@ -124,6 +124,8 @@ Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 #: A stop string (an empty one would end every output before it began: ``SamplingParams`` refuses it).
 StopString = Annotated[str, Field(min_length=1)]
+#: a bad word: more than (ASCII) white space (``SamplingParams.bad_words``)
+BadWord = Annotated[str, Field(pattern=r"[^ \t\n\r\x0b\x0c]")]
 
 
 def _first_come(value: int) -> int:
@@ -303,7 +305,7 @@ class GenerationRequest(BoundedModel):
     ignore_eos: bool | None = False
     stop_token_ids: list[Count] | None = None
     allowed_token_ids: _token_ids(None, 1) | None = _allowed(None)
-    bad_words: list[StopString] | None = Field(
+    bad_words: list[BadWord] | None = Field(
         None, description="vLLM's: words never generated (a word's last token is banned where the output so far "
                           "ends in the rest of it; each word also as it follows a space).")
     truncate_prompt_tokens: KeptTokens | None = Field(
@@ -470,7 +472,7 @@ class TokenizeRequest(BaseModel):
     (those of ``/v1/chat/completions``), one of the two."""
 
     model_config = ConfigDict(strict=True, json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "tools": {"type": "null"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}}}], "allOf": [_ONE_SWITCH, {
             "if": {"required": ["messages"]},
             "then": {"properties": {"add_special_tokens": {"enum": [False, None]}}}}]})
