@@ -171,3 +171,11 @@ def test_host_drafts_in_the_sync_engine_ban_them_as_plain_decoding(default_model
                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert spec.generate(prompt, SamplingParams(**greedy, bad_words=words))[0].outputs[0].token_ids == want
     assert spec.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_word_that_tokenizes_to_nothing_is_named() -> None:
+    """(Its first id was read before: an IndexError, a 500 on the server.)"""
+    from vtcore.worker.bad_words import bad_words_token_ids
+
+    with pytest.raises(ValueError, match=r"SamplingParams.bad_words: 'x' tokenizes to no ids"):
+        bad_words_token_ids(lambda text: [], ["x"], 10)

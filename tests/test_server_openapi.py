@@ -122,6 +122,8 @@ BODIES = [
     *[("/v1/completions", _completion(logit_bias={key: 1}), "logit_bias")
       for key in ("-1", "+5", " 5", "1_0", "\u0665", "", "99999999", "x-schemathesis-additional")],
     ("/v1/completions", _completion(stop=["a", ""]), "stop"),
+    ("/v1/completions", _completion(bad_words=[" \t"]), "bad_words"),
+    ("/v1/completions", _completion(bad_words=["\x1e"]), None),  # (Python's strip takes it; the pattern does not)
     ("/v1/completions", _completion(stop=""), "stop"),
     ("/v1/completions", _completion(stop=[]), None),
     ("/v1/chat/completions", _chat(logit_bias={"12": 3}), None),
@@ -203,6 +205,8 @@ BODIES = [
     ("/tokenize", {"prompt": "hi", "add_generation_prompt": 1}, "add_generation_prompt"),
     ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"prompt": "hi", "continue_final_message": True, "add_generation_prompt": False}, None),
+    ("/tokenize", {"prompt": "hi", "tools": []}, "tools"),  # tools go with messages
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, None),
     ("/v1/chat/completions", _chat(continue_final_message=True), "continue_final_message"),
     ("/v1/chat/completions", _chat(prompt_logprobs=1), None),
     ("/v1/chat/completions", _chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from server_harness import (API_KEY, MODEL, PROMPTS, ServerThread, client, engine, httpx,  # noqa: F401
-                            keyed_server, needs_default_model, offline, server)
+                            keyed_server, needs_default_model, offline, server, template_server)
 
 from vtcore import LLM, AsyncLLM, SamplingParams
 from vtcore.server.app import build_app
@@ -66,8 +66,12 @@ def test_tokenize_gives_the_ids_generation_takes(server: ServerThread, client: A
     assert r.json()["count"] == chat.usage.prompt_tokens and r.json()["token_strs"] is None
     assert r.json()["tokens"] == engine.chat_prompt(MESSAGES)["prompt_token_ids"]
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES, "tools": tools})
-    assert r.status_code == 200 and r.json()["tokens"] == engine.chat_prompt(MESSAGES, tools=tools)["prompt_token_ids"]
+    listing = "{% for t in tools %}{{ t.function.name }};{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    with template_server(engine, listing) as srv:  # (the default model's template writes no tools)
+        r = httpx.post(srv.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES, "tools": tools})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == engine.chat_prompt(MESSAGES, tools=tools)["prompt_token_ids"]
+        assert engine.detokenize(r.json()["tokens"]).startswith("add;")
 
 
 def test_detokenize_inverts_tokenize(server: ServerThread) -> None:

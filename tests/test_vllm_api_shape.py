@@ -154,6 +154,9 @@ def test_async_llm_has_vllms_members_and_aborts_several_ids() -> None:
         assert asyncio.run(run()) == ["abort", "abort"]
         with pytest.raises(ValueError, match=r"sampling_params=\{'max_tokens': 2\}: expected a SamplingParams"):
             _stream(engine, PROMPT, {"max_tokens": 2})
+        for bad in (5, ["a", 5]):
+            with pytest.raises(ValueError, match=r"request_id=.*: expected a request id \(a string\) or several"):
+                asyncio.run(engine.abort(bad))
     finally:
         engine.shutdown()
     assert not engine.is_running and engine.is_stopped and not engine.errored
@@ -188,8 +191,10 @@ def test_review_fixes_whole_vocabulary_once_sets_and_limits(llm: LLM) -> None:
     assert sp.clone().extra_args is not sp.extra_args and sp.clone().extra_args == {"k": 1}
     with pytest.raises(ValueError, match=r"SamplingParams.temperature=1000000000.*: expected a number >= 0"):
         SamplingParams(temperature=10 ** 400)
-    out = llm.generate({"prompt": PROMPT, "multi_modal_data": None}, greedy(2, logprobs=1, detokenize=False))[0]
-    assert {lp.decoded_token for step in out.outputs[0].logprobs for lp in step.values()} == {None}
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": None},
+                       greedy(2, logprobs=1, prompt_logprobs=1, detokenize=False))[0]
+    assert {lp.decoded_token for step in out.outputs[0].logprobs + out.prompt_logprobs[1:] for lp in step.values()} \
+        == {None}
 
 
 def test_a_grammars_end_gives_the_same_text_from_the_thread_and_a_core(llm: LLM) -> None:

@@ -195,7 +195,11 @@ class AsyncLLM(EngineFrontEnd):
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort a request, or each of several (vLLM's); its stream ends with ``finish_reason="abort"``. An id
         with no unfinished request is ignored (as vLLM does)."""
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+        ids = [request_id] if isinstance(request_id, str) else list(request_id) \
+            if isinstance(request_id, Iterable) else None
+        if ids is None or not all(isinstance(rid, str) for rid in ids):
+            raise ValueError(f"request_id={request_id!r}: expected a request id (a string) or several")
+        for rid in ids:
             with self._lock:
                 engine_id = self._engine_ids.get(rid)
                 if engine_id in self._unsent:  # its add is not sent: the add sends the abort after it

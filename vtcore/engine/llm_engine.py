@@ -145,11 +145,6 @@ class _Fanout:
         return [None] * len(self.children)
 
 
-
-def _no_text(token: int) -> None:
-    """A logprob's decoded token under ``detokenize=False`` (vLLM's: None)."""
-    return None
-
 class LLMEngine(PromptText):
     """Owns the scheduler, the runner and the requests; ``step`` advances every running request.
 
@@ -488,7 +483,7 @@ class LLMEngine(PromptText):
             for s in done:
                 if s.request.prompt_logprobs is not None and s.request.request_id in result.prompt_logprobs:
                     s.request.prompt_logprobs.extend(
-                        {t: Logprob(lp, rank, self._piece(t)) for t, (lp, rank) in pos.items()}
+                        {t: Logprob(lp, rank, self._piece(t, s.request.params)) for t, (lp, rank) in pos.items()}
                         for pos in result.prompt_logprobs[s.request.request_id])
             touched += [s.request for s in done]
         outputs: list[RequestOutput] = []
@@ -585,10 +580,9 @@ class LLMEngine(PromptText):
         p = req.params
         if req.logprobs is not None:
             r = result
-            piece = self._piece if p.detokenize else _no_text
-            entry = {token: Logprob(r.logprobs[row], r.ranks[row], piece(token))}
+            entry = {token: Logprob(r.logprobs[row], r.ranks[row], self._piece(token, p))}
             for rank, (tid, lp) in enumerate(zip(r.top_ids[row][:p.logprobs], r.top_logprobs[row][:p.logprobs]), 1):
-                entry.setdefault(tid, Logprob(lp, rank, piece(tid)))
+                entry.setdefault(tid, Logprob(lp, rank, self._piece(tid, p)))
             req.logprobs.append(entry)
             req.cumulative_logprob += r.logprobs[row]
         past_min = outputs > p.min_tokens
@@ -615,8 +609,9 @@ class LLMEngine(PromptText):
             elif req.grammar.terminated:
                 self.scheduler.finish(req, "stop")
 
-    def _piece(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+    def _piece(self, token: int, params: SamplingParams) -> str | None:
+        """A logprob's decoded token (None without a tokenizer, or under ``detokenize=False``, as vLLM's)."""
+        return None if self.tokenizer is None or not params.detokenize else self.tokenizer.decode([token])
 
     def _output(self, req: Request) -> RequestOutput | None:
         kind = req.params.output_kind

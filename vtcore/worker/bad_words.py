@@ -9,17 +9,22 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from vtcore.sampling_params import ASCII_SPACE
+
 Words = tuple[tuple[int, ...], ...]
 
 
 def bad_words_token_ids(encode: Callable[[str], list[int]], words: Sequence[str], vocab_size: int) -> Words:
     """Each word as it would open a text and as it would follow a space (vLLM's two spellings; the spaced one
     only where it is another spelling of as many ids, as vLLM keeps it). ``encode``: text -> ids, no special
-    tokens. An id outside the vocabulary raises ``ValueError`` naming the word."""
+    tokens. An id outside the vocabulary, or no id at all, raises ``ValueError`` naming the word."""
     out: list[tuple[int, ...]] = []
     for word in words:
-        plain = tuple(encode(word.lstrip()))
-        spaced = tuple(encode(" " + word.lstrip()))
+        plain = tuple(encode(word.lstrip(ASCII_SPACE)))  # (the white space SamplingParams' check strips)
+        spaced = tuple(encode(" " + word.lstrip(ASCII_SPACE)))
+        if not plain:
+            raise ValueError(f"SamplingParams.bad_words: {word!r} tokenizes to no ids; expected a word the "
+                             "tokenizer spells")
         spellings = [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
         for ids in spellings:
             bad = [t for t in ids if not 0 <= t < vocab_size]
