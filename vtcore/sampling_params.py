@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -109,15 +109,12 @@ class SamplingParams:
             self.extra_args = dict(self.extra_args)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = _listed("stop", self.stop, "a non-empty string or a list of them")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise _bad("stop", self.stop, "a non-empty string or a list of them")
+        self.stop = _listed("stop", self.stop, "a non-empty string or a list of them",
+                            lambda s: isinstance(s, str) and s)
         if self.stop and not self.detokenize:
             raise _bad("stop", self.stop, "no stop strings with detokenize=False (they match text; stop_token_ids "
                                           "match ids)")
-        self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise _bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0", _is_id)
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -128,14 +125,11 @@ class SamplingParams:
                 raise _bad("logit_bias", bad, "biases that are numbers < inf (-inf bans a token)")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _listed("allowed_token_ids", self.allowed_token_ids,
-                                             "a non-empty list of token ids >= 0")
-            if not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
-                raise _bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+                                             "a non-empty list of token ids >= 0", _is_id, non_empty=True)
         if self.bad_words is not None:
-            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else _listed(
-                "bad_words", self.bad_words, "a list of words (strings with more than white space)")
-            if not all(isinstance(w, str) and w.strip(ASCII_SPACE) for w in self.bad_words):
-                raise _bad("bad_words", self.bad_words, "a list of words (strings with more than white space)")
+            self.bad_words = _listed("bad_words", [self.bad_words] if isinstance(self.bad_words, str) else
+                                     self.bad_words, "a list of words (strings with more than white space)",
+                                     lambda w: isinstance(w, str) and w.strip(ASCII_SPACE))
         if self.truncate_prompt_tokens is not None and not (
                 _is_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens >= 1
                                                           or self.truncate_prompt_tokens == -1)):
@@ -187,7 +181,6 @@ class SamplingParams:
             if value is not None and value > vocab_size:
                 raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
 
-
     def for_vocab(self, vocab_size: int) -> "SamplingParams":
         """These params with a count of alternatives of -1 as ``vocab_size`` (a copy: the caller's object, which
         other requests and engines may share, is left as it is)."""
@@ -210,15 +203,20 @@ def _finite(value: int | float) -> bool:
         return False
 
 
-def _listed(name: str, value: Any, expected: str) -> list:
+def _listed(name: str, value: Any, expected: str, item: Callable[[Any], Any], non_empty: bool = False) -> list:
     """``value`` (any iterable but a string or a mapping, as vLLM's ``list(...)`` takes it; or None) as a new
-    list; anything else is refused naming ``name``."""
-    if value is None:
-        return []
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+    list of items ``item`` accepts (and not empty, if ``non_empty``); anything else is refused naming ``name``."""
+    if value is not None and (isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable)):
         raise _bad(name, value, expected)
-    return list(value)
+    items = list(value or [])
+    if not all(item(v) for v in items) or (non_empty and not items):
+        raise _bad(name, items, expected)
+    return items
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_id(value: Any) -> bool:
+    return _is_int(value) and value >= 0

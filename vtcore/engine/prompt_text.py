@@ -120,8 +120,9 @@ class PromptText:
         ids are checked against the vocabulary. Text is encoded with the tokenizer's special tokens (a
         BOS where the tokenizer adds one), as vLLM and ``tokenizer(text)`` do, unless ``add_special_tokens``
         is False; ids are taken as given."""
-        if isinstance(prompt, dict) and not {k for k, v in prompt.items() if v is not None} <= PROMPT_KEYS:
-            unknown = sorted(k for k, v in prompt.items() if v is not None and k not in PROMPT_KEYS)
+        unknown = sorted(k for k, v in prompt.items() if v is not None and k not in PROMPT_KEYS) \
+            if isinstance(prompt, dict) else []
+        if unknown:
             raise ValueError(f"prompt keys {unknown}: not prompt fields this engine takes; expected "
                              f"{sorted(PROMPT_KEYS)} (text only: no multi_modal_data)")
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
