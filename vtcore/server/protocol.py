@@ -21,6 +21,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic_core import PydanticCustomError
 
 from vtcore.engine.capacity import EngineLimits
+from vtcore.sampling_params import ASCII_SPACE
 
 #: The most choices a prompt may ask for (OpenAI's limit for ``n``).
 MAX_N = 128
@@ -124,8 +125,9 @@ Text = Annotated[str, AfterValidator(_encodable)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 #: A stop string (an empty one would end every output before it began: ``SamplingParams`` refuses it).
 StopString = Annotated[str, Field(min_length=1)]
-#: a bad word: more than (ASCII) white space (``SamplingParams.bad_words``)
-BadWord = Annotated[str, Field(pattern=r"[^ \t\n\r\x0b\x0c]")]
+#: a bad word: more than ASCII white space (``SamplingParams.bad_words``; \xNN escapes read alike in pydantic's
+#: patterns and JSON Schema's)
+BadWord = Annotated[str, Field(pattern="[^" + "".join(f"\\x{ord(c):02x}" for c in ASCII_SPACE) + "]")]
 
 
 def _first_come(value: int) -> int:
