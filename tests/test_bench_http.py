@@ -151,6 +151,9 @@ def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None
     assert "served / in-process, c=2: output" in out.getvalue() and "outside the server" in out.getvalue()
     assert served["server_triton_compiles"] == []  # the CPU compiles nothing
     assert "Triton compiles in the server while measured: 0" in out.getvalue()
+    busy = served["server_cpu"][0]  # the server's process first, busy through the timed run
+    assert 0 <= busy["busiest_thread"] <= busy["cores"] and len(served["client_cpu"]) == served["client_processes"]
+    assert "CPU cores (busiest thread): server " in out.getvalue() and " clients " in out.getvalue()
 
 
 def test_bench_serve_refuses_what_only_one_side_has(capsys: Any) -> None:

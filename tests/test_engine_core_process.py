@@ -116,11 +116,10 @@ def test_the_core_sends_back_only_a_prompt_it_does_not_run_as_sent() -> None:
     prompt's ids were most of its bytes, on the path to the first token); a truncated one's does."""
     from vtcore.engine.arg_utils import engine_config
     from vtcore.engine.core_process import _PROMPT, _PROMPT_IDS, core_main
+    from vtcore.worker.processes import pipe, start_child
 
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    process = context.Process(target=core_main, args=(engine_config("AsyncLLM", None, dict(KNOBS)), theirs))
-    process.start()
+    ours, theirs = pipe()
+    process = start_child(core_main, (engine_config("AsyncLLM", None, dict(KNOBS)), theirs), "core", daemon=False)
     theirs.close()
     try:
         assert ours.recv()[0] == "ready"

@@ -89,13 +89,13 @@ def client_processes(concurrency: int, asked: int | None = None) -> int:
 
 
 async def _closed_loop(base_url: str, model: str, c: int, prompts: list[Prompt], output_len: int,
-                       warm_up: bool = True, start: Any = None) -> tuple[list[dict[str, Any]], float, float]:
+                       warm_up: bool = True, start: Any = None) -> tuple[list[dict[str, Any]], float, float, float]:
     """``c`` streams over ``prompts`` (each takes the next one not yet sent), each on a connection of its own
     (``StreamingConnection``); after an untimed request on each (connection set-up; with constrained prompts,
     the first and every second one constrained: the server compiles the schema then) unless not ``warm_up``,
     and ``start`` (a barrier across processes) when given. Returns
-    the requests' results and the loop's start and end (``time.perf_counter``, one clock for every process of
-    the machine)."""
+    the requests' results, the loop's start and end (``time.perf_counter``, one clock for every process of
+    the machine) and the CPU seconds this process took meanwhile."""
     url = base_url.rstrip("/") + "/completions"
     results: list[dict[str, Any]] = []
     connections = [StreamingConnection(url) for _ in range(c)]  # one a stream, kept alive
@@ -116,16 +116,16 @@ async def _closed_loop(base_url: str, model: str, c: int, prompts: list[Prompt],
                 ids, schema = prompts[i]
                 results.append(await _one(connection, model, ids, output_len, schema))
 
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker(connection) for connection in connections))
-        end = time.perf_counter()
+        end, cpu = time.perf_counter(), time.process_time() - cpu
     finally:
         for connection in connections:
             connection.close()
-    return results, begin, end
+    return results, begin, end, cpu
 
 
-def _client_process(args: tuple) -> tuple[list[dict[str, Any]], float, float]:
+def _client_process(args: tuple) -> tuple[list[dict[str, Any]], float, float, float]:
     *loop_args, start = args
     return asyncio.run(_closed_loop(*loop_args, start=start))
 
@@ -138,7 +138,7 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
     prompts = [(prefix + [rng.randrange(PROMPT_ID_BOUND) for _ in range(input_len)], schema if held else None)
                for held in constrained_flags(num_prompts, share)]
     if processes == 1:
-        results, begin, end = asyncio.run(_closed_loop(base_url, model, c, prompts, output_len, warm_up))
+        parts = [asyncio.run(_closed_loop(base_url, model, c, prompts, output_len, warm_up))]
     else:  # process p: every processes-th prompt from the p-th, and its share of the streams
         import multiprocessing
 
@@ -148,8 +148,8 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
             parts = pool.map(_client_process, [(base_url, model, c // processes + (p < c % processes),
                                                 prompts[p::processes], output_len, warm_up, start)
                                                for p in range(processes)])
-        results = [r for part in parts for r in part[0]]
-        begin, end = min(p[1] for p in parts), max(p[2] for p in parts)
+    results = [r for part in parts for r in part[0]]
+    begin, end = min(p[1] for p in parts), max(p[2] for p in parts)
     wall = end - begin
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     output_tokens = sum(r["output_tokens"] or 0 for r in results)
@@ -168,6 +168,8 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
             "itl_s": summarize([g for r in results for g in r["itl_s"]]),
             "latency_s": summarize([r["latency_s"] for r in results]),
             "finish_reasons": sorted({str(r["finish_reason"]) for r in results}),
+            # each client process's CPU seconds over its loop's wall seconds (one near 1.0 is the bottleneck)
+            "client_cpu": [p[3] / (p[2] - p[1]) for p in parts],
             "structured_share": share, "groups": groups(results, wall, share)}
 
 

@@ -26,6 +26,7 @@ import time
 import urllib.request
 from typing import Any
 
+from vtcore.bench.cpu_share import CpuMeter
 from vtcore.bench.http import client_processes, run_http
 from vtcore.engine.arg_utils import engine_argv
 from vtcore.engine.compile_watch import MARK
@@ -103,12 +104,13 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
                 run_http(url + "/v1", [c], c, input_len, 2, warm,
                          processes=client_processes(c, args.client_processes), structured_share=share,
                          schema_len=args.output_len, prefix_len=prefix_len)
-                before, logged = _server_ttft(url), os.path.getsize(log_path)
+                before, logged, meter = _server_ttft(url), os.path.getsize(log_path), CpuMeter(proc.pid)
                 doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, timed,
                                processes=client_processes(c, args.client_processes), warm_up=False,
                                structured_share=share, prefix_len=prefix_len)
-                after = _server_ttft(url)
                 run = doc["runs"][0]
+                run["server_cpu"] = meter.shares()  # (read first: the /metrics call is no part of the run)
+                after = _server_ttft(url)
                 count = after[1] - before[1]
                 run["server_ttft_mean_s"] = (after[0] - before[0]) / count if count else None
                 run["server_triton_compiles"] = _compiles_logged(log_path, logged)
@@ -160,5 +162,15 @@ def format_served(doc: dict[str, Any]) -> list[str]:
                      + ("" if s.get("server_triton_compiles") is None else
                         f"; Triton compiles in the server while measured: {len(s['server_triton_compiles'])}"
                         + (f" ({', '.join(sorted({c.split(':', 1)[0] for c in s['server_triton_compiles']}))})"
-                           if s["server_triton_compiles"] else "")))
+                           if s["server_triton_compiles"] else ""))
+                     + _cpu_line(s))
     return lines
+
+
+def _cpu_line(run: dict[str, Any]) -> str:
+    """``; CPU cores (busiest thread): ...`` of the server's processes (the server first) and the busiest client."""
+    parts = [f"{'server' if i == 0 else 'child'} {p['cores']:.2f} ({p['busiest_thread']:.2f})"
+             for i, p in enumerate(run.get("server_cpu") or [])]
+    if run.get("client_cpu"):
+        parts.append(f"busiest of {len(run['client_cpu'])} clients {max(run['client_cpu']):.2f}")
+    return f"; CPU cores (busiest thread): {', '.join(parts)}" if parts else ""

@@ -2,7 +2,7 @@
 
 An HTTP server and the engine loop in one process take turns on one interpreter: every step's host work
 (scheduling, staging, sampling metadata, output processing) waits while the server parses requests and
-writes streams, and the other way round. Here the ``LLMEngine`` runs in a spawned process (``core_main``)
+writes streams, and the other way round. Here the ``LLMEngine`` runs in a process of its own (``core_main``)
 and the front end keeps only what it needs of it (``CoreClient``: the tokenizer, the limits, the default
 sampling values, the family, the latest load), so tokenizing, chat templates and the HTTP work stay in
 the server's process.
@@ -24,7 +24,6 @@ blocks on it.
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import operator
 import os
 import pickle
@@ -49,6 +48,7 @@ from vtcore.engine.prompt_text import PromptText
 from vtcore.errors import EngineDeadError
 from vtcore.family import ModelFamily
 from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vtcore.worker.processes import pipe, start_child
 
 #: seconds ``shutdown`` waits for the core to finish its requests and exit before it is killed
 STOP_TIMEOUT_S = 30
@@ -303,11 +303,10 @@ class CoreClient(PromptText):
         from vtcore.loading.hub import resolve_model
 
         self.config = config
-        ours, theirs = multiprocessing.get_context("spawn").Pipe()
+        ours, theirs = pipe()
         # not a daemon: a daemon may not start processes, and the core starts its tensor-parallel workers
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=core_main, args=(config, theirs), name="vtcore-engine-core")
-        self.process.start()
+        self.process = start_child(core_main, (config, theirs), "vtcore-engine-core", daemon=False,
+                                   preload=("vtcore.engine.llm_engine",))
         theirs.close()
         self.conn = ours
         try:

@@ -14,7 +14,6 @@ process serves one engine after another: it is told each engine's rank, size and
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import pickle
 import tempfile
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from vtcore.errors import VtcoreError
+from vtcore.worker.processes import pipe, start_child
 from vtcore.worker.staging import Staged
 
 #: how long a collective waits for a peer before it fails (a dead worker also fails it at once)
@@ -111,7 +111,7 @@ _idle: list[_Worker] | None = None
 @contextlib.contextmanager
 def reused_workers() -> Iterator[None]:
     """Within it, an engine's shutdown parks its workers and the next engine takes them instead of spawning
-    new ones (a spawn imports torch and vtcore: seconds, where the conformance gate builds dozens of
+    new ones (a new worker builds its groups and joins: still a fork, where the conformance gate builds dozens of
     engines); on exit every parked worker stops."""
     global _idle
     if _idle is not None:  # nested: the outer one owns the workers
@@ -133,10 +133,8 @@ def _take_worker(device_type: str) -> _Worker:
         if w.device_type == device_type and w.process.is_alive():
             return w
         w.stop()
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    process = multiprocessing.get_context("spawn").Process(target=worker_main, args=(theirs, device_type),
-                                                           name="vtcore-tp-worker", daemon=True)
-    process.start()
+    ours, theirs = pipe()
+    process = start_child(worker_main, (theirs, device_type), "vtcore-tp-worker", daemon=True, preload=_SERVE_IMPORTS)
     theirs.close()
     return _Worker(process, ours, device_type)
 
@@ -251,7 +249,7 @@ def _joining(rank: int, w: _Worker) -> None:
         if time.monotonic() > deadline:
             raise TensorParallelError(f"tensor-parallel worker rank {rank} did not start within {TIMEOUT_S} s")
     code = w.process.exitcode
-    hint = (". A worker is a spawned process that first imports the main module: a script that builds an engine "
+    hint = (". A worker is a new process that first imports the main module: a script that builds an engine "
             "at its top level must do so under `if __name__ == \"__main__\":` (its error, if any, is above)"
             if w.fresh else "")
     raise TensorParallelError(f"tensor-parallel worker rank {rank} (pid {w.process.pid}) exited "
@@ -300,11 +298,19 @@ def thread_lock_for_progress() -> None:
 
 def worker_main(conn: Connection, device_type: str) -> None:
     """A worker process: serve one engine after another (its rank, size and store arrive on ``conn``; None
-    ends the process)."""
+    ends the process). Of the host's torch threads (the cores, or ``OMP_NUM_THREADS``) a worker takes its
+    rank's share: the ranks compute at the same time, and more threads than cores spin against each other
+    on the CPU)."""
     thread_lock_for_progress()
+    threads = torch.get_num_threads()
     while (job := conn.recv()) is not None:
         conn.send("joining")  # (rank 0 waits for it: ``_joining``)
+        torch.set_num_threads(max(1, threads // job[1]))
         _serve(*job, device_type)
+
+
+#: the modules ``_serve`` imports (they import this one), with all it imports: preloaded by the fork server
+_SERVE_IMPORTS = ("vtcore.loading.model_loader", "vtcore.worker.model_runner")
 
 
 def _serve(rank: int, size: int, store: str, device_type: str) -> None:
