@@ -137,13 +137,15 @@ def test_unknown_family_or_quant_format_fails_before_any_check_runs(plugins: Plu
             run_gate(families, plugins=plugins, quant=quant)
 
 
-@pytest.mark.timeout(300)  # the whole gate in a fresh process: 31 s on an idle 2-core machine, 70 s loaded
+@pytest.mark.timeout(300)
 def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "vtcore.cli.main", "conformance", "--json", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=240)
+    """The command's smoke test in a fresh process: one family and every installed quant method (each family's
+    whole gate runs in-process in its plugin's own tests)."""
+    proc = subprocess.run([sys.executable, "-m", "vtcore.cli.main", "conformance", "--family", "qwen3_dense", "--json",
+                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["passed"] is True and "qwen3_dense" in report["families"]
+    assert report["passed"] is True and list(report["families"]) == ["qwen3_dense"]
     n, q = len(report["families"]), len(report["quant"])
     progress = [line for line in proc.stderr.splitlines() if line.endswith(" s") and line.count("  ") == 3]
     assert len(progress) == sum(len(g["checks"]) for section in ("families", "quant") for g in report[section].values())
