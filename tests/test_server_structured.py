@@ -60,6 +60,14 @@ def test_vllm_structured_outputs_on_completions(client: Any) -> None:
     out = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=1.0, seed=3,
                                     extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{3}"}})
     assert re.fullmatch("[A-Z]{2}[0-9]{3}", out.choices[0].text), out.choices[0].text
+    small = {"type": "integer", "minimum": 0, "maximum": 99}
+    layout = {"json": {"type": "object", "properties": {"a": {"type": "array", "items": small, "maxItems": 3},
+                                                        "b": {"type": "boolean"}}, "required": ["a", "b"]},
+              "disable_any_whitespace": True}  # (no strings: no white space but json.dumps')
+    for seed in range(3):
+        text = client.completions.create(model=MODEL, prompt="JSON:", max_tokens=200, temperature=1.0, seed=seed,
+                                         extra_body={"structured_outputs": layout}).choices[0].text
+        assert text == json.dumps(json.loads(text)), text
 
 
 def test_streaming_a_constrained_chat_gives_the_same_text(client: Any) -> None:
@@ -108,7 +116,7 @@ def test_a_constraint_is_built_once_for_the_servers_check(monkeypatch: pytest.Mo
     try:
         for _ in range(3):
             structured.checked(StructuredOutputsParams(json={"type": "object"}), "response_format.json_schema.schema")
-        assert built == [("json", '{"type": "object"}')]
+        assert built == [("json", '{"type": "object"}', False)]
     finally:
         structured._refusal.cache_clear()
     monkeypatch.undo()

@@ -70,6 +70,30 @@ def test_every_sampled_output_validates_against_its_schema(llm: LLM) -> None:
             jsonschema.validate(json.loads(out.text), schema)
 
 
+def _one_layout(text: str) -> bool:
+    """``text``'s white space outside its strings is json.dumps' own: one space after each comma and colon."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    return not re.search(r"[,:](?! )", bare) and not re.search(r"\s", re.sub(r"(?<=[,:]) ", "", bare))
+
+
+def test_disable_any_whitespace_gives_json_in_one_layout(llm: LLM) -> None:
+    """vLLM's option: the JSON kinds in json.dumps' layout (", " and ": ", no other white space), a grammar of
+    its own (so the same schema without it still allows any white space: the tiny model writes some)."""
+    constraints = [{"json": s} for s in SCHEMAS]
+    for seed in (0, 100):
+        one = _constrained(llm, [{**c, "disable_any_whitespace": True} for c in constraints], seed)
+        for c, out in zip(constraints, one):
+            assert out.finish_reason == "stop" and _one_layout(out.text), (c, out.text)
+            json.loads(out.text)
+    free = [o.text for seed in (0, 100) for o in _constrained(llm, constraints, seed)]
+    assert not all(_one_layout(t) for t in free), free
+    for kind in ({"json": {}}, {"json_object": True}):
+        compact = StructuredOutputsParams(**kind, disable_any_whitespace=True)
+        assert compact.key() != StructuredOutputsParams(**kind).key()
+    assert StructuredOutputsParams(regex="a", disable_any_whitespace=True).key() == StructuredOutputsParams(
+        regex="a").key()  # (no JSON: nothing to lay out)
+
+
 def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
     grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
     outs = _constrained(llm, [{"regex": r"[a-z]{3}-[0-9]{2}"}, {"choice": ["alpha", "beta (2)", "c.d"]},
@@ -105,6 +129,7 @@ def test_unconstrained_requests_beside_constrained_ones_are_untouched(llm: LLM) 
     ({"json": "{not json"}, "StructuredOutputsParams.json: not valid JSON"),
     ({"choice": "abc"}, "StructuredOutputsParams.choice='abc': expected a non-empty list of strings"),
     ({"regex": ""}, "StructuredOutputsParams.regex='': expected a non-empty string"),
+    ({"json_object": True, "disable_any_whitespace": 1}, "disable_any_whitespace=1: expected a bool"),
 ])
 def test_a_bad_constraint_is_refused_by_name(bad, named) -> None:
     with pytest.raises(ValueError, match=re.escape(named)):

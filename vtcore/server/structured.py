@@ -29,7 +29,7 @@ def structured_outputs(body: Any) -> StructuredOutputsParams | None:
     if extra is not None:
         if not isinstance(extra, dict):
             raise APIError(400, f"structured_outputs={extra!r}: expected an object with one of json, regex, choice, "
-                                "grammar, json_object", "structured_outputs")
+                                "grammar, json_object (and disable_any_whitespace)", "structured_outputs")
         try:
             params = StructuredOutputsParams(**extra)
         except (TypeError, ValueError) as exc:
@@ -60,11 +60,12 @@ def checked(params: StructuredOutputsParams, field: str) -> StructuredOutputsPar
 
 
 @functools.lru_cache(maxsize=256)
-def _refusal(kind: str, value: str) -> str | None:
-    """Why xgrammar refuses the constraint of key ``(kind, value)`` (``StructuredOutputsParams.key``), or None."""
+def _refusal(kind: str, value: str, one_layout: bool) -> str | None:
+    """Why xgrammar refuses the constraint of key ``(kind, value, one_layout)`` (``StructuredOutputsParams.key``),
+    or None."""
     arg = json.loads(value) if kind == "choice" else True if kind == "json_object" else value
     try:
-        grammar_of(StructuredOutputsParams(**{kind: arg}))
+        grammar_of(StructuredOutputsParams(**{kind: arg}, disable_any_whitespace=one_layout))
     except GrammarRefused as exc:
         return exc.reason
     return None

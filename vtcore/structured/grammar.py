@@ -112,13 +112,13 @@ def grammar_of(params: StructuredOutputsParams) -> Any:
     ``ValueError`` naming the field and xgrammar's reason."""
     import xgrammar as xgr
 
-    kind, value = params.key()
+    kind, value, one_layout = params.key()
 
     def build() -> Any:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(value)
+            return xgr.Grammar.from_json_schema(value, any_whitespace=not one_layout)
         if kind == "json_object":  # a JSON object (OpenAI's JSON mode), not any JSON value
-            return xgr.Grammar.from_json_schema('{"type": "object"}')
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not one_layout)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "choice":

@@ -14,14 +14,17 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """``json``: a JSON schema (a dict or its JSON text); ``regex``: a regular expression the whole
     output matches; ``choice``: the output is one of these strings; ``grammar``: an EBNF grammar
-    (xgrammar's dialect, rule ``root`` first); ``json_object``: any JSON object. A bad value raises
-    ``ValueError`` naming the field."""
+    (xgrammar's dialect, rule ``root`` first); ``json_object``: any JSON object. ``disable_any_whitespace``
+    (vLLM's option, for the two JSON kinds): JSON in one layout, ``", "`` and ``": "`` between items and no
+    other white space, rather than any white space the grammar allows. A bad value raises ``ValueError``
+    naming the field."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __attrs_post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -45,17 +48,21 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_object not in (None, True, False):
             raise ValueError(f"StructuredOutputsParams.json_object={self.json_object!r}: expected a bool")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"StructuredOutputsParams.disable_any_whitespace={self.disable_any_whitespace!r}: "
+                             "expected a bool")
 
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def key(self) -> tuple[str, str]:
-        """What identifies the compiled grammar (its cache key)."""
+    def key(self) -> tuple[str, str, bool]:
+        """What identifies the compiled grammar (its cache key): the kind, its value as text, and whether it is
+        JSON in one layout (``disable_any_whitespace`` on a JSON kind)."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
             value = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
         elif kind == "choice":
             value = json.dumps(list(value))
-        return kind, str(value)
+        return kind, str(value), self.disable_any_whitespace and kind in ("json", "json_object")
