@@ -120,6 +120,33 @@ def test_logprobs_of_the_whole_vocabulary_no_text_and_seed_minus_one(llm: LLM) -
         EngineConfig(seed="1")
 
 
+def test_a_progress_bar_by_default_none_when_off_and_a_callers_own(llm: LLM, capsys: Any) -> None:
+    """vLLM's ``use_tqdm``: on by default (finished prompts on stderr), False for none, or a tqdm-like factory."""
+    llm.generate([PROMPT, PROMPT], greedy(2))
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err, err
+    llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False)
+    assert "Processed prompts" not in capsys.readouterr().err
+    made = []
+
+    class Bar:
+        def __init__(self, **kw: Any) -> None:
+            made.append(kw)
+            self.n = 0
+
+        def update(self, n: int = 1) -> None:
+            self.n += n
+
+        def __enter__(self) -> "Bar":
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            made.append(self.n)
+
+    llm.generate([PROMPT] * 3, greedy(2), use_tqdm=Bar)
+    assert made == [{"total": 3, "desc": "Processed prompts"}, 3] and not capsys.readouterr().err
+
+
 def test_refusals_name_what_is_wrong(llm: LLM) -> None:
     with pytest.raises(ValueError, match=r"prompts=None: expected a prompt"):
         llm.generate(None)

@@ -1,7 +1,7 @@
 """``LLM``: offline batch generation, shaped like vLLM's."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 from tqdm import tqdm
@@ -53,10 +53,12 @@ class LLM(EngineFrontEnd):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, *, priority: Sequence[int] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True, *, priority: Sequence[int] | None = None,
                  lora_request: Any = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
+        ``use_tqdm`` (vLLM's): a progress bar of finished prompts on stderr, or none (False), or one made by
+        this callable (tqdm's signature: ``total``, ``desc``).
         Every prompt is validated before any runs, so a bad one raises without leaving work behind.
         ``priority`` (vLLM's): one per prompt, for ``scheduling_policy="priority"`` (lower first).
         ``lora_request`` (vLLM's) must be None: no adapters.
@@ -104,7 +106,9 @@ class LLM(EngineFrontEnd):
                 engine.drop_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
+        bar = use_tqdm(total=len(ids), desc="Processed prompts") if callable(use_tqdm) else \
+            tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        with bar:
             try:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
@@ -121,7 +125,8 @@ class LLM(EngineFrontEnd):
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Render each conversation through the chat template (the tokenizer's, or ``chat_template``; the
