@@ -110,9 +110,8 @@ _idle: list[_Worker] | None = None
 
 @contextlib.contextmanager
 def reused_workers() -> Iterator[None]:
-    """Within it, an engine's shutdown parks its workers and the next engine takes them instead of spawning
-    new ones (a new worker builds its groups and joins: still a fork, where the conformance gate builds dozens of
-    engines); on exit every parked worker stops."""
+    """Within it, an engine's shutdown parks its workers and the next engine takes them instead of starting
+    new ones (the conformance gate builds dozens of engines); on exit every parked worker stops."""
     global _idle
     if _idle is not None:  # nested: the outer one owns the workers
         yield
