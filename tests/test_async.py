@@ -181,6 +181,59 @@ async def _collect(llm, rid, ids, params):
     return [o async for o in llm.generate({"prompt_token_ids": ids}, params, rid)]
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_consumer_that_falls_behind_takes_one_output_with_every_token_since(async_llm, kind) -> None:
+    """vLLM's output collector: outputs the caller has not taken merge (deltas appended, cumulative states
+    replaced), so a stream read late gets one output, and its tokens, text and logprobs are the stream's."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, output_kind=kind)
+
+    async def main():
+        whole = [o async for o in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "whole")]
+        late = async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "late")
+        first = await late.__anext__()
+        (pending,) = [p for _, p in async_llm._streams.values()]
+        for _ in range(3000):  # the engine runs the request to its end (handed over) while nothing is taken
+            if pending.item is not None and pending.item.finished:
+                break
+            await asyncio.sleep(0.002)
+        rest = [o async for o in late]
+        return whole, first, rest
+
+    whole, first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished and len(whole) > 2
+    if kind == RequestOutputKind.DELTA:
+        def joined(outs, field):
+            parts = [getattr(o.outputs[0], field) for o in outs]
+            return "".join(parts) if field == "text" else [x for part in parts for x in part]
+        for field in ("token_ids", "text", "logprobs"):
+            assert joined([first, *rest], field) == joined(whole, field), field
+    else:
+        assert rest[0].outputs[0].token_ids == whole[-1].outputs[0].token_ids and len(rest[0].outputs) == 1
+    assert rest[0].outputs[0].finish_reason == "length" and rest[0].outputs[0].cumulative_logprob == pytest.approx(
+        whole[-1].outputs[0].cumulative_logprob)
+
+
+def test_merged_outputs_of_several_samples_keep_each_samples_own_tokens() -> None:
+    """``RequestOutput.add`` of an ``n > 1`` stream: each delta joins its own sample (by ``index``); a sample new
+    to the output is added; prompt logprobs stay those sent first; the request's state is the later one's."""
+    from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def out(parts, finished=False, plp=None, drafts=0):
+        ends = "length" if finished else None
+        completions = [CompletionOutput(i, t, ids, None, None, ends) for i, t, ids in parts]
+        return RequestOutput("r", None, [1], plp, completions, finished, 0, RequestMetrics(drafts, 0))
+
+    merged = out([(1, "b", [2])], plp=[None])
+    merged.add(out([(0, "x", [9]), (1, "c", [3])], drafts=4), aggregate=True)
+    merged.add(out([(1, "d", [4])], finished=True, plp=[{}]), aggregate=True)
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == [
+        (1, "bcd", [2, 3, 4], "length"), (0, "x", [9], None)]
+    assert merged.finished and merged.prompt_logprobs == [None] and merged.metrics.num_draft_tokens == 0
+    cumulative = out([(0, "a", [1])])
+    cumulative.add(out([(0, "ab", [1, 2])]), aggregate=False)
+    assert [(c.text, c.token_ids) for c in cumulative.outputs] == [("ab", [1, 2])]
+
+
 def test_an_in_process_engine_loop_caps_its_wait_for_the_gil(tiny_checkpoint, monkeypatch) -> None:
     """The engine thread shares the GIL with the caller's event loop: AsyncLLM lowers the switch interval
     (vtcore.engine.gil), and keeps one already shorter."""
@@ -306,7 +359,7 @@ def test_an_id_reused_while_its_aborted_request_is_still_in_the_engine_gets_only
         again = await _collect(async_llm, "again", [3], greedy(4))
         assert [o.request_id for o in again] == ["again"] * len(again)
         assert again[-1].outputs[0].finish_reason == "length" and len(again[-1].outputs[0].token_ids) == 4
-        assert await _collect(async_llm, "again", [3], greedy(4)) == again  # greedy: the same tokens again
+        assert (await _collect(async_llm, "again", [3], greedy(4)))[-1] == again[-1]  # greedy: the same tokens again
         with pytest.raises(ValueError, match=r"^request 'again': the prompt is empty"):  # the caller's id
             await _collect(async_llm, "again", [], greedy(4))
 

@@ -49,3 +49,27 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
+
+    def add(self, later: RequestOutput, aggregate: bool) -> None:
+        """Merge ``later`` (this request's next output) into this one, as vLLM's ``RequestOutput.add``: with
+        ``aggregate`` (delta outputs) each completion's new tokens, text and logprobs are appended to it, else
+        (cumulative outputs) a completion is replaced by its later state; the request's state is ``later``'s,
+        and prompt logprobs stay where they were sent."""
+        self.finished = self.finished or later.finished
+        self.num_cached_tokens, self.metrics = later.num_cached_tokens, later.metrics
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        at = {c.index: i for i, c in enumerate(self.outputs)}
+        for nxt in later.outputs:
+            if nxt.index not in at:
+                self.outputs.append(nxt)
+            elif not aggregate:
+                self.outputs[at[nxt.index]] = nxt
+            else:
+                cur = self.outputs[at[nxt.index]]
+                cur.text += nxt.text
+                cur.token_ids = cur.token_ids + nxt.token_ids
+                if nxt.logprobs is not None:
+                    cur.logprobs = (cur.logprobs or []) + nxt.logprobs
+                cur.cumulative_logprob = nxt.cumulative_logprob
+                cur.finish_reason, cur.stop_reason = nxt.finish_reason, nxt.stop_reason

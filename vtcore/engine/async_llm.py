@@ -4,10 +4,11 @@ The engine runs on its own thread: it takes new requests and aborts from an inbo
 and runs ``LLMEngine.step`` (a batch queue of depth 2 when async scheduling is on) while there is
 work. With ``engine_core_process=True`` it runs in a process of its own instead
 (:mod:`vtcore.engine.core_process`) and the thread only receives its messages; requests and aborts
-go to it straight from ``generate``. Outputs are handed to each request's asyncio queue on the
-caller's event loop. Each request runs in the engine under an id of its own (the caller's id and a serial
-number, as vLLM's internal request ids): a caller may reuse an id once its request ended, even one it left
-early whose abort the engine has not reported yet, and no stale output reaches the new request's stream.
+go to it straight from ``generate``. Outputs are handed to each request's ``_Pending`` on the
+caller's event loop, where one not yet taken merges with the next (vLLM's ``RequestOutputCollector``).
+Each request runs in the engine under an id of its own (the caller's id and a serial number, as vLLM's
+internal request ids): a caller may reuse an id once its request ended, even one it left early whose abort
+the engine has not reported yet, and no stale output reaches the new request's stream.
 A bad request fails alone (its ``generate`` raises); if the loop (or the core
 process) dies, every pending ``generate`` raises ``EngineDeadError``, and so does every later call.
 """
@@ -29,7 +30,7 @@ from vtcore.engine.gil import favour_engine_thread
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.errors import EngineDeadError
 from vtcore.outputs import RequestOutput
-from vtcore.sampling_params import SamplingParams
+from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("vtcore")
 
@@ -46,7 +47,7 @@ class AsyncLLM(EngineFrontEnd):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # by engine id
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Pending]] = {}  # by engine id
         self._engine_ids: dict[str, str] = {}  # a caller's id -> the engine id of its unfinished request
         self._serial = itertools.count()
         # engine ids whose add is not sent yet (their grammar compiles) -> whether an abort came meanwhile
@@ -121,7 +122,7 @@ class AsyncLLM(EngineFrontEnd):
             raise ValueError(f"sampling_params={sampling_params!r}: expected a SamplingParams or None (the "
                              "checkpoint's generation_config.json values)")
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = _Pending(aggregate=sampling_params.output_kind == RequestOutputKind.DELTA)
         with self._lock:
             if request_id in self._engine_ids:
                 raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
@@ -258,7 +259,7 @@ class AsyncLLM(EngineFrontEnd):
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """(request id, output or error) pairs, handed over in one call per event loop: each call wakes its
         loop (a write to its self-pipe), and a step of a large batch would otherwise wake it once per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Pending, RequestOutput | BaseException]]] = {}
         with self._lock:
             for request_id, item in items:
                 target = self._streams.get(request_id)
@@ -365,6 +366,33 @@ class AsyncLLM(EngineFrontEnd):
                 msg[-1].set_exception(err)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+class _Pending:
+    """A request's outputs not yet taken by its ``generate`` loop (on that loop's thread). As vLLM's
+    ``RequestOutputCollector``: an output that comes before the last one was taken merges into it
+    (``RequestOutput.add``; deltas appended when ``aggregate``), so a consumer that falls behind (an event loop
+    at its limit under many streams) takes one output carrying every token since, not one a step, and the
+    tokens reach its client as they would have; an error replaces whatever was pending."""
+
+    def __init__(self, aggregate: bool) -> None:
+        self.aggregate = aggregate
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.item is None or isinstance(item, BaseException):
+            self.item = item
+        elif not isinstance(self.item, BaseException):
+            self.item.add(item, self.aggregate)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        if self.item is None:
+            self.ready.clear()
+            await self.ready.wait()
+        item, self.item = self.item, None
+        return item
+
+
+def _put_all(items: list[tuple[_Pending, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
-        stream.put_nowait(item)
+        stream.put(item)
