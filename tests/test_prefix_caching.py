@@ -242,8 +242,8 @@ def test_a_cache_salt_shares_blocks_only_with_its_own_salt(tiny_checkpoint) -> N
     cached = {}
     for name, salt in (("salted", "alice"), ("same salt", "alice"), ("other salt", "bob"), ("unsalted", None),
                        ("n=2, same salt", "alice")):
-        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2) if name.startswith("n=2") \
-            else greedy()
+        params = SamplingParams(max_tokens=6, temperature=1.0, top_k=1, ignore_eos=True, n=2) \
+            if name.startswith("n=2") else greedy()  # (n > 1 samples: top-k 1 is greedy's tokens)
         out = llm.generate({"prompt_token_ids": ids, "cache_salt": salt}, params)[0]
         assert [o.token_ids for o in out.outputs] == [want] * params.n, name
         cached[name] = out.num_cached_tokens

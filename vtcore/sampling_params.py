@@ -77,6 +77,9 @@ class SamplingParams:
         if self.use_beam_search:
             raise NotSupportedError("SamplingParams.use_beam_search=True: beam search is not supported")
         self._check_number("temperature", self.temperature, 0.0, None, "a number >= 0")
+        if self.n > 1 and self.greedy:  # (vLLM's rule: n greedy samples would be n copies of one)
+            raise _bad("n", self.n, f"1 with greedy sampling (temperature={self.temperature!r}); n > 1 samples at a "
+                                    "temperature above 0")
         self._check_number("top_p", self.top_p, 0.0, 1.0, "a number in (0, 1]", open_low=True)
         self._check_number("min_p", self.min_p, 0.0, 1.0, "a number in [0, 1]")
         self._check_number("presence_penalty", self.presence_penalty, -2.0, 2.0, "a number in [-2, 2]")
