@@ -215,7 +215,7 @@ def test_a_consumer_that_falls_behind_takes_one_output_with_every_token_since(as
 
 def test_merged_outputs_of_several_samples_keep_each_samples_own_tokens() -> None:
     """``RequestOutput.add`` of an ``n > 1`` stream: each delta joins its own sample (by ``index``); a sample new
-    to the output is added; prompt logprobs stay those sent first; the request's state is the later one's."""
+    to the output is added; the request's state, and its prompt logprobs where it has them, are the later one's."""
     from vtcore.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     def out(parts, finished=False, plp=None, drafts=0):
@@ -228,10 +228,12 @@ def test_merged_outputs_of_several_samples_keep_each_samples_own_tokens() -> Non
     merged.add(out([(1, "d", [4])], finished=True, plp=[{}]), aggregate=True)
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == [
         (1, "bcd", [2, 3, 4], "length"), (0, "x", [9], None)]
-    assert merged.finished and merged.prompt_logprobs == [None] and merged.metrics.num_draft_tokens == 0
-    cumulative = out([(0, "a", [1])])
-    cumulative.add(out([(0, "ab", [1, 2])]), aggregate=False)
-    assert [(c.text, c.token_ids) for c in cumulative.outputs] == [("ab", [1, 2])]
+    assert merged.finished and merged.prompt_logprobs == [{}] and merged.metrics.num_draft_tokens == 0
+    cumulative = out([(0, "a", [1])], plp=[None])  # (a chunked prompt's logprobs so far)
+    cumulative.add(out([(0, "ab", [1, 2])], plp=[None, {}]), aggregate=False)
+    cumulative.add(out([(0, "abc", [1, 2, 3])]), aggregate=False)
+    assert [(c.text, c.token_ids) for c in cumulative.outputs] == [("abc", [1, 2, 3])]
+    assert cumulative.prompt_logprobs == [None, {}]
 
 
 def test_an_in_process_engine_loop_caps_its_wait_for_the_gil(tiny_checkpoint, monkeypatch) -> None:

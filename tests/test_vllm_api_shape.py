@@ -134,17 +134,22 @@ def test_a_progress_bar_by_default_none_when_off_and_a_callers_own(llm: LLM, cap
             made.append(kw)
             self.n = 0
 
-        def update(self, n: int = 1) -> None:
+        def update(self, n: int) -> None:
             self.n += n
 
-        def __enter__(self) -> "Bar":
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
+        def close(self) -> None:  # (no context manager: vLLM's factories need none)
             made.append(self.n)
 
     llm.generate([PROMPT] * 3, greedy(2), use_tqdm=Bar)
-    assert made == [{"total": 3, "desc": "Processed prompts"}, 3] and not capsys.readouterr().err
+    assert made == [{"total": 3, "desc": "Processed prompts", "dynamic_ncols": True}, 3]
+    assert not capsys.readouterr().err
+
+    def broken(**kw: Any) -> None:
+        raise RuntimeError("no terminal")
+
+    with pytest.raises(RuntimeError, match="no terminal"):
+        llm.generate([PROMPT] * 2, greedy(2), use_tqdm=broken)
+    assert not llm.engine.has_unfinished_requests()  # a failed bar left no request behind
 
 
 def test_refusals_name_what_is_wrong(llm: LLM) -> None:

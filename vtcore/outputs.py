@@ -53,11 +53,12 @@ class RequestOutput:
     def add(self, later: RequestOutput, aggregate: bool) -> None:
         """Merge ``later`` (this request's next output) into this one, as vLLM's ``RequestOutput.add``: with
         ``aggregate`` (delta outputs) each completion's new tokens, text and logprobs are appended to it, else
-        (cumulative outputs) a completion is replaced by its later state; the request's state is ``later``'s,
-        and prompt logprobs stay where they were sent."""
+        (cumulative outputs) a completion is replaced by its later state; the request's state is ``later``'s, and
+        so are its prompt logprobs where it has them (a cumulative output's grow over a chunked prompt; deltas
+        carry them once). A delta's lists are its own, so they are extended in place."""
         self.finished = self.finished or later.finished
         self.num_cached_tokens, self.metrics = later.num_cached_tokens, later.metrics
-        if self.prompt_logprobs is None:
+        if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
         at = {c.index: i for i, c in enumerate(self.outputs)}
         for nxt in later.outputs:
@@ -68,8 +69,10 @@ class RequestOutput:
             else:
                 cur = self.outputs[at[nxt.index]]
                 cur.text += nxt.text
-                cur.token_ids = cur.token_ids + nxt.token_ids
+                cur.token_ids.extend(nxt.token_ids)
                 if nxt.logprobs is not None:
-                    cur.logprobs = (cur.logprobs or []) + nxt.logprobs
+                    if cur.logprobs is None:
+                        cur.logprobs = []
+                    cur.logprobs.extend(nxt.logprobs)
                 cur.cumulative_logprob = nxt.cumulative_logprob
                 cur.finish_reason, cur.stop_reason = nxt.finish_reason, nxt.stop_reason

@@ -363,8 +363,8 @@ def run_offline(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any
     prompts = [{"prompt_token_ids": [rng.randrange(inner.vocab_size) for _ in range(rng.randint(lo, hi))]}
                for _ in range(n)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(lo, hi), ignore_eos=True) for _ in range(n)]
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0.0, max_tokens=2,
-                                                                        ignore_eos=True))  # warm-up, untimed
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                 use_tqdm=False)  # warm-up, untimed
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not getattr(args, "no_progress", False))
     wall = time.perf_counter() - start

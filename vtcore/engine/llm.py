@@ -58,7 +58,8 @@ class LLM(EngineFrontEnd):
         """Run every prompt to completion; outputs come back in input order.
 
         ``use_tqdm`` (vLLM's): a progress bar of finished prompts on stderr, or none (False), or one made by
-        this callable (tqdm's signature: ``total``, ``desc``).
+        this callable (as vLLM calls it: tqdm's ``total``, ``desc`` and ``dynamic_ncols``; then ``update(n)`` and
+        ``close()``).
         Every prompt is validated before any runs, so a bad one raises without leaving work behind.
         ``priority`` (vLLM's): one per prompt, for ``scheduling_policy="priority"`` (lower first).
         ``lora_request`` (vLLM's) must be None: no adapters.
@@ -96,6 +97,9 @@ class LLM(EngineFrontEnd):
             raise ValueError(f"priority has {len(priorities)} entries, expected one per prompt ({len(prompts)})")
         engine = self.engine
         ids = []
+        # (made before any request is added: a factory that fails leaves nothing behind)
+        bar = use_tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True) if callable(use_tqdm) \
+            else tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         try:
             for prompt, p, rank in zip(prompts, params, priorities):
                 ids.append(str(self._counter))
@@ -104,23 +108,23 @@ class LLM(EngineFrontEnd):
         except Exception:
             for rid in ids[:-1]:
                 engine.drop_request(rid)
+            bar.close()
             raise
         final: dict[str, RequestOutput] = {}
-        bar = use_tqdm(total=len(ids), desc="Processed prompts") if callable(use_tqdm) else \
-            tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        with bar:
-            try:
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            final[out.request_id] = out
-                            bar.update()
-            except BaseException:  # a failed step: drop this call's requests, keep the engine usable
-                for rid in ids:
-                    engine.abort_request(rid)
-                while engine.has_unfinished_requests():
-                    engine.step()
-                raise
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # a failed step (or bar): drop this call's requests, keep the engine usable
+            for rid in ids:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        finally:
+            bar.close()
         return [final[rid] for rid in ids]
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],

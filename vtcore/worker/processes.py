@@ -5,8 +5,10 @@ so a child starts in tens of milliseconds where a spawned one imports torch agai
 machine, paid by each engine whose workers are new). The fork server is a fresh interpreter that never
 touches CUDA, so its children may use it (a fork of a process that has initialised CUDA may not). As with
 spawn, a child first imports the parent's main module (a script that starts engines at its top level needs
-a main guard), and its environment is the parent's as the child starts, not the fork server's. Where the
-platform has no fork server (Windows), children are spawned.
+a main guard). Its ``os.environ`` is the parent's as the child starts; what the preloaded modules read at
+import (torch's thread count from ``OMP_NUM_THREADS``, ``TRITON_INTERPRET``) is as the fork server started,
+with the first child this process started, whose preload list is the one that counts. Where the platform has
+no fork server (Windows), children are spawned.
 """
 from __future__ import annotations
 

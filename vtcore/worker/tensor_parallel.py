@@ -297,9 +297,9 @@ def thread_lock_for_progress() -> None:
 
 def worker_main(conn: Connection, device_type: str) -> None:
     """A worker process: serve one engine after another (its rank, size and store arrive on ``conn``; None
-    ends the process). Of the host's torch threads (the cores, or ``OMP_NUM_THREADS``) a worker takes its
-    rank's share: the ranks compute at the same time, and more threads than cores spin against each other
-    on the CPU)."""
+    ends the process). Of its torch threads as it starts (the cores, or ``OMP_NUM_THREADS`` as the fork server
+    read it) a worker keeps one rank's share: the ranks compute at the same time, and on the CPU more threads
+    than cores spin against each other. Rank 0, the caller's process, keeps its own setting."""
     thread_lock_for_progress()
     threads = torch.get_num_threads()
     while (job := conn.recv()) is not None:
