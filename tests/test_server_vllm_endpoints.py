@@ -138,8 +138,8 @@ def test_prompt_logprobs_are_the_engines_cut_to_each_count(client: Any, offline:
                                             extra_body={"prompt_logprobs": 3}))
     firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
     assert seen(firsts[0]) == engine(3) and not any(firsts[1:])
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, n=2,
-                                          extra_body={"prompt_logprobs": 1})
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=1.0, n=2,
+                                          extra_body={"prompt_logprobs": 1})  # (n > 1 samples: vLLM refuses greedy)
     offline_chat = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))[0]
     ids = offline_chat.prompt_token_ids
     want = [None if pos is None else {t: (round(lp.logprob, 4), lp.rank, lp.decoded_token) for t, lp in pos.items()
@@ -221,7 +221,8 @@ def test_return_token_ids_gives_the_engines_ids_on_both_routes(client: Any, engi
     streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **greedy))
     assert _ids(streamed[0], "prompt_token_ids") == chat_want.prompt_token_ids
     assert not any(_ids(c, "prompt_token_ids") for c in streamed[1:])
-    two = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, n=2, **greedy)
+    two = [c for c in client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, n=2,
+                                                     **{**greedy, "temperature": 1.0})
            if _ids(c, "prompt_token_ids")]  # as vLLM: in each choice's first (role) chunk
     assert sorted(c.choices[0].index for c in two) == [0, 1]
     assert all(_ids(c, "prompt_token_ids") == chat_want.prompt_token_ids and c.choices[0].delta.role for c in two)
