@@ -507,6 +507,21 @@ def test_metrics_move(server: ServerThread, client: Any, engine: AsyncLLM) -> No
     assert delta("vtcore:http_requests_total", endpoint="/v1/completions", status="200") == 1
     assert delta("vtcore:http_requests_total", endpoint="/v1/completions", status="400") == 1
     assert metric(after, "vtcore:kv_cache_usage_perc") == 0.0
+    # tokens count as they come (vLLM's counters move every step): mid-stream, the request's prompt and the
+    # tokens streamed so far are in, its success is not
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    seen = 0
+    for chunk in stream:
+        seen += 1
+        if seen == 3:
+            mid = scrape()
+            break
+    stream.close()
+    assert metric(mid, "vtcore:prompt_tokens_total") - metric(after, "vtcore:prompt_tokens_total") == n_prompt
+    assert 3 <= metric(mid, "vtcore:generation_tokens_total") - metric(after, "vtcore:generation_tokens_total") < 40
+    assert metric(mid, "vtcore:request_success_total", finished_reason="length") == metric(
+        after, "vtcore:request_success_total", finished_reason="length")
 
 
 # ----------------------------------------------------------------------------------------- subprocess

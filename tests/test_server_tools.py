@@ -152,3 +152,29 @@ def test_hermes_blocks_split_alike_whole_and_in_any_deltas(text, expected) -> No
             content, calls = content + c, calls + got
         rest, _ = stream.flush()
         assert ((content + rest).strip(), calls) == expected, cuts
+
+
+def test_vllms_tool_flags_are_taken_and_the_parser_name_checked(engine: Any) -> None:  # noqa: F811
+    """``vtcore serve --enable-auto-tool-choice --tool-call-parser NAME`` as vLLM's command lines: the name must
+    be the served family's own format (the plugin's parser), else the start fails saying which it is."""
+    from vtcore.cli.main import build_parser
+    from vtcore.server.serve import _check_tool_call_parser
+    from vtcore.server.tool_calls import Qwen3XMLToolParser
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    assert engine.tool_parser() is HermesToolParser
+    _check_tool_call_parser("hermes", engine)
+    with pytest.raises(ValueError, match=r"^--tool-call-parser 'qwen3_coder': the served family '[a-z0-9_]+' parses "
+                                         r"its tool calls as hermes; expected that name"):
+        _check_tool_call_parser("qwen3_coder", engine)
+    assert Qwen3XMLToolParser.names[0] == "qwen3_coder"
+
+
+def test_a_tool_call_parser_for_a_family_without_one_is_refused_at_start(capsys: Any) -> None:
+    """In-process ``vtcore serve``: the check runs once the engine is up, and the error names the flag."""
+    from vtcore.cli.main import main
+
+    rc = main(["serve", "--device", "cpu", "--port", "0", "--tool-call-parser", "mistral"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--tool-call-parser 'mistral'" in err and "hermes" in err, err

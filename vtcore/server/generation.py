@@ -89,6 +89,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.first_token: float | None = None
+        self.prompt_counted = False  # (in the server's prompt-token counter: with the choice's first output)
         self.end: float | None = None
 
     def update(self, out: CompletionOutput) -> Delta:
@@ -271,7 +272,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
                     prompt.prompt_logprobs = out.prompt_logprobs
                 for completion in out.outputs:
                     choice = prompt.choices[completion.index]
-                    yield choice, choice.update(completion)
+                    delta = choice.update(completion)
+                    self.serving.metrics.tokens(0 if choice.prompt_counted else len(prompt.ids), len(delta.token_ids))
+                    choice.prompt_counted = True
+                    yield choice, delta
         except Exception:  # a failed request counts in no metric; one cut short (cancelled) is an abort
             failed = True
             raise
@@ -279,7 +283,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
             self.serving.live.discard(prompt.rid)
             if not failed:
                 for c in prompt.choices:
-                    self.serving.metrics.finished(c.finish_reason or "abort", len(prompt.ids), len(c.token_ids),
+                    self.serving.metrics.finished(c.finish_reason or "abort", len(c.token_ids),
                                                   prompt.arrival, c.first_token, c.end or time.monotonic())
 
     async def merged(self, job: Job) -> AsyncIterator[tuple[Choice, Delta]]:

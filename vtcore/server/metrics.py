@@ -123,7 +123,10 @@ class ServerMetrics:
         self.http_requests = Counter("vtcore:http_requests_total", "HTTP requests answered, by endpoint and status.")
         self.requests = Counter("vtcore:request_success_total",
                                 "Generation requests (one per prompt and choice) finished, by finish reason.")
-        self.prompt_tokens = Counter("vtcore:prompt_tokens_total", "Prompt tokens of the requests admitted.")
+        # (as vLLM's, counted as they come: a request's prompt with its first output, each token as it reaches the
+        # server; a rate() of them is the throughput while requests run, not only once they end)
+        self.prompt_tokens = Counter("vtcore:prompt_tokens_total",
+                                     "Prompt tokens of the requests (one per choice) that have had a first output.")
         self.generation_tokens = Counter("vtcore:generation_tokens_total", "Tokens generated.")
         self.ttft = Histogram("vtcore:time_to_first_token_seconds",
                               "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
@@ -159,13 +162,17 @@ class ServerMetrics:
         with self._lock:
             self.http_requests.inc(endpoint=endpoint, status=str(status))
 
-    def finished(self, reason: str, prompt_tokens: int, generation_tokens: int, arrival: float,
-                 first_token: float | None, end: float) -> None:
+    def tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Count tokens as they reach the server: a choice's prompt with its first output, then each token."""
+        with self._lock:
+            self.prompt_tokens.inc(prompt_tokens)
+            self.generation_tokens.inc(generation_tokens)
+
+    def finished(self, reason: str, generation_tokens: int, arrival: float, first_token: float | None,
+                 end: float) -> None:
         """Record one finished generation request (times from ``time.monotonic``)."""
         with self._lock:
             self.requests.inc(finished_reason=reason or "unknown")
-            self.prompt_tokens.inc(prompt_tokens)
-            self.generation_tokens.inc(generation_tokens)
             self.e2e.observe(max(end - arrival, 0.0))
             if first_token is not None:
                 self.ttft.observe(max(first_token - arrival, 0.0))

@@ -48,6 +48,12 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, taken for its command lines: tool calls are parsed (and tool_choice 'auto' "
+                        "served) whenever the family's plugin supplies a tool-call parser")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="vLLM's flag: the name of the family's own tool-call format (e.g. hermes for Qwen3, "
+                        "qwen3_coder for Qwen3.5), checked at start; the family's plugin supplies the parser")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's thinking block into the chat message's reasoning_content "
                         "(qwen3: <think>...</think>, for Qwen3 and Qwen3.5)")
@@ -174,6 +180,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_tool_call_parser(name: str, engine: Any) -> None:
+    """``--tool-call-parser NAME`` names the served family's format (its parser's ``names``), else a ValueError
+    saying which it is."""
+    parser = engine.tool_parser()
+    names = tuple(getattr(parser, "names", ())) if parser is not None else ()
+    if name not in names:
+        has = f"parses its tool calls as {' / '.join(names)}" if names else (
+            "has a tool-call parser of no vLLM name" if parser is not None else "has no tool-call parser")
+        raise ValueError(f"--tool-call-parser {name!r}: the served family {engine.engine.family.name!r} {has}; "
+                         "expected that name, or no --tool-call-parser (its plugin supplies the parser)")
+
+
 def served_model_name(args: argparse.Namespace, config: EngineConfig) -> str:
     """The model name clients send: ``--served-model-name``, else the model as given, else 'vtcore-default'."""
     return args.served_model_name or (DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else config.model)
@@ -217,6 +235,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         sock.close()
         raise
     try:
+        if args.tool_call_parser is not None:
+            _check_tool_call_parser(args.tool_call_parser, engine)
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                 "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
         app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,

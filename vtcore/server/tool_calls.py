@@ -19,7 +19,8 @@ from vtcore.structured.grammar import GrammarRefused, refused_as_value_error
 
 
 class ToolParser(Protocol):
-    """What the server needs of a family's tool-call format."""
+    """What the server needs of a family's tool-call format. A parser may also have ``names``: vLLM's
+    ``--tool-call-parser`` names for its format, which ``vtcore serve --tool-call-parser`` then checks."""
 
     start: str  # the text that opens a call block (streaming holds output back from here)
     end: str
@@ -40,6 +41,7 @@ class ToolParser(Protocol):
 
 class HermesToolParser:
     start, end = "<tool_call>", "</tool_call>"
+    names = ("hermes",)
 
     @staticmethod
     def parse_block(block: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, str] | None:
@@ -160,6 +162,7 @@ class Qwen3XMLToolParser:
     (its enum, or its min/max length), any other type as the JSON its schema allows."""
 
     start, end = "<tool_call>", "</tool_call>"
+    names = ("qwen3_coder", "qwen3_xml")
 
     @staticmethod
     def parse_block(block: str, tools: Sequence[dict[str, Any]] = ()) -> tuple[str, str] | None:
