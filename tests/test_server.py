@@ -659,10 +659,30 @@ def test_serve_parser_defaults_are_safe() -> None:
     args = parser.parse_args(["serve", "/m", "--served-model-name", "n", "--api-key", "k", "--device",
                               "cpu", "--max-request-bytes", "100", "--port", "9", "--host", "127.0.0.2"])
     assert (args.model, args.served_model_name, args.api_key, args.device, args.max_request_bytes, args.port,
-            args.host) == ("/m", "n", "k", "cpu", 100, 9, "127.0.0.2")
+            args.host) == ("/m", ["n"], "k", "cpu", 100, 9, "127.0.0.2")
     for bad in (["--port", "70000"], ["--max-request-bytes", "0"]):  # refused before the model loads
         with pytest.raises(ValueError, match=bad[0]):
             cmd_serve(parser.parse_args(["serve", *bad]), io.StringIO())
+
+
+def test_served_model_names_are_aliases_each_answered_by_its_own_name(engine: AsyncLLM) -> None:
+    """vLLM's ``--served-model-name a b``: every name is served and listed, a response carries the name its
+    request used (the first where it named none), metrics the first; another name is a 404 naming them."""
+    from vtcore.cli.main import build_parser
+    from vtcore.server.app import build_app
+
+    assert build_parser().parse_args(["serve", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    with ServerThread(build_app(engine, ["main-name", "alias"])) as srv:
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["main-name", "alias"]
+        assert httpx.get(srv.url + "/v1/models/alias").json()["id"] == "alias"
+        body = {"prompt": "a", "max_tokens": 2}
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "model": "alias"}).json()["model"] == "alias"
+        assert httpx.post(srv.url + "/v1/completions", json=body).json()["model"] == "main-name"
+        streamed = httpx.post(srv.url + "/v1/completions", json={**body, "model": "alias", "stream": True}).text
+        assert '"model":"alias"' in streamed.replace(" ", "")
+        err = httpx.post(srv.url + "/v1/completions", json={**body, "model": "other"})
+        assert err.status_code == 404 and "serves 'main-name' or 'alias'" in err.json()["error"]["message"]
+        assert 'model_name="main-name"' in httpx.get(srv.url + "/metrics").text
 
 
 def test_tokenizing_a_prompt_does_not_stall_the_server(server: ServerThread, engine: AsyncLLM, monkeypatch) -> None:

@@ -18,7 +18,7 @@ trace of the steps between them, written to the configured folder).
 # No ``from __future__ import annotations``: the routes' body annotations are classes built here (the
 # request models bounded by this engine), which FastAPI must see as objects, not names.
 from importlib.metadata import PackageNotFoundError, version as dist_version
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -86,7 +86,7 @@ DEFAULT_CORS: dict[str, Any] = {"allow_origins": ["*"], "allow_methods": ["*"], 
                                 "allow_credentials": False}
 
 
-def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = None,
+def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_key: str | None = None,
               max_request_bytes: int = 8 << 20, reasoning_parser: str | None = None,
               chat_template: str | None = None, cors: dict[str, Any] | None = None,
               return_tokens_as_token_ids: bool = False, dev_mode: bool = False) -> FastAPI:
@@ -147,12 +147,12 @@ def build_app(engine: "AsyncLLM", served_model_name: str, api_key: str | None = 
 
     @app.get("/v1/models", responses=errors(401))
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [serving.model_card()]}
+        return {"object": "list", "data": [serving.model_card(name) for name in serving.names]}
 
     @app.get("/v1/models/{model:path}", responses=errors(401, 404))
     async def model(model: str) -> dict[str, Any]:
         serving.check_model(model)
-        return serving.model_card()
+        return serving.model_card(model)
 
     @app.get("/health", responses=errors(503))
     async def health() -> dict[str, str]:

@@ -198,7 +198,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
             return EventStream(self.events(body, job))
         if not await self.run_to_end(job, request):
             return Response(status_code=499)
-        return JSONResponse({"id": job.id, "object": self.object, "created": job.created, "model": self.serving.name,
+        return JSONResponse({"id": job.id, "object": self.object, "created": job.created,
+                             "model": self.serving.model_name(body.model),
                              "choices": [self.response_choice(body, c) for c in job.choices], "usage": job.usage(),
                              **self.response_extra(body, job)})
 
@@ -240,7 +241,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options.continuous_usage_stats)
-        head = {"id": job.id, "object": self.chunk_object, "created": job.created, "model": self.serving.name}
+        head = {"id": job.id, "object": self.chunk_object, "created": job.created,
+                "model": self.serving.model_name(body.model)}
         stream = self.stream(body)
         extra = self.first_chunk_extra(body, job)
         started: set[int] = set()  # choices with a chunk sent

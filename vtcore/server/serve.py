@@ -38,8 +38,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     add_engine_args(p, positional_model=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None,
-                   help=f"the model name clients send (default: MODEL as given, or {DEFAULT_MODEL_NAME!r})")
+    p.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="the model names clients send (vLLM's aliases: the first is the one responses carry where a "
+                        f"request names none; default: MODEL as given, or {DEFAULT_MODEL_NAME!r})")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /reset_prefix_cache, "
                         "/start_profile and /stop_profile (default: $VTCORE_API_KEY, else none)")
@@ -192,9 +193,15 @@ def _check_tool_call_parser(name: str, engine: Any) -> None:
                          "expected that name, or no --tool-call-parser (its plugin supplies the parser)")
 
 
+def served_model_names(args: argparse.Namespace, config: EngineConfig) -> list[str]:
+    """The model names clients may send: ``--served-model-name``'s (the first is the name responses and metrics
+    carry where a request names none), else the model as given, else 'vtcore-default'."""
+    return args.served_model_name or [DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else config.model]
+
+
 def served_model_name(args: argparse.Namespace, config: EngineConfig) -> str:
     """The model name clients send: ``--served-model-name``, else the model as given, else 'vtcore-default'."""
-    return args.served_model_name or (DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else config.model)
+    return served_model_names(args, config)[0]
 
 
 def _event_loop_runner() -> Any:
@@ -223,7 +230,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
-    name = served_model_name(args, config)
+    names = served_model_names(args, config)
+    name = names[0]
     if not _is_loopback(args.host) and api_key is None:
         out.write(f"vtcore serve: warning: listening on {args.host} without --api-key: anyone who can reach "
                   "this address can use the server\n")
@@ -239,7 +247,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
             _check_tool_call_parser(args.tool_call_parser, engine)
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                 "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
-        app = build_app(engine, name, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,
+        app = build_app(engine, names, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,
                         args.return_tokens_as_token_ids, dev_mode=os.environ.get("VTCORE_SERVER_DEV_MODE") == "1")
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from vtcore.server.errors import APIError
 from vtcore.server.metrics import ServerMetrics
@@ -21,15 +21,16 @@ class Serving:
     ...), the served model name, metrics, the engine requests in flight, the draining flag, and the
     threads that prepare requests off the event loop."""
 
-    def __init__(self, engine: AsyncLLM, name: str, chat_template: str | None = None,
+    def __init__(self, engine: AsyncLLM, names: str | Sequence[str], chat_template: str | None = None,
                  tokens_as_ids: bool = False) -> None:
         self.engine = engine
-        self.name = name
+        self.names = (names,) if isinstance(names, str) else tuple(names)  # (vLLM's aliases: the first is the name)
+        self.name = self.names[0]
         self.chat_template = chat_template  # the served chat template (None: the tokenizer's)
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:{id}" unless a request says otherwise
         self.created = int(time.time())
         self.limits = engine.limits()
-        self.metrics = ServerMetrics(name, engine.stats)
+        self.metrics = ServerMetrics(self.name, engine.stats)
         self.live: set[str] = set()  # engine request ids in flight
         self.draining = False  # shutting down: new requests get 503
         # Requests are validated and tokenized on these threads, off the event loop: a large prompt
@@ -58,12 +59,17 @@ class Serving:
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.name!r} "
+        if model is not None and model not in self.names:
+            served = " or ".join(repr(n) for n in self.names)
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {served} "
                                 "(see GET /v1/models)", "model", "model_not_found")
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "vtcore",
+    def model_name(self, asked: str | None) -> str:
+        """The name a response carries: the one the request asked for (a served alias), else the first."""
+        return asked if asked in self.names else self.name
+
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        return {"id": name or self.name, "object": "model", "created": self.created, "owned_by": "vtcore",
                 "root": self.engine.model, "parent": None, "max_model_len": self.limits.max_model_len}
 
     def decode(self, token_ids: list[int]) -> str:
