@@ -89,14 +89,19 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.first_token: float | None = None
+        self.last_token: float | None = None  # (when the latest output with tokens came)
+        self.gap: float | None = None  # seconds between the last two outputs with tokens (None before a second)
         self.prompt_counted = False  # (in the server's prompt-token counter: with the choice's first output)
         self.end: float | None = None
 
     def update(self, out: CompletionOutput) -> Delta:
         """Add one (delta) engine output of this choice's sample."""
         self.text += out.text
-        if out.token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
+        if out.token_ids:
+            now = time.monotonic()
+            self.first_token = self.first_token or now
+            self.gap = None if self.last_token is None else now - self.last_token
+            self.last_token = now
         self.token_ids += out.token_ids
         logprobs = list(out.logprobs or [])
         self.logprobs += logprobs
@@ -275,7 +280,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 for completion in out.outputs:
                     choice = prompt.choices[completion.index]
                     delta = choice.update(completion)
-                    self.serving.metrics.tokens(0 if choice.prompt_counted else len(prompt.ids), len(delta.token_ids))
+                    self.serving.metrics.tokens(0 if choice.prompt_counted else len(prompt.ids), len(delta.token_ids),
+                                                choice.gap if delta.token_ids else None)
                     choice.prompt_counted = True
                     yield choice, delta
         except Exception:  # a failed request counts in no metric; one cut short (cancelled) is an abort

@@ -130,8 +130,15 @@ class ServerMetrics:
         self.generation_tokens = Counter("vtcore:generation_tokens_total", "Tokens generated.")
         self.ttft = Histogram("vtcore:time_to_first_token_seconds",
                               "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        # (vLLM's: one sample an output after a request's first, the time since its previous one; and the
+        # per-request mean apart)
+        self.itl = Histogram("vtcore:inter_token_latency_seconds",
+                             "Time between a request's outputs with tokens, one sample each after the first.",
+                             TPOT_BUCKETS)
         self.tpot = Histogram("vtcore:time_per_output_token_seconds",
-                              "Mean time between a request's generated tokens after the first.", TPOT_BUCKETS)
+                              "vLLM's older name of inter_token_latency_seconds: the same samples.", TPOT_BUCKETS)
+        self.request_tpot = Histogram("vtcore:request_time_per_output_token_seconds",
+                                      "Mean time between a request's generated tokens after the first.", TPOT_BUCKETS)
         self.e2e = Histogram("vtcore:e2e_request_latency_seconds", "Time from a request's arrival to its end.",
                              E2E_BUCKETS)
         self.readings = [
@@ -162,11 +169,15 @@ class ServerMetrics:
         with self._lock:
             self.http_requests.inc(endpoint=endpoint, status=str(status))
 
-    def tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
-        """Count tokens as they reach the server: a choice's prompt with its first output, then each token."""
+    def tokens(self, prompt_tokens: int, generation_tokens: int, gap: float | None) -> None:
+        """Count tokens as they reach the server: a choice's prompt with its first output, then each token;
+        ``gap``: the seconds since the choice's previous output with tokens (None: none before)."""
         with self._lock:
             self.prompt_tokens.inc(prompt_tokens)
             self.generation_tokens.inc(generation_tokens)
+            if gap is not None:
+                self.itl.observe(max(gap, 0.0))
+                self.tpot.observe(max(gap, 0.0))
 
     def finished(self, reason: str, generation_tokens: int, arrival: float, first_token: float | None,
                  end: float) -> None:
@@ -177,14 +188,14 @@ class ServerMetrics:
             if first_token is not None:
                 self.ttft.observe(max(first_token - arrival, 0.0))
                 if generation_tokens > 1:
-                    self.tpot.observe(max(end - first_token, 0.0) / (generation_tokens - 1))
+                    self.request_tpot.observe(max(end - first_token, 0.0) / (generation_tokens - 1))
 
     def render(self) -> str:
         lines: list[str] = []
         with self._lock:
             for c in (self.http_requests, self.requests, self.prompt_tokens, self.generation_tokens):
                 lines += c.render(self.base)
-            for h in (self.ttft, self.tpot, self.e2e):
+            for h in (self.ttft, self.itl, self.tpot, self.request_tpot, self.e2e):
                 lines += h.render(self.base)
         try:
             stats: EngineStats | None = self.stats()
