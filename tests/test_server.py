@@ -478,6 +478,16 @@ def test_64_concurrent_streams_match_offline(server: ServerThread, offline: LLM,
     wait_pool_empty(engine)
 
 
+def test_every_finish_reasons_series_is_there_from_the_start() -> None:
+    """As vLLM's: a fresh server's /metrics has each finish reason's success counter at 0 (a rate() sees the
+    first request of each)."""
+    from vtcore.server.metrics import ServerMetrics
+
+    body = ServerMetrics("m", lambda: None).render()
+    for reason in ("stop", "length", "abort"):
+        assert f'vtcore:request_success_total{{model_name="m",finished_reason="{reason}"}} 0.0' in body, body
+
+
 def test_metrics_move(server: ServerThread, client: Any, engine: AsyncLLM) -> None:
     def scrape() -> str:
         r = httpx.get(server.url + "/metrics")

@@ -42,6 +42,10 @@ def _num(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else f"{float(value):.1f}"
 
 
+#: the engine's finish reasons of a choice ("abort": the client left, or the server stopped it)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 class Counter:
     def __init__(self, name: str, help: str) -> None:
         assert name.endswith("_total")
@@ -123,6 +127,8 @@ class ServerMetrics:
         self.http_requests = Counter("vtcore:http_requests_total", "HTTP requests answered, by endpoint and status.")
         self.requests = Counter("vtcore:request_success_total",
                                 "Generation requests (one per prompt and choice) finished, by finish reason.")
+        for reason in FINISH_REASONS:  # (every series from the start, at 0, as vLLM's: a rate() sees the first)
+            self.requests.inc(0.0, finished_reason=reason)
         # (as vLLM's, counted as they come: a request's prompt with its first output, each token as it reaches the
         # server; a rate() of them is the throughput while requests run, not only once they end)
         self.prompt_tokens = Counter("vtcore:prompt_tokens_total",
