@@ -524,12 +524,10 @@ def test_metrics_move(server: ServerThread, client: Any, engine: AsyncLLM) -> No
     # tokens streamed so far are in, its success is not
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
-    seen = 0
-    for chunk in stream:
-        seen += 1
-        if seen == 3:
-            mid = scrape()
-            break
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    mid = scrape()
     stream.close()
     assert metric(mid, "vtcore:prompt_tokens_total") - metric(after, "vtcore:prompt_tokens_total") == n_prompt
     assert 3 <= metric(mid, "vtcore:generation_tokens_total") - metric(after, "vtcore:generation_tokens_total") < 40
