@@ -19,7 +19,7 @@ from vtcore.cli.main import build_parser, main
 from vtcore.config import DEFAULT_MODEL, EngineConfig
 from vtcore.engine import async_llm, llm
 from vtcore.engine.arg_utils import engine_argv, engine_config_from_args
-from vtcore.server.serve import served_model_name
+from vtcore.server.serve import served_model_names
 
 #: the flags the work item lists (vLLM's names), each on every command that builds an engine
 FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--num-kv-blocks", "--block-size",
@@ -183,9 +183,10 @@ def test_llm_and_async_llm_refuse_an_unknown_knob_alike(no_engine) -> None:
 def test_serve_takes_the_model_positionally(no_engine, capsys) -> None:
     assert built_config("serve", "acme/x", "--port", "0").model == "acme/x"
     assert capsys.readouterr().err == ""
-    assert served_model_name(_parse("serve", "acme/x"), EngineConfig(model="acme/x")) == "acme/x"
-    assert served_model_name(_parse("serve", "acme/x", "--served-model-name", "n"), EngineConfig(model="acme/x")) == "n"
-    assert served_model_name(_parse("serve"), EngineConfig()) == "vtcore-default"
+    assert served_model_names(_parse("serve", "acme/x"), EngineConfig(model="acme/x")) == ["acme/x"]
+    assert served_model_names(_parse("serve", "acme/x", "--served-model-name", "n", "m"),
+                              EngineConfig(model="acme/x")) == ["n", "m"]
+    assert served_model_names(_parse("serve"), EngineConfig()) == ["vtcore-default"]
 
 
 def test_serve_model_option_still_works_with_a_warning(no_engine, capsys) -> None:

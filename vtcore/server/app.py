@@ -112,7 +112,7 @@ def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_ke
         ResponsesBody = without_logprobs(ResponsesBody)
     DetokenizeBody = bounded(DetokenizeRequest, serving.limits)
     app = FastAPI(title="vtcore", version=__version__, docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  description=f"OpenAI-compatible API (vLLM's shape) serving {served_model_name!r}.")
+                  description=f"OpenAI-compatible API (vLLM's shape) serving {serving.name!r}.")
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.state.server = serving
     app.router.route_class = JSONBodyRoute

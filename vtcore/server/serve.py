@@ -199,10 +199,6 @@ def served_model_names(args: argparse.Namespace, config: EngineConfig) -> list[s
     return args.served_model_name or [DEFAULT_MODEL_NAME if config.model == DEFAULT_MODEL else config.model]
 
 
-def served_model_name(args: argparse.Namespace, config: EngineConfig) -> str:
-    """The model name clients send: ``--served-model-name``, else the model as given, else 'vtcore-default'."""
-    return served_model_names(args, config)[0]
-
 
 def _event_loop_runner() -> Any:
     """``uvloop.run`` where uvloop is installed (a dependency off Windows; vLLM's server runs on it too), else
