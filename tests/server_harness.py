@@ -41,14 +41,15 @@ PROMPTS = ["The meaning of life is", "A friend is", "Once upon a time", "The bes
 
 # ------------------------------------------------------------------------------------------- fixtures
 class ServerThread:
-    """A uvicorn server over ``app`` on a free loopback port, in a background thread."""
+    """A uvicorn server over ``app`` on a free loopback port, in a background thread; ``config``: more of
+    ``uvicorn.Config``'s options (``root_path``)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
         self.sock = listening_socket(HOST, 0)  # as ``vtcore serve`` listens
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{HOST}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=2, **config))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
 

@@ -29,7 +29,7 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    engine = LLM(device="cpu", num_kv_blocks=256)
+    engine = LLM(device="cpu", num_kv_blocks=256, max_logprobs=-1)  # (the whole-vocabulary logprobs test)
     yield engine
     engine.shutdown()
 

@@ -146,6 +146,12 @@ def _dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
                          f"{sorted(d for d in DTYPES if d != 'auto')}")
 
 
+def _max_logprobs(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """attrs validator: an integer >= 0, or -1 (no cap)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise ValueError(f"{attribute.name}={value!r}: expected an integer >= 0, or -1 for no cap")
+
+
 def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, bool):  # "off" would read as true
         raise ValueError(f"{attribute.name}={value!r}: expected True or False"
@@ -281,6 +287,12 @@ class EngineConfig:
         "flag": False, "help": "async scheduling with the device mirror (two steps in flight), or the rollback "
                                "(False: the host waits for each step's tokens); None reads "
                                "VTCORE_ASYNC_DEVICE_MIRROR (default 1: on)"})
+    max_logprobs: int = attrs.field(default=20, validator=_max_logprobs, metadata={
+        "help": "the most alternatives a request's logprobs or prompt_logprobs may ask for (-1 in a request asks "
+                "for the whole vocabulary); -1: no cap (vLLM's flag and default)"})
+    trust_remote_code: bool = attrs.field(default=False, validator=_bool, metadata={
+        "help": "let the tokenizer run code its checkpoint ships (transformers' trust_remote_code; the model "
+                "itself is always a registered family's own code)"})
     generation_config: str = attrs.field(default="auto", validator=_generation_config, metadata={
         "help": "auto: the sampling values of the checkpoint's generation_config.json are the defaults of "
                 "requests that leave them unset (vLLM's default); vllm: SamplingParams' own; a folder: the "

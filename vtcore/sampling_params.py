@@ -172,8 +172,9 @@ class SamplingParams:
             seed -= _SEED_RANGE[1]
         return attrs.evolve(self, n=1, seed=seed)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has."""
+    def check_vocab(self, vocab_size: int, max_logprobs: int = -1) -> None:
+        """Reject token ids that the model's vocabulary does not hold, and more alternatives than it has or than
+        the engine's ``max_logprobs`` allows (-1: no cap; a request's -1 asks for the whole vocabulary)."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
                           ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -183,6 +184,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value > vocab_size:
                 raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
+            wanted = vocab_size if value == -1 else value
+            if value is not None and max_logprobs != -1 and wanted > max_logprobs:
+                raise _bad(name, value, f"at most the engine's max_logprobs, {max_logprobs}"
+                                        + (f" (-1 asks for all {vocab_size})" if value == -1 else "")
+                                        + "; max_logprobs=-1 (vtcore serve --max-logprobs -1) lifts the cap")
 
     def for_vocab(self, vocab_size: int) -> "SamplingParams":
         """These params with a count of alternatives of -1 as ``vocab_size`` (a copy: the caller's object, which

@@ -15,6 +15,7 @@ class EngineLimits:
     block_size: int  # tokens a KV block holds
     num_kv_blocks: int  # KV blocks in the pool, shared by every running request
     by_priority: bool = False  # scheduling_policy="priority": requests may carry a priority other than 0
+    max_logprobs: int = -1  # the most alternatives a request's logprobs may ask for (-1: no cap)
 
     def kv_blocks_needed(self, num_tokens: int) -> int:
         """KV blocks a request of ``num_tokens`` tokens (prompt + output) holds at its longest."""

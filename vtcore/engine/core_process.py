@@ -299,8 +299,7 @@ class CoreClient(PromptText):
     core's messages are read by one thread (``recv``)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from vtcore.engine.tokenizer import load_tokenizer
-        from vtcore.loading.hub import resolve_model
+        from vtcore.engine.tokenizer import engine_tokenizer
 
         self.config = config
         ours, theirs = pipe()
@@ -330,8 +329,7 @@ class CoreClient(PromptText):
         info: CoreInfo = msg[1]
         self.info, self.family, self.vocab_size = info, info.family, info.limits.vocab_size
         self.latest_stats = info.stats
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
-                                        else info.model_path)
+        self.tokenizer = engine_tokenizer(config, info.model_path)
         self.text = FrontEndText(self.tokenizer, self.info.eos_token_ids)
 
     def send(self, msg: tuple) -> None:

@@ -23,7 +23,7 @@ from vtcore.engine.prompt_text import Prompt, PromptText, prompt_cache_salt
 from vtcore.engine.request import Request
 from vtcore.engine.scheduler import Scheduler
 from vtcore.engine.snapshot_pool import SnapshotPool
-from vtcore.engine.tokenizer import load_tokenizer
+from vtcore.engine.tokenizer import engine_tokenizer
 from vtcore.engine.warm_up import warm_up
 from vtcore.errors import ConfigError, RequestRejected, VtcoreError
 from vtcore.loading.hub import resolve_model
@@ -169,8 +169,7 @@ class LLMEngine(PromptText):
         self.max_model_len = config.max_model_len or int(4096 if trained is None else trained)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         self.vocab_size = int(hf.vocab_size)
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, weights=False) if config.tokenizer
-                                        else self.model_path)
+        self.tokenizer = engine_tokenizer(config, self.model_path)
         gen = self._generation_config()  # read once: the server asks for its defaults every request
         self.eos_token_ids = self._eos_ids(gen)
         self._sampling_defaults = {} if config.generation_config == "vllm" else {
@@ -375,7 +374,7 @@ class LLMEngine(PromptText):
              cache_salt: str | None = None, priority: int = 0) -> Request:
         if not ids:
             raise RequestRejected(f"request {request_id!r}: the prompt is empty; expected at least one token")
-        params.check_vocab(self.vocab_size)
+        params.check_vocab(self.vocab_size, self.config.max_logprobs)
         params = params.for_vocab(self.vocab_size)
         req = Request(request_id, ids, params, self.max_model_len, next(self._arrivals), text)
         req.cache_salt, req.priority = cache_salt, priority
@@ -645,7 +644,7 @@ class LLMEngine(PromptText):
         """The fixed limits a request must fit (see ``Scheduler.add``)."""
         return EngineLimits(self.max_model_len, self.vocab_size, self.scheduler.max_num_seqs,
                             self.max_num_batched_tokens, self.pool.block_size, self.pool.num_blocks,
-                            self.scheduler.by_priority)
+                            self.scheduler.by_priority, self.config.max_logprobs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and state snapshot (vLLM's ``reset_prefix_cache``); True when caching is on."""

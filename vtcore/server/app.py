@@ -89,19 +89,21 @@ DEFAULT_CORS: dict[str, Any] = {"allow_origins": ["*"], "allow_methods": ["*"], 
 def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_key: str | None = None,
               max_request_bytes: int = 8 << 20, reasoning_parser: str | None = None,
               chat_template: str | None = None, cors: dict[str, Any] | None = None,
-              return_tokens_as_token_ids: bool = False, dev_mode: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, dev_mode: bool = False,
+              log_requests: bool = False) -> FastAPI:
     """The OpenAI-compatible app over ``engine``; see the module docstring. ``app.state.server`` is
     its ``Serving`` (draining, ``abort_all``: ``vtcore serve``'s graceful shutdown uses them).
     ``reasoning_parser``: a name of :data:`vtcore.server.reasoning.REASONING_PARSERS` (None: off);
     ``chat_template``: a Jinja chat template for every conversation (None: the tokenizer's); ``cors``:
     ``CORSMiddleware``'s options over ``DEFAULT_CORS`` (outermost: a browser reads the gate's 401 and 413 too);
     ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:{id}`` where a request leaves the field out;
-    ``dev_mode``: also the development endpoints (the module docstring)."""
+    ``dev_mode``: also the development endpoints (the module docstring); ``log_requests``: a line of
+    ``vtcore.server.serving.request_log`` as each generation request arrives and as it ends."""
     if not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected a positive number of bytes")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={reasoning_parser!r}: expected one of {sorted(REASONING_PARSERS)}")
-    serving = Serving(engine, served_model_name, chat_template, return_tokens_as_token_ids)
+    serving = Serving(engine, served_model_name, chat_template, return_tokens_as_token_ids, log_requests)
     parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     completions, chat, tokenization = CompletionsEndpoint(serving), ChatEndpoint(serving, parser), Tokenization(serving)
     responses = ResponsesEndpoint(serving, parser)

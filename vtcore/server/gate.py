@@ -17,6 +17,14 @@ DRAIN_BYTES = 8 << 20
 GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache", "/start_profile", "/stop_profile")
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: the request's path less the ASGI ``root_path`` (``vtcore serve --root-path``)
+    that the server puts in front of it, so that the guard and the metrics see ``/v1/...`` under any prefix."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and (path == root or path.startswith(root.rstrip("/") + "/")):
+        return path[len(root.rstrip("/")):] or "/"
+    return path
+
 
 class Gate:
     """Bearer auth on ``GUARDED_PREFIXES``, the body-size limit, and one count per answer by
@@ -39,7 +47,7 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        path = route_path(scope)
         status = [0]
 
         async def counted_send(message: dict[str, Any]) -> None:
@@ -54,7 +62,7 @@ class Gate:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])
-        guarded = scope.get("path", "").startswith(GUARDED_PREFIXES) and scope.get("method") != "OPTIONS"
+        guarded = route_path(scope).startswith(GUARDED_PREFIXES) and scope.get("method") != "OPTIONS"
         if self.api_key is not None and guarded and not self._authorized(headers):
             await send_error(send, APIError(401, "invalid or missing API key: send the header "
                                                  "'Authorization: Bearer <key>'", code="invalid_api_key"),

@@ -26,7 +26,7 @@ from vtcore.outputs import CompletionOutput, Logprob, PositionLogprobs
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.server.errors import APIError, to_api_error
 from vtcore.server.protocol import GenerationRequest, json_equal
-from vtcore.server.serving import Serving
+from vtcore.server.serving import Serving, request_log
 from vtcore.server.sse import DONE, EventStream, sse, unless_disconnected
 from vtcore.server.structured import RESPONSE_FORMATS, structured_outputs
 
@@ -270,6 +270,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
         """One prompt's (choice, delta) pairs as its engine outputs come; its metrics once it ends."""
         failed = False
         self.serving.live.add(prompt.rid)
+        if self.serving.log_requests:
+            request_log.info("Received request %s: %d prompt tokens, params: %s", prompt.rid, len(prompt.ids),
+                             prompt.params)
         try:
             async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids,
                                                    "cache_salt": prompt.cache_salt}, prompt.params, prompt.rid,
@@ -284,11 +287,16 @@ class GenerationEndpoint(ABC, Generic[Body]):
                                                 choice.gap if delta.token_ids else None)
                     choice.prompt_counted = True
                     yield choice, delta
-        except Exception:  # a failed request counts in no metric; one cut short (cancelled) is an abort
+        except Exception as exc:  # a failed request counts in no metric; one cut short (cancelled) is an abort
             failed = True
+            if self.serving.log_requests:
+                request_log.info("Failed request %s: %s: %s", prompt.rid, type(exc).__name__, exc)
             raise
         finally:
             self.serving.live.discard(prompt.rid)
+            if self.serving.log_requests and not failed:
+                request_log.info("Finished request %s: %s", prompt.rid, ", ".join(
+                    f"{c.finish_reason or 'abort'} after {len(c.token_ids)} tokens" for c in prompt.choices))
             if not failed:
                 for c in prompt.choices:
                     self.serving.metrics.finished(c.finish_reason or "abort", len(c.token_ids),
@@ -399,7 +407,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
     def make_params(self, kw: dict[str, Any], renames: dict[str, str]) -> SamplingParams:
         try:
             params = SamplingParams(**kw)
-            params.check_vocab(self.serving.limits.vocab_size)
+            params.check_vocab(self.serving.limits.vocab_size, self.serving.limits.max_logprobs)
         except (ValueError, TypeError, NotImplementedError) as exc:
             raise to_api_error(exc, renames) from None
         return params

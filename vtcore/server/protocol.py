@@ -28,8 +28,6 @@ MAX_N = 128
 #: The most alternatives per position: OpenAI's limits (completions 5, chat 20).
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
-#: The most alternatives per prompt position of vLLM's ``prompt_logprobs`` (vLLM's default max_logprobs).
-MAX_PROMPT_LOGPROBS = 20
 
 #: vLLM request fields this server does not implement, each with the value that asks for nothing
 #: (sent with any other value, the request is refused with a 400 naming the field)
@@ -104,7 +102,6 @@ Count = integer(ge=0)
 Choices = integer(ge=1, le=MAX_N)
 CompletionLogprobs = integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
 TopLogprobs = integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
-PromptLogprobs = integer(ge=0, le=MAX_PROMPT_LOGPROBS)
 TopK = integer(ge=-1)
 Seed = integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
 
@@ -219,6 +216,12 @@ class BoundedModel(BaseModel):
         return {}
 
 
+def _prompt_logprobs(limits: EngineLimits) -> Any:
+    """``prompt_logprobs``' type: at most the engine's ``max_logprobs`` (-1, the whole vocabulary, where that
+    is uncapped)."""
+    return integer(ge=-1) if limits.max_logprobs == -1 else integer(ge=0, le=limits.max_logprobs)
+
+
 def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:
     """``model`` with its token-id fields bounded by ``limits`` (ids below the vocabulary size, and
     the context named in the prompt's description), so that validation and the OpenAPI document agree."""
@@ -281,7 +284,9 @@ class GenerationRequest(BoundedModel):
                 "stop_token_ids": (_token_ids(limits, 0) | None, Field(
                     None, description=f"vLLM's: token ids that end the output (ids in [0, {limits.vocab_size}))")),
                 "priority": (Seed if limits.by_priority else FirstComePriority,
-                             Field(0, description=cls.model_fields["priority"].description))}
+                             Field(0, description=cls.model_fields["priority"].description)),
+                "prompt_logprobs": (_prompt_logprobs(limits) | None,
+                                    Field(None, description=cls.model_fields["prompt_logprobs"].description))}
 
     model: str | None = None
     max_tokens: Count | None = None
@@ -313,10 +318,11 @@ class GenerationRequest(BoundedModel):
     truncate_prompt_tokens: KeptTokens | None = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).")
     include_stop_str_in_output: bool | None = False
-    prompt_logprobs: PromptLogprobs | None = Field(
+    prompt_logprobs: Int | None = Field(
         None, description="vLLM's: each prompt position's logprob, rank and decoded token, with this many "
-                          "alternatives (the first position has none: null); completions: in each choice, chat: in "
-                          "the response (not streamed).")
+                          "alternatives (the first position has none: null), at most the server's --max-logprobs "
+                          "(vLLM's; default 20; -1 there also allows -1 here: the whole vocabulary); completions: in "
+                          "each choice, chat: in the response (not streamed).")
     skip_special_tokens: bool | None = True
     return_tokens_as_token_ids: bool | None = Field(
         None, description="vLLM's: logprobs name each token 'token_id:{id}' instead of its text (null: the server's "

@@ -48,7 +48,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                    help=f"largest request body accepted, else 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (vLLM's --uvicorn-log-level; debug and trace also log each HTTP "
+                        "request's line)")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="the URL prefix a proxy serves this server under (ASGI's root_path, vLLM's flag): routes "
+                        "still answer at /v1/..., and /openapi.json names the prefix")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each generation request as it arrives (its id, prompt length and sampling params) and "
+                        "as it ends (vLLM's flag)")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action=_DisableLogRequests, nargs=0,
+                   help="deprecated (vLLM's): requests are not logged unless --enable-log-requests")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag, taken for its command lines: tool calls are parsed (and tool_choice 'auto' "
                         "served) whenever the family's plugin supplies a tool-call parser")
@@ -140,6 +151,29 @@ def _server_class() -> type:
     return Server
 
 
+class _DisableLogRequests(argparse.Action):
+    """vLLM's deprecated ``--disable-log-requests``: the default, said once."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        sys.stderr.write(f"{parser.prog}: warning: --disable-log-requests is deprecated: requests are logged only "
+                         "with --enable-log-requests\n")
+        setattr(namespace, self.dest, False)
+
+
+def _log_requests_to(stream: TextIO) -> None:
+    """``--enable-log-requests``: the request log's INFO lines to ``stream`` (vtcore configures no root
+    logger, whose default handler shows warnings only)."""
+    from vtcore.server.serving import request_log as log
+
+    if not log.handlers:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def _json_list(value: str) -> list[str]:
     """A JSON list of strings (vLLM's form for the CORS flags)."""
     try:
@@ -224,6 +258,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path {args.root_path!r}: expected a URL path that starts with '/' and does not "
+                         "end with one, e.g. /api")
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
     names = served_model_names(args, config)
@@ -243,11 +280,14 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
             _check_tool_call_parser(args.tool_call_parser, engine)
         cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                 "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+        if args.enable_log_requests:
+            _log_requests_to(sys.stderr)
         app = build_app(engine, names, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,
-                        args.return_tokens_as_token_ids, dev_mode=os.environ.get("VTCORE_SERVER_DEV_MODE") == "1")
+                        args.return_tokens_as_token_ids, dev_mode=os.environ.get("VTCORE_SERVER_DEV_MODE") == "1",
+                        log_requests=args.enable_log_requests)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
-                                access_log=args.log_level == "debug")
+                                access_log=args.log_level in ("debug", "trace"), root_path=args.root_path)
         server = _server_class()(config, app.state.server, args.shutdown_timeout)
         host = f"[{args.host}]" if ":" in args.host else args.host  # the URL names the port really bound
         out.write(f"vtcore serve: model {name!r} on http://{host}:{sock.getsockname()[1]}/v1\n")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
@@ -11,6 +12,9 @@ from vtcore.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from vtcore.engine.async_llm import AsyncLLM
+
+#: ``vtcore serve --enable-log-requests``' log: a line as each generation request arrives and one as it ends
+request_log = logging.getLogger("vtcore.server.requests")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -22,12 +26,13 @@ class Serving:
     threads that prepare requests off the event loop."""
 
     def __init__(self, engine: AsyncLLM, names: str | Sequence[str], chat_template: str | None = None,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, log_requests: bool = False) -> None:
         self.engine = engine
         self.names = (names,) if isinstance(names, str) else tuple(names)  # (vLLM's aliases: the first is the name)
         self.name = self.names[0]
         self.chat_template = chat_template  # the served chat template (None: the tokenizer's)
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:{id}" unless a request says otherwise
+        self.log_requests = log_requests  # each generation request's arrival and end go to ``request_log``
         self.created = int(time.time())
         self.limits = engine.limits()
         self.metrics = ServerMetrics(self.name, engine.stats)
