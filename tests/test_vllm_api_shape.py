@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from typing import Any, Iterator
 
 import pytest
@@ -60,7 +61,10 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM) -> None:
         for params in (greedy(8, stop_token_ids=[stop]),
                        greedy(8, stop_token_ids=[stop], output_kind=RequestOutputKind.DELTA),
                        greedy(8, stop_token_ids=[stop], include_stop_str_in_output=True)):
+            sent = time.monotonic()
             outs = _stream(core, PROMPT, params)
+            # (the engine core's timestamps on the front end's clock: time.monotonic is one clock for both)
+            assert sent <= outs[-1].metrics.queued_ts <= outs[-1].metrics.scheduled_ts <= time.monotonic()
             text = "".join(o.outputs[0].text for o in outs) if params.output_kind == RequestOutputKind.DELTA \
                 else outs[-1].outputs[0].text
             assert text == (kept.text if params.include_stop_str_in_output else out.text)

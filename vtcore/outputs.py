@@ -33,10 +33,15 @@ class CompletionOutput:
 
 @attrs.define
 class RequestMetrics:
-    """Per-request counters: speculative decoding's proposed and accepted tokens (0 without it)."""
+    """Per-request counters, speculative decoding's proposed and accepted tokens (0 without it), and vLLM's
+    engine timestamps: ``queued_ts``, when the engine took the request, and ``scheduled_ts``, when the scheduler
+    first admitted it (0.0: not yet), in ``time.monotonic()``'s seconds (the system's monotonic clock, shared
+    by the engine core process and the front end)."""
 
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    queued_ts: float = attrs.field(default=0.0, eq=False)  # (times, not content: two equal outputs may differ)
+    scheduled_ts: float = attrs.field(default=0.0, eq=False)
 
 
 @attrs.define

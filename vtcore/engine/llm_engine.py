@@ -529,7 +529,9 @@ class LLMEngine(PromptText):
         return RequestOutput(parent, first.prompt, first.prompt_token_ids, plp, completions,
                              finished, first.num_cached_tokens,
                              RequestMetrics(sum(c.num_draft_tokens for c in fan.children),
-                                            sum(c.num_accepted_tokens for c in fan.children)))
+                                            sum(c.num_accepted_tokens for c in fan.children),
+                                            first.queued_ts, min((c.scheduled_ts for c in fan.children
+                                                                  if c.scheduled_ts), default=0.0)))
 
     def _give_up(self, batch: Batch) -> None:
         """A step failed: abort its requests and those of every step still in flight (which read its
@@ -637,7 +639,8 @@ class LLMEngine(PromptText):
                                       logprobs, req.finish_reason, req.stop_reason)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, [completion],
                              finished, req.num_cached_tokens,
-                             RequestMetrics(req.num_draft_tokens, req.num_accepted_tokens))
+                             RequestMetrics(req.num_draft_tokens, req.num_accepted_tokens, req.queued_ts,
+                                            req.scheduled_ts))
 
     # ------------------------------------------------------------------ front end (LLM, AsyncLLM)
     def limits(self) -> EngineLimits:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 import attrs
@@ -40,6 +41,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival = arrival
+        self.queued_ts = time.monotonic()  # when the engine took it (RequestMetrics'; time.monotonic's clock)
+        self.scheduled_ts = 0.0  # when the scheduler first admitted it (0: not yet)
         self.priority = 0  # under the priority scheduling policy, lower values are served first
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
         self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns

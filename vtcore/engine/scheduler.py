@@ -47,6 +47,7 @@ one stream: a later step's writes always land after an earlier step's.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from typing import Callable
 
@@ -338,10 +339,12 @@ class Scheduler:
                 req.restore_snapshot = -1
                 break
             self.waiting.popleft()
-            if self.pool.caching and not req.num_preemptions:  # first admission: what the cache held
-                req.num_cached_tokens = req.num_computed_tokens
-                self.pool.queries += req.num_prompt_tokens
-                self.pool.hits += req.num_computed_tokens
+            if not req.num_preemptions:  # first admission: when, and what the cache held
+                req.scheduled_ts = time.monotonic()
+                if self.pool.caching:
+                    req.num_cached_tokens = req.num_computed_tokens
+                    self.pool.queries += req.num_prompt_tokens
+                    self.pool.hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             req.mirror_slot = self.free_mirror_slots.pop()
             self._insert(self.running, req, self.running.append)

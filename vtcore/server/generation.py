@@ -22,7 +22,7 @@ import attrs
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from vtcore.outputs import CompletionOutput, Logprob, PositionLogprobs
+from vtcore.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 from vtcore.server.errors import APIError, to_api_error
 from vtcore.server.protocol import GenerationRequest, json_equal
@@ -75,6 +75,7 @@ class EnginePrompt:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.num_cached_tokens = 0
         self.arrival = time.monotonic()
+        self.engine_metrics: RequestMetrics | None = None  # the engine's timestamps, from its latest output
 
 
 class Choice:
@@ -277,7 +278,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
             async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids,
                                                    "cache_salt": prompt.cache_salt}, prompt.params, prompt.rid,
                                                   priority=prompt.priority):
-                prompt.num_cached_tokens = out.num_cached_tokens
+                prompt.num_cached_tokens, prompt.engine_metrics = out.num_cached_tokens, out.metrics
                 if out.prompt_logprobs is not None:
                     prompt.prompt_logprobs = out.prompt_logprobs
                 for completion in out.outputs:
@@ -300,7 +301,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
             if not failed:
                 for c in prompt.choices:
                     self.serving.metrics.finished(c.finish_reason or "abort", len(c.token_ids),
-                                                  prompt.arrival, c.first_token, c.end or time.monotonic())
+                                                  prompt.arrival, c.first_token, c.end or time.monotonic(),
+                                                  prompt_tokens=len(prompt.ids), n=prompt.params.n,
+                                                  max_tokens=prompt.params.max_tokens, engine=prompt.engine_metrics)
 
     async def merged(self, job: Job) -> AsyncIterator[tuple[Choice, Delta]]:
         """Run every prompt of ``job`` at once; yield (choice, delta) as they come. Leaving aborts them.

@@ -35,7 +35,7 @@ class Serving:
         self.log_requests = log_requests  # each generation request's arrival and end go to ``request_log``
         self.created = int(time.time())
         self.limits = engine.limits()
-        self.metrics = ServerMetrics(self.name, engine.stats)
+        self.metrics = ServerMetrics(self.name, engine.stats, self.limits.max_model_len)
         self.live: set[str] = set()  # engine request ids in flight
         self.draining = False  # shutting down: new requests get 503
         # Requests are validated and tokenized on these threads, off the event loop: a large prompt
