@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from vtcore.errors import VtcoreError
 from vtcore.worker.processes import pipe, start_child
+from vtcore.worker.shared_memory_group import SharedMemoryGroup, shared_memory_group
 from vtcore.worker.staging import Staged
 
 #: how long a collective waits for a peer before it fails (a dead worker also fails it at once)
@@ -220,6 +221,7 @@ class Peers:
                 _broadcast_object(self.control, None)
         except RuntimeError:
             alive = False  # a dead peer: the others are stopped below
+        _close(self.group, self.control)
         self.group = self.control = None
         for w in self.workers:
             if alive and _idle is not None:
@@ -257,14 +259,28 @@ def _joining(rank: int, w: _Worker) -> None:
 
 
 def _groups(rank: int, size: int, store_path: str, device_type: str) -> tuple[Any, Any]:
-    """(the model's group, the control group) of this engine's ranks, over a file store."""
+    """(the model's group, the control group) of this engine's ranks, over a file store. Host tensors' groups
+    (the control group, and the model's on the CPU) of more than one rank go through shared memory, over gloo
+    groups (which carry what is too large for it; a group of one rank stays gloo's)."""
     timeout = timedelta(seconds=TIMEOUT_S)
     store = dist.FileStore(store_path, size)
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, timeout)
+
+    def host_group(name: str) -> Any:
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout)
+        return gloo if size == 1 else shared_memory_group(rank, size, f"{store_path}.{name}", gloo, TIMEOUT_S)
+
+    control = host_group("control")
     if device_type != "cuda":
-        return dist.ProcessGroupGloo(dist.PrefixStore("model", store), rank, size, timeout), control
+        return host_group("model"), control
     torch.cuda.set_device(rank)
     return dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size), control
+
+
+def _close(*groups: Any) -> None:
+    """Close the shared-memory groups among ``groups`` (torch's own end with their last reference)."""
+    for group in groups:
+        if isinstance(group, SharedMemoryGroup):
+            group.close()
 
 
 def _barrier(control: Any) -> None:
@@ -325,6 +341,7 @@ def _serve(rank: int, size: int, store: str, device_type: str) -> None:
     group, control = _groups(rank, size, store, device_type)
     setup: WorkerSetup | None = _broadcast_object(control, _RECEIVE)
     if setup is None:
+        _close(group, control)
         return
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     with use_plugins(plugins_from(setup.plugins)), tensor_parallel(rank, size, group):
@@ -339,3 +356,4 @@ def _serve(rank: int, size: int, store: str, device_type: str) -> None:
     runner.capture_graphs()  # with rank 0, which captures after every rank is ready
     while (message := _broadcast_object(control, _RECEIVE)) is not None:
         runner.follow(message)
+    _close(group, control)
