@@ -37,13 +37,14 @@ def test_the_engine_stamps_when_a_request_is_queued_and_first_scheduled() -> Non
 
 def test_phases_split_a_requests_time_at_the_engines_timestamps() -> None:
     m = ServerMetrics("m", lambda: None, max_model_len=1024)
-    m.finished("length", 4, arrival=0.5, first_token=2.0, end=3.5, prompt_tokens=12, n=2, max_tokens=4,
+    m.finished("length", 4, arrival=0.5, first_token=2.0, end=3.5, prompt_tokens=12, max_tokens=4,
                engine=RequestMetrics(queued_ts=1.0, scheduled_ts=1.25))
+    m.prompt_finished(2)
     assert [getattr(m, p).sum for p in PHASES] == [0.25, 0.75, 1.5, 2.25]
     m.finished("abort", 0, arrival=0.5, first_token=None, end=1.0, engine=RequestMetrics(queued_ts=0.6))
     assert [getattr(m, p).count for p in PHASES] == [1, 1, 1, 1]  # (never scheduled, no token: no phase)
     assert (m.request_prompt_tokens.sum, m.request_generation_tokens.sum, m.params_n.sum,
-            m.params_max_tokens.count) == (12, 4, 3, 1)
+            m.params_max_tokens.count) == (12, 4, 2, 1)
     assert m.request_prompt_tokens.buckets == one_two_five(1024) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
     text = m.render()
     assert 'vtcore:request_prompt_tokens_bucket{model_name="m",le="20.0"} 2.0' in text
@@ -68,4 +69,4 @@ def test_a_served_requests_phases_and_counts_reach_metrics(engine: AsyncLLM) -> 
         got["request_prefill_time_seconds_sum"] + got["request_decode_time_seconds_sum"], abs=1e-9)
     assert 0 < got["request_inference_time_seconds_sum"] <= got["e2e_request_latency_seconds_sum"]
     assert (got["request_prompt_tokens_sum"], got["request_generation_tokens_sum"], got["request_params_n_sum"],
-            got["request_params_max_tokens_sum"]) == (10, 8, 4, 8)
+            got["request_params_max_tokens_sum"]) == (10, 8, 2, 8)  # (n: once a prompt, as vLLM's)

@@ -63,6 +63,37 @@ def test_the_servers_prompt_logprobs_bound_is_the_engines_max_logprobs() -> None
                                                         ).items()
 
 
+def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_where_uncapped() -> None:
+    """``--max-logprobs -1`` lets a request ask ``prompt_logprobs: -1``: every position after the first holds the
+    whole vocabulary (completions, with and without echo's logprobs; chat)."""
+    uncapped = AsyncLLM(device="cpu", num_kv_blocks=64, max_logprobs=-1)
+    try:
+        vocab = uncapped.engine.vocab_size
+        with ServerThread(build_app(uncapped, MODEL)) as srv:
+            for extra in ({}, {"echo": True, "logprobs": 2}):
+                body = {"prompt": [5, 6, 7], "max_tokens": 1, "prompt_logprobs": -1, **extra}
+                got = httpx.post(srv.url + "/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+                assert [None if p is None else len(p) for p in got] == [None, vocab, vocab], extra
+            chat = httpx.post(srv.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": -1}).json()
+            assert {len(p) for p in chat["prompt_logprobs"][1:]} == {vocab}
+    finally:
+        uncapped.shutdown()
+
+
+def test_trust_remote_code_fetches_a_hub_tokenizers_code(monkeypatch) -> None:
+    """A hub id's snapshot holds no Python files unless remote code is trusted (its tokenizer class)."""
+    import huggingface_hub
+
+    from vtcore.loading.hub import resolve_model
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda model, allow_patterns, local_files_only: seen.append(allow_patterns) or "/snap")
+    assert resolve_model("org/m", weights=False) == resolve_model("org/m", weights=False, code=True) == "/snap"
+    assert "*.py" not in seen[0] and "*.py" in seen[1] and "*.safetensors" not in seen[1]
+
+
 def test_trust_remote_code_reaches_the_tokenizer(monkeypatch) -> None:
     from transformers import AutoTokenizer
 
@@ -80,19 +111,23 @@ def test_trust_remote_code_reaches_the_tokenizer(monkeypatch) -> None:
 def test_under_a_root_path_the_key_still_guards_and_metrics_name_the_route(engine: AsyncLLM) -> None:  # noqa: F811
     """uvicorn puts ``--root-path`` in front of every path; the routes, the API-key guard and the endpoint label
     of the HTTP counter must see the path under it, or /v1 would go unguarded."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
     with ServerThread(build_app(engine, MODEL, api_key=API_KEY), root_path="/api") as srv:
         assert httpx.get(srv.url + "/v1/models").status_code == 401
-        auth = {"Authorization": f"Bearer {API_KEY}"}
         assert httpx.get(srv.url + "/v1/models", headers=auth).json()["data"][0]["id"] == MODEL
         assert httpx.get(srv.url + "/openapi.json").json()["servers"] == [{"url": "/api"}]
         text = httpx.get(srv.url + "/metrics").text
         assert metric(text, "vtcore:http_requests_total", endpoint="/v1/models", status="401") == 1
         assert metric(text, "vtcore:http_requests_total", endpoint="/v1/models", status="200") == 1
-    for bad in ("api", "/api/"):
-        from vtcore.server.serve import cmd_serve
+    for root in ("/api/", "/"):  # (uvicorn's path is then /api//v1/models: the guard strips the root as the router)
+        with ServerThread(build_app(engine, MODEL, api_key=API_KEY), root_path=root) as srv:
+            for path in ("/v1/models", "/%761/models"):
+                assert httpx.get(srv.url + path).status_code == 401, (root, path)
+            assert httpx.get(srv.url + "/v1/models", headers=auth).status_code == 200
+    from vtcore.server.serve import cmd_serve
 
-        with pytest.raises(ValueError, match=f"--root-path {bad!r}: expected a URL path that starts with '/'"):
-            cmd_serve(_serve_args("--root-path", bad), io.StringIO())
+    with pytest.raises(ValueError, match="--root-path 'api': expected a URL path that starts with '/'"):
+        cmd_serve(_serve_args("--root-path", "api"), io.StringIO())
 
 
 def test_enable_log_requests_logs_each_request_as_it_comes_and_ends(engine: AsyncLLM, caplog,  # noqa: F811

@@ -23,10 +23,12 @@ pytestmark = pytest.mark.timeout(120)
 SIZE, ROUNDS, SLOT = 3, 60, 4096  # (a 4 KiB slot: the 2 x 1024-float tensors go through gloo)
 
 
+def _gloo(rank: int, store: str, size: int = SIZE) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore("t", dist.FileStore(store, size)), rank, size, timedelta(seconds=60))
+
+
 def _group(rank: int, store: str) -> SharedMemoryGroup:
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("t", dist.FileStore(store, SIZE)), rank, SIZE,
-                                 timedelta(seconds=60))
-    return shared_memory_group(rank, SIZE, store, gloo, 60, slot_bytes=SLOT)
+    return shared_memory_group(rank, SIZE, store, _gloo(rank, store), 60, slot_bytes=SLOT)
 
 
 def _tensor(rank: int, i: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -85,6 +87,7 @@ def test_many_collectives_give_every_rank_the_exact_result(tmp_path) -> None:
     children = _children(store)
     group = _group(0, store)
     assert isinstance(group, SharedMemoryGroup) and sorted(group.peers) == [1, 2]
+    assert [p.gettimeout() for p in group.peers.values()] == [None, None]  # (wait_s: a peer may idle for ever)
     _collectives(group)
     assert [conn.recv() for _, conn in children] == ["ok", "ok"]
     assert not [f for f in os.listdir(tmp_path) if f != "store"]  # the sockets' and the shared file's names are gone
@@ -103,10 +106,39 @@ def test_a_rank_that_exits_fails_its_peers_next_collective_naming_it(tmp_path) -
     with pytest.raises(RuntimeError, match="rank 2 closed its connection to rank 0"):
         group.allreduce([torch.ones(4)]).wait()
     assert time.monotonic() - started < 10
+    with pytest.raises(RuntimeError, match="rank 2 closed its connection to rank 0"):  # out of step: every later one
+        group.broadcast(torch.ones(4), 0).wait()
     group.close()
+    group.close()  # (again: nothing)
     for process, _ in children:
         process.kill()
         process.join(timeout=30)
+
+
+def _rank_joins_gloo_then_exits(store: str, conn) -> None:
+    _gloo(1, store, size=2)
+    conn.send("joined")
+    os._exit(0)
+
+
+def test_a_join_that_fails_leaves_no_file_behind(tmp_path, monkeypatch) -> None:
+    """A peer that exits while the group is being made (a worker killed as the engine starts): the joining rank
+    fails, and neither the shared file (a tmpfs one holds memory until a reboot) nor a socket's name is left."""
+    from vtcore.worker import shared_memory_group as module
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(module, "_data_paths", lambda prefix: [str(shm / "data")])
+    store = str(tmp_path / "store")
+    ours, theirs = pipe()
+    process = start_child(_rank_joins_gloo_then_exits, (store, theirs), "shm-join-exit", daemon=True)
+    theirs.close()
+    gloo = _gloo(0, store, size=2)
+    assert ours.recv() == "joined"
+    process.join(timeout=30)
+    with pytest.raises(RuntimeError):
+        shared_memory_group(0, 2, store + ".g", gloo, 20)
+    assert os.listdir(shm) == [] and sorted(os.listdir(tmp_path)) == ["shm", "store"]
 
 
 def test_slots_serve_inside_and_outside_inference_mode_alike(tmp_path) -> None:
@@ -135,3 +167,18 @@ def test_where_rank_0_cannot_make_the_shared_file_every_rank_keeps_gloo(tmp_path
     assert [conn.recv() for _, conn in children] == ["ProcessGroupGloo", "ProcessGroupGloo"]
     for process, _ in children:
         process.join(timeout=30)
+
+
+def test_a_collective_that_timed_out_leaves_the_group_failing(tmp_path) -> None:
+    """A peer that answers after the wait's bound: the group is out of step (the late word would pair with the
+    next collective, whose slots the peer has not written), so every later collective fails as the first did."""
+    a, b = socket.socketpair()
+    a.settimeout(0.2)
+    group = SharedMemoryGroup(0, 2, mmap.mmap(-1, 2 * 2 * SLOT), {1: a}, fallback=None, slot_bytes=SLOT)
+    with pytest.raises(RuntimeError, match="rank 1 did not answer rank 0"):
+        group.broadcast(torch.ones(3), 0).wait()
+    b.sendall(b"\0")  # (rank 1's word, late)
+    with pytest.raises(RuntimeError, match="rank 1 did not answer rank 0"):
+        group.broadcast(torch.ones(3), 0).wait()
+    group.close()
+    b.close()

@@ -22,8 +22,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any | None:
 
 def engine_tokenizer(config: EngineConfig, model_path: str) -> Any | None:
     """The engine's tokenizer: ``config.tokenizer``'s (a folder or hub id) where given, else the model's, at
-    ``model_path`` (resolved)."""
+    ``model_path`` (resolved; under ``trust_remote_code`` a hub id is resolved again with its code files)."""
     from vtcore.loading.hub import resolve_model
 
-    path = resolve_model(config.tokenizer, weights=False) if config.tokenizer else model_path
-    return load_tokenizer(path, config.trust_remote_code)
+    code = config.trust_remote_code
+    if config.tokenizer or code:
+        model_path = resolve_model(config.tokenizer or config.model, weights=False, code=code)
+    return load_tokenizer(model_path, code)

@@ -14,12 +14,15 @@ if TYPE_CHECKING:
 #: the tokenizer's files (tokenizer.json, vocab.json, merges.txt, tokenizer.model, *.tiktoken), chat templates
 CONFIG_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 WEIGHT_PATTERNS = ("*.safetensors",)
+#: a tokenizer's own code (``auto_map``), fetched only where remote code is trusted
+CODE_PATTERNS = ("*.py",)
 
 
-def resolve_model(model: str, *, weights: bool = True) -> str:
+def resolve_model(model: str, *, weights: bool = True, code: bool = False) -> str:
     """The checkpoint folder of ``model``: an existing folder unchanged; else ``model`` as a hub id, its
     snapshot folder in huggingface_hub's cache, downloaded there unless ``HF_HUB_OFFLINE`` is set (with
-    ``weights=False``, without the safetensors files: dummy weights, a tokenizer).
+    ``weights=False``, without the safetensors files: dummy weights, a tokenizer; with ``code``, also its
+    Python files: a tokenizer's own class, under ``trust_remote_code``).
 
     A ``model`` that is no folder and no valid hub id raises the folder error (FileNotFoundError); a hub
     id that cannot be had raises ModelNotFoundError saying why and how to get it.
@@ -36,7 +39,7 @@ def resolve_model(model: str, *, weights: bool = True) -> str:
     except HFValidationError:
         raise missing_checkpoint(model) from None
     offline = constants.HF_HUB_OFFLINE  # read at each call, not at import: it may have changed since
-    patterns = [*CONFIG_PATTERNS, *(WEIGHT_PATTERNS if weights else ())]
+    patterns = [*CONFIG_PATTERNS, *(WEIGHT_PATTERNS if weights else ()), *(CODE_PATTERNS if code else ())]
     try:
         return snapshot_download(model, allow_patterns=patterns, local_files_only=offline)
     except LocalEntryNotFoundError as exc:

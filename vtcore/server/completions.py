@@ -32,8 +32,8 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
         if body.logprobs is not None:
             kw["logprobs"] = body.logprobs
         wanted = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
-        if wanted:  # the engine computes the more of the two; each is cut to its own count
-            kw["prompt_logprobs"] = max(wanted)
+        if wanted:  # the engine computes the more of the two (-1: the whole vocabulary); each is cut to its own
+            kw["prompt_logprobs"] = -1 if -1 in wanted else max(wanted)
         return kw, {"prompt_logprobs": "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs"}
 
     def prompts(self, body: CompletionRequest) -> Prompts:

@@ -19,11 +19,14 @@ GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache", "/
 
 def route_path(scope: Scope) -> str:
     """The path the routes match: the request's path less the ASGI ``root_path`` (``vtcore serve --root-path``)
-    that the server puts in front of it, so that the guard and the metrics see ``/v1/...`` under any prefix."""
+    that the server puts in front of it, by starlette's own rule (its router's ``get_route_path``): so that the
+    guard and the metrics see exactly the route a request reaches under any prefix."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and (path == root or path.startswith(root.rstrip("/") + "/")):
-        return path[len(root.rstrip("/")):] or "/"
-    return path
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path
 
 
 class Gate:

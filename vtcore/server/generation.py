@@ -302,8 +302,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
                 for c in prompt.choices:
                     self.serving.metrics.finished(c.finish_reason or "abort", len(c.token_ids),
                                                   prompt.arrival, c.first_token, c.end or time.monotonic(),
-                                                  prompt_tokens=len(prompt.ids), n=prompt.params.n,
+                                                  prompt_tokens=len(prompt.ids),
                                                   max_tokens=prompt.params.max_tokens, engine=prompt.engine_metrics)
+                self.serving.metrics.prompt_finished(prompt.params.n)
 
     async def merged(self, job: Job) -> AsyncIterator[tuple[Choice, Delta]]:
         """Run every prompt of ``job`` at once; yield (choice, delta) as they come. Leaving aborts them.
@@ -487,8 +488,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
 def cut_logprobs(entries: list[tuple[int, PositionLogprobs | None]], k: int | None
                  ) -> list[tuple[int, PositionLogprobs | None]]:
     """Each position's logprobs cut to its token and the top ``k`` (the engine computed the largest count a
-    request asked for: completions' ``echo`` with ``logprobs``, or ``prompt_logprobs``)."""
-    if k is None:
+    request asked for: completions' ``echo`` with ``logprobs``, or ``prompt_logprobs``; -1: the whole
+    vocabulary, uncut)."""
+    if k is None or k == -1:
         return entries
     return [(t, pos if pos is None else {i: lp for i, lp in pos.items()
                                          if i == t or (lp.rank is not None and lp.rank <= k)})

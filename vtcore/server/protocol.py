@@ -217,9 +217,10 @@ class BoundedModel(BaseModel):
 
 
 def _prompt_logprobs(limits: EngineLimits) -> Any:
-    """``prompt_logprobs``' type: at most the engine's ``max_logprobs`` (-1, the whole vocabulary, where that
-    is uncapped)."""
-    return integer(ge=-1) if limits.max_logprobs == -1 else integer(ge=0, le=limits.max_logprobs)
+    """``prompt_logprobs``' type: at most the engine's ``max_logprobs`` (-1, the whole vocabulary, where the cap
+    holds it)."""
+    whole = limits.max_logprobs == -1 or limits.vocab_size <= limits.max_logprobs
+    return integer(ge=-1 if whole else 0, **({} if limits.max_logprobs == -1 else {"le": limits.max_logprobs}))
 
 
 def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:

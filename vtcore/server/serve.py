@@ -258,9 +258,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError(f"--max-request-bytes {args.max_request_bytes}: expected a positive number of bytes")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
-    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
-        raise ValueError(f"--root-path {args.root_path!r}: expected a URL path that starts with '/' and does not "
-                         "end with one, e.g. /api")
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path {args.root_path!r}: expected a URL path that starts with '/', e.g. /api")
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
     names = served_model_names(args, config)

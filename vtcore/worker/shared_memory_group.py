@@ -54,6 +54,7 @@ class SharedMemoryGroup:
             self._bytes = torch.frombuffer(data, dtype=torch.uint8)
         self._turn = 0  # which set of slots the next collective uses
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._broken: RuntimeError | None = None
 
     def _slot(self, rank: int, like: torch.Tensor) -> torch.Tensor:
         """Rank ``rank``'s slot of this collective's set, as a tensor of ``like``'s dtype and shape (views are
@@ -73,7 +74,17 @@ class SharedMemoryGroup:
         return t.device.type == "cpu" and t.numel() * t.element_size() <= self.slot_bytes
 
     def _exchange(self) -> None:
-        """Every rank's slot is written: tell each peer, and wait for each peer's word."""
+        """Every rank's slot is written: tell each peer, and wait for each peer's word. A failure leaves the group
+        out of step (a word may be sent, a slot half read): every later collective fails with the same error."""
+        if self._broken is not None:
+            raise self._broken
+        try:
+            self._words()
+        except RuntimeError as exc:
+            self._broken = exc
+            raise
+
+    def _words(self) -> None:
         for rank, peer in self.peers.items():
             try:
                 peer.sendall(b"\0")
@@ -134,7 +145,10 @@ class SharedMemoryGroup:
         return self._done()
 
     def close(self) -> None:
-        """Close the sockets and the map (a peer still waiting on this rank then fails at once)."""
+        """Close the sockets and the map (a peer still waiting on this rank then fails at once); again: nothing."""
+        if self._map.closed:
+            return
+        self._broken = RuntimeError(f"shared-memory collective: rank {self.rank}'s group is closed")
         for peer in self.peers.values():
             peer.close()
         self.peers = {}
@@ -167,33 +181,38 @@ def _make_data(prefix: str, nbytes: int) -> int:
 
 
 def shared_memory_group(rank: int, size: int, prefix: str, fallback: Any, timeout_s: float,
-                        slot_bytes: int = SLOT_BYTES) -> Any:
+                        wait_s: float | None = None, slot_bytes: int = SLOT_BYTES) -> Any:
     """Every rank's ``SharedMemoryGroup`` of the ranks ``fallback`` (a CPU process group of ``size`` ranks)
     joins, made through it, with its files named after ``prefix`` (unique to the group; removed before this
-    returns); the ``fallback`` itself where the shared file cannot be made (rank 0 decides for every rank)."""
+    returns, also when it fails); the ``fallback`` itself where the shared file cannot be made (rank 0 decides
+    for every rank). ``timeout_s`` bounds the joining; ``wait_s`` each collective's wait for a peer that is
+    alive (None: no bound; a peer that exits fails it at once)."""
     if slot_bytes <= 0 or slot_bytes % _ALIGN:
         raise ValueError(f"slot_bytes={slot_bytes}: expected a positive multiple of {_ALIGN} (a slot holds any dtype)")
     nbytes = 2 * size * slot_bytes
+    longest = f"{prefix}.{size - 1}.sock"  # (every rank judges by the same name: all take the shared path, or none)
+    if not hasattr(socket, "AF_UNIX") or not hasattr(os, "posix_fallocate") or len(longest) > _MAX_SOCKET_PATH:
+        return fallback
     address = f"{prefix}.{rank}.sock"
-    if not hasattr(socket, "AF_UNIX") or not hasattr(os, "posix_fallocate") or len(address) > _MAX_SOCKET_PATH:
-        return fallback  # (the same answer on every rank of one host)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(size)
-    # rank 0's answer (the path's index + 1; 0: none) to every rank, by a sum: an all-reduce, unlike a broadcast,
-    # ends only once every rank is in it, so every listener is bound before any rank connects
-    where = torch.tensor([_make_data(prefix, nbytes) + 1 if rank == 0 else 0], dtype=torch.int64)
-    fallback.allreduce([where]).wait()
-    path = _data_paths(prefix)[int(where.item()) - 1] if where.item() > 0 else None
+    bound, made, data, peers = False, -1, None, {}
     try:
-        if path is None:
+        listener.bind(address)
+        bound = True
+        listener.listen(size)
+        if rank == 0:
+            made = _make_data(prefix, nbytes)
+        # rank 0's answer (the path's index + 1; 0: none) to every rank, by a sum: an all-reduce, unlike a
+        # broadcast, ends only once every rank is in it, so every listener is bound before any rank connects
+        where = torch.tensor([made + 1 if rank == 0 else 0], dtype=torch.int64)
+        fallback.allreduce([where]).wait()
+        if where.item() == 0:
             return fallback
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(_data_paths(prefix)[int(where.item()) - 1], os.O_RDWR)
         try:
             data = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
-        peers: dict[int, socket.socket] = {}
         for lower in range(rank):
             peers[lower] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             peers[lower].connect(f"{prefix}.{lower}.sock")
@@ -201,13 +220,25 @@ def shared_memory_group(rank: int, size: int, prefix: str, fallback: Any, timeou
         listener.settimeout(timeout_s)
         for _ in range(rank + 1, size):
             conn, _ = listener.accept()
-            peers[conn.recv(1)[0]] = conn
+            higher = conn.recv(1)
+            if not higher:
+                conn.close()
+                raise RuntimeError(f"shared-memory group: a rank closed its connection to rank {rank} as it joined")
+            peers[higher[0]] = conn
         for peer in peers.values():
-            peer.settimeout(timeout_s)
+            peer.settimeout(wait_s)
         fallback.allreduce([torch.zeros(1)]).wait()  # every rank holds the map and its sockets: the names can go
+        group = SharedMemoryGroup(rank, size, data, dict(sorted(peers.items())), fallback, slot_bytes)
+    except BaseException:
+        for peer in peers.values():
+            peer.close()
+        if data is not None:
+            data.close()
+        raise
     finally:
         listener.close()
-        os.unlink(address)
-        if rank == 0 and path is not None:
-            os.unlink(path)
-    return SharedMemoryGroup(rank, size, data, dict(sorted(peers.items())), fallback, slot_bytes)
+        if bound:
+            os.unlink(address)
+        if made >= 0:
+            os.unlink(_data_paths(prefix)[made])
+    return group

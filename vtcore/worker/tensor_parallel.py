@@ -29,11 +29,13 @@ import torch.distributed as dist
 
 from vtcore.errors import VtcoreError
 from vtcore.worker.processes import pipe, start_child
-from vtcore.worker.shared_memory_group import SharedMemoryGroup, shared_memory_group
+from vtcore.worker.shared_memory_group import SLOT_BYTES, SharedMemoryGroup, shared_memory_group
 from vtcore.worker.staging import Staged
 
 #: how long a collective waits for a peer before it fails (a dead worker also fails it at once)
 TIMEOUT_S = 120
+#: a shared-memory control group's slot: a step message's bytes (larger ones go through gloo)
+CONTROL_SLOT_BYTES = 1 << 20
 
 
 class TensorParallelError(VtcoreError, RuntimeError):
@@ -265,13 +267,16 @@ def _groups(rank: int, size: int, store_path: str, device_type: str) -> tuple[An
     timeout = timedelta(seconds=TIMEOUT_S)
     store = dist.FileStore(store_path, size)
 
-    def host_group(name: str) -> Any:
+    def host_group(name: str, wait_s: float | None, slot_bytes: int) -> Any:
         gloo = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout)
-        return gloo if size == 1 else shared_memory_group(rank, size, f"{store_path}.{name}", gloo, TIMEOUT_S)
+        return gloo if size == 1 else shared_memory_group(rank, size, f"{store_path}.{name}", gloo, TIMEOUT_S,
+                                                          wait_s, slot_bytes)
 
-    control = host_group("control")
+    # (a worker waits on the control group for rank 0's next step as long as the engine idles or rank 0 builds
+    # its share: no bound there, a rank 0 that exits ends the wait; its messages are small, larger ones go by gloo)
+    control = host_group("control", None, CONTROL_SLOT_BYTES)
     if device_type != "cuda":
-        return host_group("model"), control
+        return host_group("model", TIMEOUT_S, SLOT_BYTES), control
     torch.cuda.set_device(rank)
     return dist.ProcessGroupNCCL(dist.PrefixStore("model", store), rank, size), control
 
