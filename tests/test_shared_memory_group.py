@@ -182,3 +182,14 @@ def test_a_collective_that_timed_out_leaves_the_group_failing(tmp_path) -> None:
         group.broadcast(torch.ones(3), 0).wait()
     group.close()
     b.close()
+
+
+def test_a_closed_group_fails_its_collectives_saying_so() -> None:
+    a, b = socket.socketpair()
+    group = SharedMemoryGroup(0, 2, mmap.mmap(-1, 2 * 2 * SLOT), {1: a}, fallback=None, slot_bytes=SLOT)
+    group.close()
+    for call in (lambda: group.allreduce([torch.ones(2)]), lambda: group.broadcast(torch.ones(2), 0),
+                 lambda: group.allgather([[torch.ones(2), torch.ones(2)]], [torch.ones(2)])):
+        with pytest.raises(RuntimeError, match="rank 0's group is closed"):
+            call()
+    b.close()

@@ -51,7 +51,7 @@ class SharedMemoryGroup:
         self.rank, self.size, self.fallback, self.slot_bytes = rank, size, fallback, slot_bytes
         self._map, self.peers = data, peers
         with torch.inference_mode(False):
-            self._bytes = torch.frombuffer(data, dtype=torch.uint8)
+            self._bytes: torch.Tensor | None = torch.frombuffer(data, dtype=torch.uint8)
         self._turn = 0  # which set of slots the next collective uses
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
         self._broken: RuntimeError | None = None
@@ -70,14 +70,16 @@ class SharedMemoryGroup:
             self._views[key] = view
         return view
 
-    def _fits(self, t: torch.Tensor) -> bool:
+    def _shared(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` goes through the slots (else through the fallback); a group out of step or closed
+        fails every collective."""
+        if self._broken is not None:
+            raise self._broken
         return t.device.type == "cpu" and t.numel() * t.element_size() <= self.slot_bytes
 
     def _exchange(self) -> None:
         """Every rank's slot is written: tell each peer, and wait for each peer's word. A failure leaves the group
         out of step (a word may be sent, a slot half read): every later collective fails with the same error."""
-        if self._broken is not None:
-            raise self._broken
         try:
             self._words()
         except RuntimeError as exc:
@@ -113,7 +115,7 @@ class SharedMemoryGroup:
         """``tensors[0]`` summed over the ranks, in place; the sum is taken in rank order on every rank, so every
         rank holds the same bits."""
         (x,) = tensors
-        if not self._fits(x):
+        if not self._shared(x):
             return self.fallback.allreduce(tensors)
         self._slot(self.rank, x).copy_(x)
         self._exchange()
@@ -125,7 +127,7 @@ class SharedMemoryGroup:
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> Any:
         """``outputs[0][r]`` = rank r's ``inputs[0]``."""
         (x,) = inputs
-        if not self._fits(x):
+        if not self._shared(x):
             return self.fallback.allgather(outputs, inputs)
         self._slot(self.rank, x).copy_(x)
         self._exchange()
@@ -135,7 +137,7 @@ class SharedMemoryGroup:
 
     def broadcast(self, x: torch.Tensor, root: int) -> Any:
         """Rank ``root``'s ``x`` on every rank, in place."""
-        if not self._fits(x):
+        if not self._shared(x):
             return self.fallback.broadcast(x, root)
         if self.rank == root:
             self._slot(root, x).copy_(x)
@@ -146,15 +148,18 @@ class SharedMemoryGroup:
 
     def close(self) -> None:
         """Close the sockets and the map (a peer still waiting on this rank then fails at once); again: nothing."""
-        if self._map.closed:
+        if self._bytes is None:
             return
         self._broken = RuntimeError(f"shared-memory collective: rank {self.rank}'s group is closed")
         for peer in self.peers.values():
             peer.close()
         self.peers = {}
         self._views.clear()
-        del self._bytes
-        self._map.close()
+        self._bytes = None
+        try:
+            self._map.close()
+        except BufferError:  # a collective on another thread still holds a slot: the map ends with its last view
+            pass
 
 
 def _data_paths(prefix: str) -> list[str]:
