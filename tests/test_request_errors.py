@@ -14,8 +14,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture
 def llm(tiny_checkpoint) -> LLM:
-    """The tiny checkpoint (no tokenizer) with a 64-token context and a 4 x 16-token KV pool."""
-    return LLM(tiny_checkpoint[0], device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=16)
+    """The tiny checkpoint (no tokenizer) with a 64-token context and a 4 x 16-token KV pool; no cap on logprobs
+    (the vocabulary's own bound is tested)."""
+    return LLM(tiny_checkpoint[0], device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=16,
+               max_logprobs=-1)
 
 
 def ids(*tokens: int) -> dict:
