@@ -63,7 +63,8 @@ def start(path: str, dump_every: int = 0) -> None:
 
 
 def _sample_children(path: str) -> None:
-    """Children started with this environment run a ``sitecustomize`` that samples them into ``path.PID``."""
+    """Children started with this environment run a ``sitecustomize`` that samples them into ``path.PID``, and so
+    do the processes they fork (multiprocessing's fork server forks vtcore's children)."""
     import os
     import tempfile
 
@@ -72,7 +73,10 @@ def _sample_children(path: str) -> None:
         f.write("import os, sys\n"
                 f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
                 "import profile_stacks\n"
-                f"profile_stacks.start(os.environ[{CHILD_OUT!r}] + '.' + str(os.getpid()), profile_stacks.DUMP_EVERY)\n")
+                "def _start():\n"
+                f"    profile_stacks.start(os.environ[{CHILD_OUT!r}] + '.' + str(os.getpid()), profile_stacks.DUMP_EVERY)\n"
+                "_start()\n"
+                "os.register_at_fork(after_in_child=_start)  # (children forked from a fork server: the engine core)\n")
     os.environ[CHILD_OUT] = path
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
 
