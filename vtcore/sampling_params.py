@@ -182,10 +182,11 @@ class SamplingParams:
                 raise _bad(name, bad, f"token ids in [0, {vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and value > vocab_size:
+            if value is None:
+                continue
+            if value > vocab_size:
                 raise _bad(name, value, f"at most the vocabulary size, {vocab_size}")
-            wanted = vocab_size if value == -1 else value
-            if value is not None and max_logprobs != -1 and wanted > max_logprobs:
+            if max_logprobs != -1 and (vocab_size if value == -1 else value) > max_logprobs:
                 raise _bad(name, value, f"at most the engine's max_logprobs, {max_logprobs}"
                                         + (f" (-1 asks for all {vocab_size})" if value == -1 else "")
                                         + "; max_logprobs=-1 (vtcore serve --max-logprobs -1) lifts the cap")

@@ -81,15 +81,18 @@ def _help(field: attrs.Attribute, shown_defaults: Mapping[str, str]) -> str:
     return f"{field.metadata['help']} (default: {default})".replace("%", "%%")
 
 
-class _DeprecatedModelOption(argparse.Action):
-    """``--model`` where MODEL is positional: kept apart (``engine_config_from_args`` reconciles the two)
-    and warned about when given."""
+class DeprecatedFlag(argparse.Action):
+    """A deprecated flag, still taken: ``warning`` goes to stderr (``{prog}``: the command's name) and the flag
+    stores its value, or ``const`` for a flag of no value (``nargs=0``)."""
+
+    def __init__(self, *args: Any, warning: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.warning = warning
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        sys.stderr.write(f"{parser.prog}: warning: --model is deprecated; pass the model positionally: "
-                         f"{parser.prog} MODEL\n")
-        setattr(namespace, self.dest, values)
+        sys.stderr.write(f"{parser.prog}: warning: {self.warning.format(prog=parser.prog)}\n")
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = False,
@@ -109,7 +112,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
             group.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
                                help=_help(field, shown))
             group.add_argument("--model", dest=MODEL_OPTION, default=argparse.SUPPRESS, metavar="MODEL",
-                               action=_DeprecatedModelOption, help="deprecated: pass MODEL positionally")
+                               action=DeprecatedFlag, help="deprecated: pass MODEL positionally",
+                               warning="--model is deprecated; pass the model positionally: {prog} MODEL")
             continue
         names = [flag(field.name)] + ([field.metadata["short"]] if "short" in field.metadata else [])  # vLLM's
         group.add_argument(*names, dest=field.name, default=argparse.SUPPRESS, help=_help(field, shown),

@@ -295,10 +295,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
             raise
         finally:
             self.serving.live.discard(prompt.rid)
-            if self.serving.log_requests and not failed:
-                request_log.info("Finished request %s: %s", prompt.rid, ", ".join(
-                    f"{c.finish_reason or 'abort'} after {len(c.token_ids)} tokens" for c in prompt.choices))
             if not failed:
+                if self.serving.log_requests:
+                    request_log.info("Finished request %s: %s", prompt.rid, ", ".join(
+                        f"{c.finish_reason or 'abort'} after {len(c.token_ids)} tokens" for c in prompt.choices))
                 for c in prompt.choices:
                     self.serving.metrics.finished(c.finish_reason or "abort", len(c.token_ids),
                                                   prompt.arrival, c.first_token, c.end or time.monotonic(),

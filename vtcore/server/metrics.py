@@ -231,10 +231,11 @@ class ServerMetrics:
             self.requests.inc(finished_reason=reason or "unknown")
             self.e2e.observe(max(end - arrival, 0.0))
             if first_token is not None:
+                decode = max(end - first_token, 0.0)
                 self.ttft.observe(max(first_token - arrival, 0.0))
-                self.decode.observe(max(end - first_token, 0.0))
+                self.decode.observe(decode)
                 if generation_tokens > 1:
-                    self.request_tpot.observe(max(end - first_token, 0.0) / (generation_tokens - 1))
+                    self.request_tpot.observe(decode / (generation_tokens - 1))
             if scheduled:  # (a request aborted before it was scheduled has no phases)
                 self.queue.observe(max(scheduled - engine.queued_ts, 0.0))
                 self.inference.observe(max(end - scheduled, 0.0))

@@ -219,8 +219,9 @@ class BoundedModel(BaseModel):
 def _prompt_logprobs(limits: EngineLimits) -> Any:
     """``prompt_logprobs``' type: at most the engine's ``max_logprobs`` (-1, the whole vocabulary, where the cap
     holds it)."""
-    whole = limits.max_logprobs == -1 or limits.vocab_size <= limits.max_logprobs
-    return integer(ge=-1 if whole else 0, **({} if limits.max_logprobs == -1 else {"le": limits.max_logprobs}))
+    if limits.max_logprobs == -1:
+        return integer(ge=-1)
+    return integer(ge=-1 if limits.vocab_size <= limits.max_logprobs else 0, le=limits.max_logprobs)
 
 
 def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:

@@ -20,7 +20,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Generator, Sequence, TextIO
 
 from vtcore.config import DEFAULT_MODEL
-from vtcore.engine.arg_utils import add_engine_args, engine_config_from_args
+from vtcore.engine.arg_utils import DeprecatedFlag, add_engine_args, engine_config_from_args
 from vtcore.server.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
@@ -58,8 +58,9 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each generation request as it arrives (its id, prompt length and sampling params) and "
                         "as it ends (vLLM's flag)")
-    p.add_argument("--disable-log-requests", dest="enable_log_requests", action=_DisableLogRequests, nargs=0,
-                   help="deprecated (vLLM's): requests are not logged unless --enable-log-requests")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action=DeprecatedFlag, nargs=0, const=False,
+                   help="deprecated (vLLM's): requests are not logged unless --enable-log-requests",
+                   warning="--disable-log-requests is deprecated: requests are logged only with --enable-log-requests")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag, taken for its command lines: tool calls are parsed (and tool_choice 'auto' "
                         "served) whenever the family's plugin supplies a tool-call parser")
@@ -149,16 +150,6 @@ def _server_class() -> type:
                     signal.signal(sig, handler)
 
     return Server
-
-
-class _DisableLogRequests(argparse.Action):
-    """vLLM's deprecated ``--disable-log-requests``: the default, said once."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        sys.stderr.write(f"{parser.prog}: warning: --disable-log-requests is deprecated: requests are logged only "
-                         "with --enable-log-requests\n")
-        setattr(namespace, self.dest, False)
 
 
 def _log_requests_to(stream: TextIO) -> None:
