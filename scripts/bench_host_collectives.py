@@ -1,5 +1,6 @@
 """The CPU collectives of two tensor-parallel ranks on one host (docs/BENCHMARKS.md): gloo's process group against
-``vtcore.worker.shared_memory_group`` over it, microseconds a collective (median of ROUNDS timed batches).
+``vtcore.worker.shared_memory_group`` over it, microseconds a collective (median of ROUNDS timed batches), beside
+the floor of any collective between processes: the shared-memory group's wake-up alone (a byte each way a peer).
 
     python3 scripts/bench_host_collectives.py [--ranks 2] [--rounds 7] [--iters 300]
 """
@@ -36,16 +37,21 @@ def _rank(rank: int, size: int, store: str, rounds: int, iters: int, out: mp.Que
             call = {"allreduce": lambda: group.allreduce([x]).wait(),
                     "allgather": lambda: group.allgather([parts], [x]).wait(),
                     "broadcast": lambda: group.broadcast(x, 0).wait()}[op]
-            for _ in range(20):
-                call()
-            times = []
-            for _ in range(rounds):
-                start = time.perf_counter()
-                for _ in range(iters):
-                    call()
-                times.append((time.perf_counter() - start) / iters * 1e6)
-            results[f"{name} {op} {'x'.join(map(str, shape))}"] = statistics.median(times)
+            results[f"{name} {op} {'x'.join(map(str, shape))}"] = _median_us(call, rounds, iters)
+    results["floor: one byte to and from each peer"] = _median_us(groups["shared memory"]._exchange, rounds, iters)
     out.put((rank, results))
+
+
+def _median_us(call, rounds: int, iters: int) -> float:
+    for _ in range(20):
+        call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        times.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(times)
 
 
 def main() -> None:
