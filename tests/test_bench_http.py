@@ -148,6 +148,11 @@ def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None
         assert (r["concurrency"], r["num_prompts"], r["output_tokens"]) == (2, 3, 9)
         assert {name: g["requests"] for name, g in r["groups"].items()} == {"constrained": 1, "unconstrained": 2}
     assert 0 < served["server_ttft_mean_s"] < served["ttft_s"]["mean"]  # inside the server, then HTTP and client
+    # the engine's steps of the timed run, from its tokens-per-step histogram: each prompt token and each fed-back
+    # output token (all but a request's last) computed once
+    assert served["server_step_tokens"] == served["prompt_tokens"] + served["output_tokens"] - 3
+    assert 3 <= served["server_steps"] <= served["server_step_tokens"] and f"engine steps {served['server_steps']} " \
+        f"(in-process {inproc['steps']})" in out.getvalue()
     assert "served / in-process, c=2: output" in out.getvalue() and "outside the server" in out.getvalue()
     assert served["server_triton_compiles"] == []  # the CPU compiles nothing
     assert "Triton compiles in the server while measured: 0" in out.getvalue()

@@ -498,8 +498,8 @@ def test_metrics_move(server: ServerThread, client: Any, engine: AsyncLLM) -> No
     for name in ("vtcore:kv_cache_usage_perc", "vtcore:time_to_first_token_seconds",
                  "vtcore:time_per_output_token_seconds", "vtcore:prompt_tokens_total"):
         assert f"# TYPE {name} " in before
-    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
-                              extra_body={"ignore_eos": True})
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=-1)
     after = scrape()
@@ -520,6 +520,13 @@ def test_metrics_move(server: ServerThread, client: Any, engine: AsyncLLM) -> No
     assert delta("vtcore:http_requests_total", endpoint="/v1/completions", status="200") == 1
     assert delta("vtcore:http_requests_total", endpoint="/v1/completions", status="400") == 1
     assert metric(after, "vtcore:kv_cache_usage_perc") == 0.0
+    # (vLLM's iteration_tokens_total) the engine's steps by the tokens each computed: the prompt's uncached tokens in
+    # one step, then the four tokens fed back one a step
+    cached = done.usage.prompt_tokens_details.cached_tokens if done.usage.prompt_tokens_details else 0
+    assert delta("vtcore:iteration_tokens_total_sum") == n_prompt - cached + 4
+    assert delta("vtcore:iteration_tokens_total_count") == 5
+    assert delta("vtcore:iteration_tokens_total_bucket", le="1.0") == 4
+    assert delta("vtcore:iteration_tokens_total_bucket", le="+Inf") == 5
     # tokens count as they come (vLLM's counters move every step): mid-stream, the request's prompt and the
     # tokens streamed so far are in, its success is not
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,

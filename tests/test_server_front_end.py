@@ -12,7 +12,7 @@ from server_harness import (KNOBS, MAX_BYTES, MODEL, PROMPTS, ServerThread, http
                             offline, openai, wait_pool_empty)
 
 from vtcore import LLM, AsyncLLM, SamplingParams
-from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.engine.capacity import ITERATION_TOKEN_BUCKETS, EngineLimits, EngineStats
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.server.app import build_app
 
@@ -72,7 +72,7 @@ def test_llm_and_async_llm_report_limits_load_and_tokens(engine: AsyncLLM, offli
         chat = fe.chat_prompt([{"role": "user", "content": "hi"}])
         assert fe.tokenize(chat["prompt"])[1] == chat["prompt_token_ids"]
     assert engine.limits().max_num_seqs == 64 and offline.limits().max_num_seqs == 256
-    assert offline.stats() == EngineStats(0, 0, 0.0, 0)
+    assert offline.stats() == EngineStats(0, 0, 0.0, 0, iteration_tokens=(0,) * (len(ITERATION_TOKEN_BUCKETS) + 1))
 
 
 def test_stats_follow_a_running_request_and_healthy_ends_with_shutdown(tiny_checkpoint) -> None:
@@ -88,7 +88,10 @@ def test_stats_follow_a_running_request_and_healthy_ends_with_shutdown(tiny_chec
     seen = asyncio.run(main(eng))
     assert max(s.num_running for s in seen) == 3 and max(s.kv_cache_usage for s in seen) == 3 / 16
     # three samples looked up their 3-token prompt (shorter than a block: no hit)
-    assert eng.stats() == EngineStats(0, 0, 0.0, 0, prefix_cache_queries=9, prefix_cache_hits=0)
+    # and stepped: the three prompts in one step of 9 tokens (a bucket of at most 16), then 7 steps of a token a sample
+    steps = (0, 7, 1) + (0,) * (len(ITERATION_TOKEN_BUCKETS) - 2)
+    assert eng.stats() == EngineStats(0, 0, 0.0, 0, prefix_cache_queries=9, prefix_cache_hits=0,
+                                      iteration_tokens=steps, iteration_tokens_sum=9 + 7 * 3)
     eng.shutdown()
     assert not eng.healthy
 

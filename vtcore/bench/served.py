@@ -34,6 +34,7 @@ from vtcore.engine.compile_watch import MARK
 #: how long ``vtcore serve`` may take to answer /health (loading and capturing graphs included)
 START_TIMEOUT_S = 600.0
 TTFT_METRIC = "vtcore:time_to_first_token_seconds"
+STEP_TOKENS_METRIC = "vtcore:iteration_tokens_total"
 
 
 def _free_port() -> int:
@@ -67,9 +68,11 @@ def histogram_totals(metrics_text: str, name: str) -> tuple[float, float]:
     return total["_sum"], total["_count"]
 
 
-def _server_ttft(url: str) -> tuple[float, float]:
+def _server_totals(url: str) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(sum, count) of the server's TTFT histogram and of its engine's tokens-per-step histogram."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        return histogram_totals(r.read().decode(), TTFT_METRIC)
+        text = r.read().decode()
+    return histogram_totals(text, TTFT_METRIC), histogram_totals(text, STEP_TOKENS_METRIC)
 
 
 def run_seeds(seed: int, concurrency: int) -> tuple[int, int]:
@@ -104,15 +107,16 @@ def run_served(args: argparse.Namespace, concurrency: list[int], input_len: int,
                 run_http(url + "/v1", [c], c, input_len, 2, warm,
                          processes=client_processes(c, args.client_processes), structured_share=share,
                          schema_len=args.output_len, prefix_len=prefix_len)
-                before, logged, meter = _server_ttft(url), os.path.getsize(log_path), CpuMeter(proc.pid)
+                before, logged, meter = _server_totals(url), os.path.getsize(log_path), CpuMeter(proc.pid)
                 doc = run_http(url + "/v1", [c], args.num_prompts, input_len, args.output_len, timed,
                                processes=client_processes(c, args.client_processes), warm_up=False,
                                structured_share=share, prefix_len=prefix_len)
                 run = doc["runs"][0]
                 run["server_cpu"] = meter.shares()  # (read first: the /metrics call is no part of the run)
-                after = _server_ttft(url)
-                count = after[1] - before[1]
-                run["server_ttft_mean_s"] = (after[0] - before[0]) / count if count else None
+                (ttft, tokens), ((ttft0, ttft_n0), (tokens0, steps0)) = _server_totals(url), before
+                count = ttft[1] - ttft_n0
+                run["server_ttft_mean_s"] = (ttft[0] - ttft0) / count if count else None
+                run["server_steps"], run["server_step_tokens"] = int(tokens[1] - steps0), int(tokens[0] - tokens0)
                 run["server_triton_compiles"] = _compiles_logged(log_path, logged)
                 runs.append(run)
         finally:
@@ -159,6 +163,8 @@ def format_served(doc: dict[str, Any]) -> list[str]:
                      f"{ms(s, 'ttft_s', 'median') - ms(i, 'ttft_s', 'median'):+.2f} ms, TPOT median "
                      f"{ms(s, 'tpot_s', 'median') - ms(i, 'tpot_s', 'median'):+.3f} ms, ITL median "
                      f"{ms(s, 'itl_s', 'median') - ms(i, 'itl_s', 'median'):+.3f} ms{where}"
+                     + ("" if s.get("server_steps") is None else
+                        f"; engine steps {s['server_steps']} (in-process {i['steps']})")
                      + ("" if s.get("server_triton_compiles") is None else
                         f"; Triton compiles in the server while measured: {len(s['server_triton_compiles'])}"
                         + (f" ({', '.join(sorted({c.split(':', 1)[0] for c in s['server_triton_compiles']}))})"

@@ -1,7 +1,13 @@
 """What an engine reports about itself: its fixed limits and its load (``LLMEngine.limits``, ``stats``)."""
 from __future__ import annotations
 
+import bisect
+
 import attrs
+
+#: upper bounds of the tokens-per-step histogram (vLLM's ``iteration_tokens_total`` buckets of an engine without CUDA
+#: graph sizes; a last bucket, +Inf, above them)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @attrs.frozen
@@ -36,3 +42,18 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # tokens proposed (a counter)
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted (a counter)
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # drafts whose i-th token was accepted (counters)
+    #: steps by the tokens they computed: a counter per bucket of ``ITERATION_TOKEN_BUCKETS`` and one above them
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0  # tokens computed by every step so far (a counter)
+
+
+class StepTokens:
+    """The tokens-per-step histogram an engine keeps (``EngineStats.iteration_tokens``)."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.sum = 0
+
+    def observe(self, tokens: int) -> None:
+        self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.sum += tokens

@@ -674,7 +674,8 @@ class LLMEngine(PromptText):
 
     def stats(self) -> EngineStats:
         """The load now; safe from another thread (it reads lengths and counters only)."""
-        spec = self.spec_stats
+        spec, steps = self.spec_stats, self.scheduler.step_tokens
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage,
                            self.scheduler.num_preemptions, self.pool.queries, self.pool.hits, spec.num_drafts,
-                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_position))
+                           spec.num_draft_tokens, spec.num_accepted_tokens, tuple(spec.accepted_per_position),
+                           tuple(steps.counts), steps.sum)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import bisect
 import threading
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
-from vtcore.engine.capacity import EngineStats
+from vtcore.engine.capacity import ITERATION_TOKEN_BUCKETS, EngineStats
 from vtcore.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -100,14 +100,20 @@ class Histogram:
         self.count += 1
 
     def render(self, base: dict[str, str]) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, n in zip((*self.buckets, float("inf")), self.counts):
-            running += n
-            lines.append(f"{self.name}_bucket{_labels({**base, 'le': _num(bound)})} {_num(running)}")
-        lines.append(f"{self.name}_sum{_labels(base)} {_num(self.sum)}")
-        lines.append(f"{self.name}_count{_labels(base)} {_num(self.count)}")
-        return lines
+        return _histogram_lines(self.name, self.help, base, self.buckets, self.counts, self.sum)
+
+
+def _histogram_lines(name: str, help: str, base: dict[str, str], buckets: tuple[float, ...],
+                     counts: Sequence[int], total: float) -> list[str]:
+    """A histogram's exposition from its count per bucket (``buckets``' upper bounds, then +Inf)."""
+    lines = [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
+    running = 0
+    for bound, n in zip((*buckets, float("inf")), counts):
+        running += n
+        lines.append(f"{name}_bucket{_labels({**base, 'le': _num(bound)})} {_num(running)}")
+    lines.append(f"{name}_sum{_labels(base)} {_num(total)}")
+    lines.append(f"{name}_count{_labels(base)} {_num(running)}")
+    return lines
 
 
 class Reading:
@@ -121,6 +127,19 @@ class Reading:
         value = float("nan") if stats is None else float(self.read(stats))
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}",
                 f"{self.name}{_labels(base)} {_num(value)}"]
+
+
+class StepTokensReading:
+    """The engine's tokens-per-step histogram (``EngineStats.iteration_tokens``), read at scrape time."""
+
+    name = "vtcore:iteration_tokens_total"
+    help = "Tokens computed by each engine step (prompt, output and draft tokens)."
+
+    def render(self, base: dict[str, str], stats: EngineStats | None) -> list[str]:
+        counts = stats.iteration_tokens if stats is not None and stats.iteration_tokens else ()
+        return _histogram_lines(self.name, self.help, base, ITERATION_TOKEN_BUCKETS,
+                                counts or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1),
+                                stats.iteration_tokens_sum if counts else 0)
 
 
 class PositionReadings(Reading):
@@ -204,6 +223,7 @@ class ServerMetrics:
             PositionReadings("vtcore:spec_decode_num_accepted_tokens_per_pos", "counter",
                              "Speculative decoding: drafts whose token at this position was accepted.",
                              lambda s: s.spec_decode_accepted_per_position),
+            StepTokensReading(),
         ]
 
     def http(self, endpoint: str, status: int) -> None:
