@@ -90,7 +90,8 @@ def test_a_config_written_back_as_flags_builds_itself_again(tiny_checkpoint) -> 
     configs = [EngineConfig(), EngineConfig(model=path, device="cpu", dtype="bfloat16", max_num_seqs=7, seed=5,
                                             enforce_eager=True, async_scheduling=False, enable_prefix_caching=False,
                                             gpu_memory_utilization=0.5, num_kv_blocks=33),
-               EngineConfig(model=path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})]
+               EngineConfig(model=path, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+               EngineConfig(model=path, override_generation_config={"temperature": 0.5, "max_new_tokens": 9})]
     for config in configs:
         argv = engine_argv(config)
         assert argv[0] == config.model
@@ -149,6 +150,32 @@ def test_generation_config_folder_replaces_the_checkpoints(tiny_checkpoint, tmp_
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7}))
     engine = LLM(tiny_checkpoint[0], device="cpu", max_model_len=64, num_kv_blocks=4, generation_config=str(folder))
     assert engine.default_sampling() == {"temperature": 0.3, "top_k": 7}
+
+
+def test_override_generation_config_sets_defaults_over_generation_config(tiny_checkpoint, tmp_path) -> None:
+    """vLLM's ``override_generation_config``: generation_config.json keys whose values go over the checkpoint's (or,
+    with ``generation_config="vllm"``, are the only defaults); a bad key or value is refused by name."""
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7}))
+    common = dict(device="cpu", max_model_len=64, num_kv_blocks=4)
+    engine = LLM(tiny_checkpoint[0], generation_config=str(folder),
+                 override_generation_config={"temperature": 0.9, "max_new_tokens": 5}, **common)
+    assert engine.default_sampling() == {"temperature": 0.9, "top_k": 7, "max_tokens": 5}
+    plain = LLM(tiny_checkpoint[0], generation_config="vllm", override_generation_config='{"top_p": 0.5}', **common)
+    assert plain.default_sampling() == {"top_p": 0.5}
+    assert engine_config_from_args(_parse("serve", "--override-generation-config", '{"min_p": 0.1}')) \
+        == EngineConfig(override_generation_config={"min_p": 0.1})
+    with pytest.raises(ValueError, match=r"override_generation_config: unknown key\(s\) \['do_sample'\]; expected "
+                                         r"generation_config.json's sampling keys \['max_new_tokens', "):
+        EngineConfig(override_generation_config={"do_sample": True})
+    with pytest.raises(ValueError, match=r"override_generation_config: top_k='5', expected a number"):
+        EngineConfig(override_generation_config={"top_k": "5"})
+    with pytest.raises(ValueError, match=r"override_generation_config='\{temperature': not valid JSON"):
+        EngineConfig(override_generation_config="{temperature")
+    with pytest.raises(ValueError, match=r"override_generation_config=\{'temperature': -1\}: "
+                                         r"SamplingParams.temperature=-1: expected"):
+        LLM(tiny_checkpoint[0], override_generation_config={"temperature": -1}, **common)
 
 
 def test_generate_seed_is_the_engine_seed(no_engine) -> None:

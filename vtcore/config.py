@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from vtcore.errors import ConfigError, MissingConfigField
+from vtcore.json_knobs import json_dict
 from vtcore.spec.config import SpeculativeConfig
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "default_model")
@@ -175,6 +176,27 @@ def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) ->
                          "generation_config.json")
 
 
+#: generation_config.json keys that are SamplingParams defaults (vLLM reads the same), and their fields
+GENERATION_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def _generation_override(value: "dict[str, Any] | str | None") -> "dict[str, Any] | None":
+    """``override_generation_config`` from a dict (or its JSON text, as the flag takes it): generation_config.json
+    keys of sampling defaults and their numbers; a bad key or value is refused naming it."""
+    if value is None:
+        return None
+    value = json_dict("override_generation_config", value, '{"temperature": 0.5, "max_new_tokens": 256}')
+    unknown = sorted(set(value) - set(GENERATION_SAMPLING))
+    if unknown:
+        raise ValueError(f"override_generation_config: unknown key(s) {unknown}; expected generation_config.json's "
+                         f"sampling keys {sorted(GENERATION_SAMPLING)}")
+    for key, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"override_generation_config: {key}={v!r}, expected a number")
+    return dict(value)
+
+
 @attrs.frozen
 class ProfilerConfig:
     """``profiler_config`` (vLLM's name and keys): ``profiler`` "torch" (``torch.profiler``, the one this engine
@@ -189,15 +211,7 @@ class ProfilerConfig:
         is refused naming it and what is expected."""
         if value is None or isinstance(value, ProfilerConfig):
             return value
-        example = '{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}'
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"profiler_config={value!r}: not valid JSON ({exc}); expected such as {example}") \
-                    from None
-        if not isinstance(value, dict):
-            raise ValueError(f"profiler_config={value!r}: expected a dict such as {example}")
+        value = json_dict("profiler_config", value, '{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}')
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -297,3 +311,8 @@ class EngineConfig:
         "help": "auto: the sampling values of the checkpoint's generation_config.json are the defaults of "
                 "requests that leave them unset (vLLM's default); vllm: SamplingParams' own; a folder: the "
                 "generation_config.json there instead of the checkpoint's"})
+    override_generation_config: dict[str, Any] | None = attrs.field(
+        default=None, converter=_generation_override, metadata={
+            "help": "sampling defaults set over generation_config's, as JSON of generation_config.json keys: "
+                    '{"temperature": 0.5, "max_new_tokens": 256} (with generation_config vllm, the only defaults '
+                    "besides SamplingParams' own)", "default_help": "none", "metavar": "JSON"})

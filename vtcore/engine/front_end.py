@@ -67,7 +67,8 @@ class EngineFrontEnd:
 
     def default_sampling(self) -> dict[str, Any]:
         """The ``SamplingParams`` fields the checkpoint's generation_config.json sets (vLLM's
-        ``generation_config="auto"``), or {} with ``generation_config="vllm"``."""
+        ``generation_config="auto"``), or none with ``generation_config="vllm"``, then
+        ``override_generation_config``'s over them."""
         return self.engine.default_sampling()
 
     def get_default_sampling_params(self) -> SamplingParams:

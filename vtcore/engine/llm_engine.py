@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from vtcore.config import DTYPES, EngineConfig, HFConfig
+from vtcore.config import DTYPES, GENERATION_SAMPLING, EngineConfig, HFConfig
 from vtcore.engine.block_pool import BlockPool
 from vtcore.engine.compile_watch import watch_triton_compiles
 from vtcore.engine.detokenizer import IncrementalDetokenizer
@@ -126,11 +126,6 @@ def async_depth(config: EngineConfig, family_name: str, consumes_device_tokens: 
     return 2 if mirror else 1
 
 
-#: generation_config.json keys that are SamplingParams defaults (vLLM reads the same), and their fields
-_GENERATION_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
 @attrs.define
 class _Fanout:
     """An ``n > 1`` request: its samples (one child request each, in index order), the kind of output
@@ -173,12 +168,18 @@ class LLMEngine(PromptText):
         gen = self._generation_config()  # read once: the server asks for its defaults every request
         self.eos_token_ids = self._eos_ids(gen)
         self._sampling_defaults = {} if config.generation_config == "vllm" else {
-            field: gen[key] for key, field in _GENERATION_SAMPLING.items() if gen.get(key) is not None}
+            field: gen[key] for key, field in GENERATION_SAMPLING.items() if gen.get(key) is not None}
         try:
             SamplingParams(**self._sampling_defaults)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self._generation_config_path()}: {exc} (or pass generation_config='vllm' to "
                               "ignore its sampling values)") from None
+        override = {GENERATION_SAMPLING[key]: v for key, v in (config.override_generation_config or {}).items()}
+        try:
+            SamplingParams(**override)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"override_generation_config={config.override_generation_config}: {exc}") from None
+        self._sampling_defaults.update(override)
         spec = config.speculative_config
         mtp = spec is not None and spec.method == "mtp"
         on_device = spec.method if drafts_on_device(config) else None
@@ -318,7 +319,8 @@ class LLMEngine(PromptText):
 
     def default_sampling(self) -> dict[str, Any]:
         """SamplingParams fields the checkpoint's generation_config.json sets (vLLM reads the same
-        keys; ``max_new_tokens`` is ``max_tokens``), or {} with ``generation_config="vllm"``."""
+        keys; ``max_new_tokens`` is ``max_tokens``), or none with ``generation_config="vllm"``; then
+        ``override_generation_config``'s over them."""
         return dict(self._sampling_defaults)
 
     def _eos_ids(self, gen: dict[str, Any]) -> list[int]:

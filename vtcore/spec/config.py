@@ -4,10 +4,11 @@ Torch-free: the engine's config and the command line parse it.
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
+
+from vtcore.json_knobs import json_dict
 
 #: the proposers this engine knows
 METHODS = ("ngram", "draft_model", "mtp")
@@ -33,14 +34,7 @@ class SpeculativeConfig:
         key or value is refused naming it and what is expected."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config={value!r}: not valid JSON ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config={value!r}: expected a dict such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        value = json_dict("speculative_config", value, '{"method": "ngram", "num_speculative_tokens": 4}')
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
