@@ -67,6 +67,23 @@ class ServerThread:
         self.sock.close()
 
 
+def serve_in_thread(args: Any) -> tuple[threading.Thread, dict[str, Any], str]:
+    """``cmd_serve(args)`` started on a thread: the thread, the dict its exit code lands in (``rc``), and the base
+    URL the command printed once it listens."""
+    import io
+
+    from vtcore.server.serve import cmd_serve
+
+    out, result = io.StringIO(), {}
+    thread = threading.Thread(target=lambda: result.update(rc=cmd_serve(args, out)), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while "/v1" not in out.getvalue():
+        assert thread.is_alive() and time.monotonic() < deadline, out.getvalue()
+        time.sleep(0.05)
+    return thread, result, out.getvalue().split(" on ")[1].split("/v1")[0]
+
+
 @contextlib.contextmanager
 def template_server(engine: AsyncLLM, template: str) -> Iterator[ServerThread]:
     """A server over ``engine`` whose tokenizer renders conversations with ``template`` meanwhile."""

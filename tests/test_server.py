@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import pytest
 from server_harness import (API_KEY, HOST, MAX_BYTES, MODEL, PROMPTS, REPO_ROOT, ServerThread, client,  # noqa: F401
                             engine, error_of, greedy, httpx, keyed_server, metric, needs_default_model, offline,
-                            openai, server, wait_pool_empty)
+                            openai, serve_in_thread, server, wait_pool_empty)
 
 from vtcore import LLM, AsyncLLM, SamplingParams
 from vtcore.server.serve import listening_socket
@@ -620,10 +620,9 @@ def test_serve_exits_1_when_its_engine_dies(monkeypatch, core: bool) -> None:
     """A dead engine loop (or engine core process) ends ``vtcore serve`` (exit 1, for a supervisor to
     restart it, as vLLM's server exits) instead of answering 500 engine_dead for ever."""
     import argparse
-    import io
 
     from vtcore.engine import async_llm
-    from vtcore.server.serve import add_serve_parser, cmd_serve
+    from vtcore.server.serve import add_serve_parser
 
     engines: list[AsyncLLM] = []
 
@@ -638,14 +637,7 @@ def test_serve_exits_1_when_its_engine_dies(monkeypatch, core: bool) -> None:
     args = parser.parse_args(["serve", "--host", HOST, "--port", "0", "--device", "cpu", "--log-level", "warning",
                               "--served-model-name", MODEL, "--shutdown-timeout", "0",
                               "--engine-core-process" if core else "--no-engine-core-process"])
-    out, result = io.StringIO(), {}
-    thread = threading.Thread(target=lambda: result.update(rc=cmd_serve(args, out)), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while "/v1" not in out.getvalue():
-        assert thread.is_alive() and time.monotonic() < deadline, out.getvalue()
-        time.sleep(0.05)
-    url = out.getvalue().split(" on ")[1].split("/v1")[0]
+    thread, result, url = serve_in_thread(args)
 
     def boom() -> None:
         raise RuntimeError("kaboom")

@@ -1,18 +1,23 @@
 """vLLM's engine and server flags that command lines carry: ``--max-logprobs`` (the engine's cap on a request's
 alternatives), ``--trust-remote-code`` (the tokenizer's), ``--root-path`` (a proxy's prefix: the guard and the
-metrics see the route under it), ``--uvicorn-log-level`` and ``--enable-log-requests`` / ``--disable-log-requests``."""
+metrics see the route under it), ``--uvicorn-log-level``, ``--enable-log-requests`` / ``--disable-log-requests`` and
+``--max-log-len``, ``--response-role``, ``--enable-force-include-usage``, and HTTPS (``--ssl-*``)."""
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
+import os
+import ssl
 from typing import Any
 
+import openai
 import pytest
 
 from vtcore.config import EngineConfig
 from server_harness import (API_KEY, MODEL, ServerThread, engine, httpx, metric,  # noqa: F401
-                                  needs_default_model)
+                                  needs_default_model, serve_in_thread)
 from vtcore import LLM, AsyncLLM, SamplingParams
 from vtcore.engine.capacity import EngineLimits
 from vtcore.server.app import build_app
@@ -145,11 +150,121 @@ def test_enable_log_requests_logs_each_request_as_it_comes_and_ends(engine: Asyn
             assert lines == []
             continue
         rid = f"{body['id']}-0"
-        assert len(lines) == 2 and lines[0].startswith(f"Received request {rid}: 3 prompt tokens, params: ")
-        assert "max_tokens=3" in lines[0]
+        assert len(lines) == 2 and lines[0].startswith(f"Received request {rid}: 3 prompt tokens, prompt: None, "
+                                                       "params: ")
+        assert "max_tokens=3" in lines[0] and lines[0].endswith(", prompt_token_ids: [5, 6, 7]")
         assert lines[1] == f"Finished request {rid}: length after 3 tokens"
     assert _serve_args("--enable-log-requests").enable_log_requests is True
     assert _serve_args().enable_log_requests is False
     assert _serve_args("--enable-log-requests", "--disable-log-requests").enable_log_requests is False
     assert "--disable-log-requests is deprecated" in capsys.readouterr().err
     assert _serve_args("--uvicorn-log-level", "trace").log_level == "trace"
+
+
+def test_max_log_len_cuts_the_logged_prompt(engine: AsyncLLM, caplog) -> None:  # noqa: F811
+    """vLLM's ``--max-log-len``: a request's line shows its prompt's first N characters and ids."""
+    caplog.set_level(logging.INFO, logger="vtcore.server.requests")
+    with ServerThread(build_app(engine, MODEL, log_requests=True, max_log_len=4)) as srv:
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello there, world", "max_tokens": 1}
+                          ).status_code == 200
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
+    ids = engine.tokenize("Hello there, world")[1]
+    assert "prompt: 'Hell', params: " in line and line.endswith(f"prompt_token_ids: {ids[:4]}") and len(ids) > 4
+    with pytest.raises(ValueError, match=r"max_log_len=-1: expected a number of characters and ids >= 0"):
+        build_app(engine, MODEL, max_log_len=-1)
+    from vtcore.server.serve import cmd_serve
+
+    with pytest.raises(ValueError, match=r"--max-log-len -2: expected a number of characters and ids >= 0"):
+        cmd_serve(_serve_args("--max-log-len", "-2"), io.StringIO())
+
+
+def test_response_role_names_a_new_reply_and_a_continued_one_keeps_its_role(engine: AsyncLLM) -> None:  # noqa: F811
+    """vLLM's ``--response-role`` and rule: a reply the prompt asks for (add_generation_prompt) has the server's role,
+    streamed or not; one that continues the last message (continue_final_message) has that message's role."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    with ServerThread(build_app(engine, MODEL, response_role="narrator")) as srv:
+        whole = httpx.post(srv.url + "/v1/chat/completions", json=chat).json()
+        assert whole["choices"][0]["message"]["role"] == "narrator"
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert '"delta":{"role":"narrator","content":""}' in first.replace(" ", "")
+        continued = {**chat, "messages": chat["messages"] + [{"role": "assistant", "content": "Hello"}],
+                     "add_generation_prompt": False, "continue_final_message": True}
+        body = httpx.post(srv.url + "/v1/chat/completions", json=continued).json()
+        assert body["choices"][0]["message"]["role"] == "assistant", body
+    assert _serve_args().response_role == "assistant"
+    with pytest.raises(ValueError, match=r"response_role='': expected a role name"):
+        build_app(engine, MODEL, response_role="")
+
+
+def test_force_include_usage_ends_every_stream_with_usage(engine: AsyncLLM) -> None:  # noqa: F811
+    """vLLM's ``--enable-force-include-usage``: a streamed completion or chat that did not ask for usage still
+    ends with the usage chunk (empty choices) before [DONE]; without the flag it does not."""
+    completion = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                  "stream": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+            "stream": True}
+    for force in (True, False):
+        with ServerThread(build_app(engine, MODEL, force_include_usage=force)) as srv:
+            for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+                with httpx.stream("POST", srv.url + path, json=body) as r:
+                    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                last = json.loads(events[-2])
+                if force:
+                    assert last["choices"] == [] and last["usage"]["completion_tokens"] == body["max_tokens"], last
+                    assert all(json.loads(e).get("usage") is None for e in events[:-2])  # (not continuous)
+                else:
+                    assert last["choices"] and last.get("usage") is None, last
+    assert _serve_args("--enable-force-include-usage").enable_force_include_usage is True
+
+
+TLS = os.path.join(os.path.dirname(__file__), "fixture_tls")
+
+
+def test_vtcore_serve_over_https_with_its_reply_flags(monkeypatch) -> None:
+    """``vtcore serve --ssl-keyfile/--ssl-certfile`` (vLLM's): uvicorn serves HTTPS, which a client trusting the
+    certificate reaches (the openai client included) and plain HTTP or an untrusting client do not; the command's
+    ``--response-role`` and ``--enable-force-include-usage`` reach the app. A missing half, a file that is no key,
+    or CA options without TLS are refused naming the flags, before the model loads."""
+    from vtcore.server import serve
+
+    servers: list[Any] = []
+
+    class Recorded(serve._server_class()):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            servers.append(self)
+
+    monkeypatch.setattr(serve, "_server_class", lambda: Recorded)
+    cert, key = os.path.join(TLS, "cert.pem"), os.path.join(TLS, "key.pem")
+    args = _serve_args("--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--log-level", "warning",
+                       "--served-model-name", MODEL, "--shutdown-timeout", "0", "--no-engine-core-process",
+                       "--ssl-keyfile", key, "--ssl-certfile", cert, "--response-role", "narrator",
+                       "--enable-force-include-usage")
+    thread, result, url = serve_in_thread(args)
+    try:
+        assert url.startswith("https://127.0.0.1:")
+        trusting = httpx.Client(verify=ssl.create_default_context(cafile=cert))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", http_client=trusting)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=2, temperature=0, stream=True))
+        assert chunks[0].choices[0].delta.role == "narrator"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2  # (usage not asked for)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url.replace("https://", "http://") + "/v1/models", timeout=5)  # (plain HTTP to a TLS port)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/v1/models", timeout=5)  # (a client that does not trust the certificate)
+    finally:
+        servers[0].should_exit = True
+        thread.join(30)
+    assert result["rc"] == 0
+    assert serve._tls_options(_serve_args()) == {}
+    for argv, message in (
+            (["--ssl-keyfile", key], "--ssl-keyfile and --ssl-certfile: expected both .* got only --ssl-keyfile"),
+            (["--ssl-certfile", cert], "got only --ssl-certfile"),
+            (["--ssl-ca-certs", cert], "--ssl-ca-certs and --ssl-cert-reqs: expected with --ssl-keyfile"),
+            (["--ssl-keyfile", cert, "--ssl-certfile", cert], f"--ssl-certfile '{cert}' --ssl-keyfile '{cert}': "
+                                                               "cannot be used")):
+        with pytest.raises(ValueError, match=message):
+            serve.cmd_serve(_serve_args(*argv), io.StringIO())

@@ -90,7 +90,8 @@ def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_ke
               max_request_bytes: int = 8 << 20, reasoning_parser: str | None = None,
               chat_template: str | None = None, cors: dict[str, Any] | None = None,
               return_tokens_as_token_ids: bool = False, dev_mode: bool = False,
-              log_requests: bool = False) -> FastAPI:
+              log_requests: bool = False, *, max_log_len: int | None = None, response_role: str = "assistant",
+              force_include_usage: bool = False) -> FastAPI:
     """The OpenAI-compatible app over ``engine``; see the module docstring. ``app.state.server`` is
     its ``Serving`` (draining, ``abort_all``: ``vtcore serve``'s graceful shutdown uses them).
     ``reasoning_parser``: a name of :data:`vtcore.server.reasoning.REASONING_PARSERS` (None: off);
@@ -98,12 +99,21 @@ def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_ke
     ``CORSMiddleware``'s options over ``DEFAULT_CORS`` (outermost: a browser reads the gate's 401 and 413 too);
     ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:{id}`` where a request leaves the field out;
     ``dev_mode``: also the development endpoints (the module docstring); ``log_requests``: a line of
-    ``vtcore.server.serving.request_log`` as each generation request arrives and as it ends."""
+    ``vtcore.server.serving.request_log`` as each generation request arrives (its prompt's first ``max_log_len``
+    characters and ids; None: all) and as it ends; ``response_role``: a chat reply's role where the request asks for
+    a new message (vLLM's); ``force_include_usage``: every streamed completion and chat ends with a usage chunk,
+    whatever its ``stream_options`` (vLLM's)."""
+    if max_log_len is not None and (isinstance(max_log_len, bool) or not isinstance(max_log_len, int)
+                                    or max_log_len < 0):
+        raise ValueError(f"max_log_len={max_log_len!r}: expected a number of characters and ids >= 0, or None (all)")
+    if not isinstance(response_role, str) or not response_role:
+        raise ValueError(f"response_role={response_role!r}: expected a role name, such as 'assistant'")
     if not isinstance(max_request_bytes, int) or max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes={max_request_bytes!r}: expected a positive number of bytes")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={reasoning_parser!r}: expected one of {sorted(REASONING_PARSERS)}")
-    serving = Serving(engine, served_model_name, chat_template, return_tokens_as_token_ids, log_requests)
+    serving = Serving(engine, served_model_name, chat_template, return_tokens_as_token_ids, log_requests,
+                      max_log_len=max_log_len, response_role=response_role, force_include_usage=force_include_usage)
     parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     completions, chat, tokenization = CompletionsEndpoint(serving), ChatEndpoint(serving, parser), Tokenization(serving)
     responses = ResponsesEndpoint(serving, parser)

@@ -178,10 +178,15 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
     def first_chunk_extra(self, body: ChatCompletionRequest, job: Job) -> dict[str, Any]:
         return {"prompt_token_ids": job.prompts[0].ids} if body.return_token_ids else {}
 
+    def role(self, body: ChatCompletionRequest) -> str:
+        """The reply's role (vLLM's rule): the server's ``--response-role`` where the prompt asks for a new message,
+        else that of the last message, which the reply continues."""
+        return self.serving.response_role if body.add_generation_prompt else body.messages[-1].role
+
     def response_choice(self, body: ChatCompletionRequest, choice: Choice) -> dict[str, Any]:
         logprobs = self.logprobs(choice.token_ids, choice.logprobs, body.top_logprobs or 0,
                                  self.tokens_as_ids(body)) if body.logprobs else None
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        message: dict[str, Any] = {"role": self.role(body), "content": choice.text}
         if self.reasoning_parser is not None:
             message["reasoning_content"], message["content"] = split_reasoning(self.reasoning_parser(), choice.text)
         finish = choice.finish_reason
@@ -205,13 +210,14 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
 
 
 class _ChatChunks:
-    """A streamed chat completion: each choice opens with a chunk of the assistant role."""
+    """A streamed chat completion: each choice opens with a chunk of the reply's role."""
 
     def __init__(self, endpoint: ChatEndpoint, body: ChatCompletionRequest) -> None:
         self.endpoint = endpoint
         self.body = body
         self.opened: set[int] = set()
         self.as_ids = endpoint.tokens_as_ids(body)
+        self.role = endpoint.role(body)
         parser = endpoint.reasoning_parser
         self.splitters: dict[int, ThinkSplitter] | None = None if parser is None else {}
         self.tools = endpoint.tool_parser if offers_tools(body) else None
@@ -221,7 +227,7 @@ class _ChatChunks:
         out = []
         if choice.index not in self.opened:
             self.opened.add(choice.index)
-            out.append(({"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            out.append(({"index": choice.index, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                          "finish_reason": None}, 0))
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return out

@@ -245,8 +245,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
     async def events(self, body: Body, job: Job) -> AsyncIterator[bytes]:
         """The SSE events of a streamed response: chunks, the usage chunk if asked for, [DONE]."""
         options = body.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and bool(options.continuous_usage_stats)
+        include_usage = bool(options and options.include_usage) or self.serving.force_include_usage
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
         head = {"id": job.id, "object": self.chunk_object, "created": job.created,
                 "model": self.serving.model_name(body.model)}
         stream = self.stream(body)
@@ -272,8 +272,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
         failed = False
         self.serving.live.add(prompt.rid)
         if self.serving.log_requests:
-            request_log.info("Received request %s: %d prompt tokens, params: %s", prompt.rid, len(prompt.ids),
-                             prompt.params)
+            cut = self.serving.max_log_len  # (vLLM's --max-log-len: the prompt's first characters and ids)
+            request_log.info("Received request %s: %d prompt tokens, prompt: %r, params: %s, prompt_token_ids: %s",
+                             prompt.rid, len(prompt.ids), None if prompt.text is None else prompt.text[:cut],
+                             prompt.params, prompt.ids[:cut])
         try:
             async for out in self.engine.generate({"prompt": prompt.text, "prompt_token_ids": prompt.ids,
                                                    "cache_salt": prompt.cache_salt}, prompt.params, prompt.rid,

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, Generator, Sequence, TextIO
@@ -61,6 +62,25 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action=DeprecatedFlag, nargs=0, const=False,
                    help="deprecated (vLLM's): requests are not logged unless --enable-log-requests",
                    warning="--disable-log-requests is deprecated: requests are logged only with --enable-log-requests")
+    p.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="with --enable-log-requests, the most prompt characters and prompt token ids a request's "
+                        "line shows (vLLM's flag; default: all)")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line a HTTP request even at --log-level debug or trace (vLLM's flag)")
+    p.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="a chat reply's role where the request asks for a new message (add_generation_prompt); "
+                        "otherwise the reply continues the last message, in its role (vLLM's flag and rule; "
+                        "default: assistant)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed completion and chat ends with a usage chunk, whether or not its "
+                        "stream_options ask for one (vLLM's flag)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS: the TLS private key (PEM)")
+    p.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS: the TLS certificate (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                   help="the CA certificates that client certificates are checked against (with --ssl-cert-reqs)")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
+                   help="whether a client certificate is required: 0 none, 1 optional, 2 required "
+                        "(Python's ssl.CERT_*; vLLM's flag; default: 0)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag, taken for its command lines: tool calls are parsed (and tool_choice 'auto' "
                         "served) whenever the family's plugin supplies a tool-call parser")
@@ -206,6 +226,29 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _tls_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS options from ``--ssl-*`` ({} to serve plain HTTP); a key without its certificate (or the
+    reverse), or a file that cannot be read, is refused naming it before the model loads."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile: expected both (HTTPS) or neither (HTTP), got "
+                         + ("only --ssl-keyfile" if args.ssl_certfile is None else "only --ssl-certfile"))
+    if args.ssl_keyfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs != ssl.CERT_NONE:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs: expected with --ssl-keyfile and --ssl-certfile")
+        return {}
+    try:  # (the checks uvicorn makes at its start, here before the model loads)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile {args.ssl_certfile!r} --ssl-keyfile {args.ssl_keyfile!r}"
+                         + (f" --ssl-ca-certs {args.ssl_ca_certs!r}" if args.ssl_ca_certs else "")
+                         + f": cannot be used ({exc})") from None
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
+            "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
 def _check_tool_call_parser(name: str, engine: Any) -> None:
     """``--tool-call-parser NAME`` names the served family's format (its parser's ``names``), else a ValueError
     saying which it is."""
@@ -251,6 +294,9 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds >= 0")
     if args.root_path and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path {args.root_path!r}: expected a URL path that starts with '/', e.g. /api")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len {args.max_log_len}: expected a number of characters and ids >= 0")
+    tls = _tls_options(args)
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
     names = served_model_names(args, config)
@@ -274,13 +320,16 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
             _log_requests_to(sys.stderr)
         app = build_app(engine, names, api_key, args.max_request_bytes, args.reasoning_parser, chat_template, cors,
                         args.return_tokens_as_token_ids, dev_mode=os.environ.get("VTCORE_SERVER_DEV_MODE") == "1",
-                        log_requests=args.enable_log_requests)
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                        response_role=args.response_role, force_include_usage=args.enable_force_include_usage)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
-                                access_log=args.log_level in ("debug", "trace"), root_path=args.root_path)
+                                access_log=args.log_level in ("debug", "trace") and not args.disable_uvicorn_access_log,
+                                root_path=args.root_path, **tls)
         server = _server_class()(config, app.state.server, args.shutdown_timeout)
         host = f"[{args.host}]" if ":" in args.host else args.host  # the URL names the port really bound
-        out.write(f"vtcore serve: model {name!r} on http://{host}:{sock.getsockname()[1]}/v1\n")
+        scheme = "https" if tls else "http"
+        out.write(f"vtcore serve: model {name!r} on {scheme}://{host}:{sock.getsockname()[1]}/v1\n")
         out.flush()
         try:
             _event_loop_runner()(server.serve(sockets=[sock]))

@@ -26,13 +26,17 @@ class Serving:
     threads that prepare requests off the event loop."""
 
     def __init__(self, engine: AsyncLLM, names: str | Sequence[str], chat_template: str | None = None,
-                 tokens_as_ids: bool = False, log_requests: bool = False) -> None:
+                 tokens_as_ids: bool = False, log_requests: bool = False, *, response_role: str = "assistant",
+                 force_include_usage: bool = False, max_log_len: int | None = None) -> None:
         self.engine = engine
         self.names = (names,) if isinstance(names, str) else tuple(names)  # (vLLM's aliases: the first is the name)
         self.name = self.names[0]
         self.chat_template = chat_template  # the served chat template (None: the tokenizer's)
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:{id}" unless a request says otherwise
         self.log_requests = log_requests  # each generation request's arrival and end go to ``request_log``
+        self.max_log_len = max_log_len  # the most prompt characters and ids a request's log line shows (None: all)
+        self.response_role = response_role  # a chat reply's role where the prompt asks for a new message
+        self.force_include_usage = force_include_usage  # every stream ends with a usage chunk, asked for or not
         self.created = int(time.time())
         self.limits = engine.limits()
         self.metrics = ServerMetrics(self.name, engine.stats, self.limits.max_model_len)
