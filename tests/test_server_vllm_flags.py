@@ -159,6 +159,11 @@ def test_enable_log_requests_logs_each_request_as_it_comes_and_ends(engine: Asyn
     assert _serve_args("--enable-log-requests", "--disable-log-requests").enable_log_requests is False
     assert "--disable-log-requests is deprecated" in capsys.readouterr().err
     assert _serve_args("--uvicorn-log-level", "trace").log_level == "trace"
+    from vtcore.server.serve import access_log
+
+    assert [access_log(_serve_args(*argv)) for argv in ([], ["--log-level", "debug"], ["--log-level", "trace"],
+                                                        ["--log-level", "debug", "--disable-uvicorn-access-log"])] \
+        == [False, True, True, False]
 
 
 def test_max_log_len_cuts_the_logged_prompt(engine: AsyncLLM, caplog) -> None:  # noqa: F811

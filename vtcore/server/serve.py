@@ -226,6 +226,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def access_log(args: argparse.Namespace) -> bool:
+    """Whether uvicorn logs a line a HTTP request: at --log-level debug or trace, unless
+    --disable-uvicorn-access-log."""
+    return args.log_level in ("debug", "trace") and not args.disable_uvicorn_access_log
+
+
 def _tls_options(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn's TLS options from ``--ssl-*`` ({} to serve plain HTTP); a key without its certificate (or the
     reverse), or a file that cannot be read, is refused naming it before the model loads."""
@@ -324,7 +330,7 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
                         response_role=args.response_role, force_include_usage=args.enable_force_include_usage)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + BACKSTOP_S, lifespan="off",
-                                access_log=args.log_level in ("debug", "trace") and not args.disable_uvicorn_access_log,
+                                access_log=access_log(args),
                                 root_path=args.root_path, **tls)
         server = _server_class()(config, app.state.server, args.shutdown_timeout)
         host = f"[{args.host}]" if ":" in args.host else args.host  # the URL names the port really bound
