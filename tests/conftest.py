@@ -62,3 +62,25 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., t
 def tiny_checkpoint(make_checkpoint: Callable[..., tuple[str, Any]]) -> tuple[str, Any]:
     """The default tiny Qwen3 checkpoint (untied, GQA 2) and its HF model."""
     return make_checkpoint()
+
+
+@pytest.fixture
+def default_model_with(tmp_path) -> Callable[..., str]:
+    """``default_model_with(**keys) -> path``: a copy of the embedded default model whose generation_config.json
+    also sets ``keys`` (``max_new_tokens``, ``temperature``, ...)."""
+    import os
+    import shutil
+
+    from vtcore.config import DEFAULT_MODEL
+
+    def make(**keys: Any) -> str:
+        path = str(tmp_path / "model")
+        shutil.copytree(DEFAULT_MODEL, path)
+        config = os.path.join(path, "generation_config.json")
+        with open(config) as f:
+            gen = json.load(f)
+        with open(config, "w") as f:
+            json.dump({**gen, **keys}, f)
+        return path
+
+    return make

@@ -168,21 +168,12 @@ def test_generate_on_the_default_model_in_process() -> None:
 
 
 @needs_default_model
-def test_generate_takes_the_checkpoints_generation_config_under_the_flags(tmp_path) -> None:
+def test_generate_takes_the_checkpoints_generation_config_under_the_flags(default_model_with) -> None:
     """Flags left out take the checkpoint's generation_config.json values, then the CLI's own
     (greedy, 64 tokens); a flag given wins."""
-    import json
-    import shutil
-
     from vtcore import LLM, SamplingParams
-    from vtcore.config import DEFAULT_MODEL
 
-    path = str(tmp_path / "model")
-    shutil.copytree(DEFAULT_MODEL, path)
-    with open(os.path.join(path, "generation_config.json")) as f:
-        gen = json.load(f)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({**gen, "max_new_tokens": 3}, f)
+    path = default_model_with(max_new_tokens=3)
     llm = LLM(path, device="cpu")
 
     def text(n: int) -> str:

@@ -204,7 +204,7 @@ def test_response_role_names_a_new_reply_and_a_continued_one_keeps_its_role(engi
 
 def test_force_include_usage_ends_every_stream_with_usage(engine: AsyncLLM) -> None:  # noqa: F811
     """vLLM's ``--enable-force-include-usage``: a streamed completion or chat that did not ask for usage still
-    ends with the usage chunk (empty choices) before [DONE]; without the flag it does not."""
+    has it, in every chunk and in a last chunk (empty choices) before [DONE]; without the flag it does not."""
     completion = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
                   "stream": True}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
@@ -216,9 +216,9 @@ def test_force_include_usage_ends_every_stream_with_usage(engine: AsyncLLM) -> N
                     events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
                 assert events[-1] == "[DONE]"
                 last = json.loads(events[-2])
-                if force:
+                if force:  # (as vLLM's: the usage so far in every chunk too)
                     assert last["choices"] == [] and last["usage"]["completion_tokens"] == body["max_tokens"], last
-                    assert all(json.loads(e).get("usage") is None for e in events[:-2])  # (not continuous)
+                    assert all(json.loads(e)["usage"]["prompt_tokens"] > 0 for e in events[:-2])
                 else:
                     assert last["choices"] and last.get("usage") is None, last
     assert _serve_args("--enable-force-include-usage").enable_force_include_usage is True
@@ -273,3 +273,27 @@ def test_vtcore_serve_over_https_with_its_reply_flags(monkeypatch) -> None:
                                                                "cannot be used")):
         with pytest.raises(ValueError, match=message):
             serve.cmd_serve(_serve_args(*argv), io.StringIO())
+
+
+def test_max_tokens_follows_vllms_rule_over_the_generation_config(tmp_path, default_model_with) -> None:
+    """vLLM's rule for a served request's max_tokens: its own, else the defaults' (generation_config.json's
+    max_new_tokens), then at most the cap: ``override_generation_config``'s max_new_tokens, or, with
+    ``generation_config`` a folder, that folder's."""
+    path = default_model_with(max_new_tokens=3)
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2}))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}
+    completion = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cases = [({}, 3, 6),  # the checkpoint's 3 where the chat leaves max_tokens out; no cap on the 6 asked
+             ({"override_generation_config": {"max_new_tokens": 4}}, 4, 4),  # the override's 4: default and cap
+             ({"generation_config": str(folder)}, 2, 2)]  # the folder's 2: default and cap
+    for knobs, chat_tokens, completion_tokens in cases:
+        engine = AsyncLLM(path, device="cpu", num_kv_blocks=64, **knobs)
+        try:
+            with ServerThread(build_app(engine, MODEL)) as srv:
+                got = [httpx.post(srv.url + "/v1/chat/completions", json=chat).json()["usage"]["completion_tokens"],
+                       httpx.post(srv.url + "/v1/completions", json=completion).json()["usage"]["completion_tokens"]]
+        finally:
+            engine.shutdown()
+        assert got == [chat_tokens, completion_tokens], knobs

@@ -6,9 +6,6 @@ refusals of what used to raise from deep inside."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
 import time
 from typing import Any, Iterator
 
@@ -16,7 +13,7 @@ import pytest
 
 from tests.server_harness import needs_default_model
 from vtcore import LLM, AsyncLLM, SamplingParams
-from vtcore.config import DEFAULT_MODEL, EngineConfig
+from vtcore.config import EngineConfig
 from vtcore.errors import EngineDeadError, NotSupportedError
 from vtcore.sampling_params import RequestOutputKind
 
@@ -72,13 +69,9 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(llm: LLM) -> None:
         core.shutdown()
 
 
-def test_a_delta_stream_carries_the_prompts_logprobs_once_and_defaults_come_from_the_checkpoint(tmp_path) -> None:
-    path = str(tmp_path / "model")
-    shutil.copytree(DEFAULT_MODEL, path)
-    with open(os.path.join(path, "generation_config.json")) as f:
-        gen = json.load(f)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({**gen, "max_new_tokens": 3, "temperature": 0.0}, f)
+def test_a_delta_stream_carries_the_prompts_logprobs_once_and_defaults_come_from_the_checkpoint(
+        default_model_with) -> None:
+    path = default_model_with(max_new_tokens=3, temperature=0.0)
     engine = AsyncLLM(path, device="cpu", num_kv_blocks=256)
     try:
         outs = _stream(engine, PROMPT, greedy(4, prompt_logprobs=2, output_kind=RequestOutputKind.DELTA))

@@ -71,6 +71,15 @@ class EngineFrontEnd:
         ``override_generation_config``'s over them."""
         return self.engine.default_sampling()
 
+    def max_tokens_cap(self) -> int | None:
+        """vLLM's ``override_max_tokens``: the most tokens a served request may generate, whatever it asks for:
+        ``override_generation_config``'s ``max_new_tokens``, or, with ``generation_config`` a folder, the
+        ``max_tokens`` of the defaults it gives (None: no cap)."""
+        config = self.engine.config
+        if config.generation_config not in ("auto", "vllm"):
+            return self.default_sampling().get("max_tokens")
+        return (config.override_generation_config or {}).get("max_new_tokens")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json sampling values (vLLM's
         ``generation_config="auto"``); what ``generate`` uses when given none."""

@@ -101,8 +101,8 @@ def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_ke
     ``dev_mode``: also the development endpoints (the module docstring); ``log_requests``: a line of
     ``vtcore.server.serving.request_log`` as each generation request arrives (its prompt's first ``max_log_len``
     characters and ids; None: all) and as it ends; ``response_role``: a chat reply's role where the request asks for
-    a new message (vLLM's); ``force_include_usage``: every streamed completion and chat ends with a usage chunk,
-    whatever its ``stream_options`` (vLLM's)."""
+    a new message (vLLM's); ``force_include_usage``: every streamed completion and chat carries its usage in each chunk
+    and ends with a usage chunk, whatever its ``stream_options`` (vLLM's)."""
     if max_log_len is not None and (isinstance(max_log_len, bool) or not isinstance(max_log_len, int)
                                     or max_log_len < 0):
         raise ValueError(f"max_log_len={max_log_len!r}: expected a number of characters and ids >= 0, or None (all)")

@@ -229,13 +229,15 @@ class GenerationEndpoint(ABC, Generic[Body]):
         checked = self.make_params(kw, renames)  # every value checked as the client sent it
         prompts = self.prompts(body)
         tokens_field = renames.get("max_tokens", "max_tokens")
+        asked = kw["max_tokens"] if kw["max_tokens"] is not None else self.serving.default_max_tokens
+        wanted = min((v for v in (asked, self.serving.max_tokens_cap) if v is not None), default=None)
         job_id = f"{self.id_prefix}{self.id_separator}{uuid.uuid4().hex}"
         engine_prompts = []
         for i, (text, ids) in enumerate(prompts.items):
             kept = checked.truncated(ids, self.serving.limits.max_model_len)
             if len(kept) < len(ids):  # (before the length check: the engine runs the kept tokens)
                 text, ids = (None if text is None else self.serving.decode(kept)), kept
-            max_tokens = self.check_length(len(ids), kw["max_tokens"], prompts.field, tokens_field)
+            max_tokens = self.check_length(len(ids), wanted, prompts.field, tokens_field)
             params = checked if max_tokens == kw["max_tokens"] else self.make_params({**kw, "max_tokens": max_tokens},
                                                                                       renames)
             engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n, body.cache_salt,
@@ -245,8 +247,9 @@ class GenerationEndpoint(ABC, Generic[Body]):
     async def events(self, body: Body, job: Job) -> AsyncIterator[bytes]:
         """The SSE events of a streamed response: chunks, the usage chunk if asked for, [DONE]."""
         options = body.stream_options
-        include_usage = bool(options and options.include_usage) or self.serving.force_include_usage
-        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        force = self.serving.force_include_usage  # (vLLM's: usage in every chunk, and at the end)
+        include_usage = force or bool(options and options.include_usage)
+        continuous = force or (include_usage and bool(options.continuous_usage_stats))
         head = {"id": job.id, "object": self.chunk_object, "created": job.created,
                 "model": self.serving.model_name(body.model)}
         stream = self.stream(body)
@@ -382,7 +385,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
 
     def sampling_kwargs(self, body: Body) -> dict[str, Any]:
         """SamplingParams fields both endpoints take alike; the checkpoint's generation_config.json
-        sampling values stand in for fields the client left out."""
+        sampling values stand in for fields the client left out (max_tokens apart: ``prepare``)."""
         defaults = {k: v for k, v in self.engine.default_sampling().items() if k != "max_tokens"}
         kw: dict[str, Any] = {**defaults, "output_kind": RequestOutputKind.DELTA}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",

@@ -72,8 +72,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
                         "otherwise the reply continues the last message, in its role (vLLM's flag and rule; "
                         "default: assistant)")
     p.add_argument("--enable-force-include-usage", action="store_true",
-                   help="every streamed completion and chat ends with a usage chunk, whether or not its "
-                        "stream_options ask for one (vLLM's flag)")
+                   help="every streamed completion and chat carries its usage so far in each chunk and ends with "
+                        "a usage chunk, whatever its stream_options ask (vLLM's flag)")
     p.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS: the TLS private key (PEM)")
     p.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS: the TLS certificate (PEM)")
     p.add_argument("--ssl-ca-certs", default=None, metavar="PATH",

@@ -36,9 +36,12 @@ class Serving:
         self.log_requests = log_requests  # each generation request's arrival and end go to ``request_log``
         self.max_log_len = max_log_len  # the most prompt characters and ids a request's log line shows (None: all)
         self.response_role = response_role  # a chat reply's role where the prompt asks for a new message
-        self.force_include_usage = force_include_usage  # every stream ends with a usage chunk, asked for or not
+        self.force_include_usage = force_include_usage  # every stream has usage in each chunk, asked for or not
         self.created = int(time.time())
         self.limits = engine.limits()
+        # (vLLM's max_tokens rule: a request's own, else the defaults', then at most the cap)
+        self.default_max_tokens: int | None = engine.default_sampling().get("max_tokens")
+        self.max_tokens_cap = engine.max_tokens_cap()
         self.metrics = ServerMetrics(self.name, engine.stats, self.limits.max_model_len)
         self.live: set[str] = set()  # engine request ids in flight
         self.draining = False  # shutting down: new requests get 503
