@@ -169,13 +169,23 @@ def test_override_generation_config_sets_defaults_over_generation_config(tiny_ch
     with pytest.raises(ValueError, match=r"override_generation_config: unknown key\(s\) \['do_sample'\]; expected "
                                          r"generation_config.json's sampling keys \['max_new_tokens', "):
         EngineConfig(override_generation_config={"do_sample": True})
-    with pytest.raises(ValueError, match=r"override_generation_config: top_k='5', expected a number"):
+    with pytest.raises(ValueError, match=r"override_generation_config: top_k='5', expected a number \(or null"):
         EngineConfig(override_generation_config={"top_k": "5"})
     with pytest.raises(ValueError, match=r"override_generation_config='\{temperature': not valid JSON"):
         EngineConfig(override_generation_config="{temperature")
     with pytest.raises(ValueError, match=r"override_generation_config=\{'temperature': -1\}: "
                                          r"SamplingParams.temperature=-1: expected"):
         LLM(tiny_checkpoint[0], override_generation_config={"temperature": -1}, **common)
+    # (vLLM's merge) a null drops the file's default; an override sets right a value the file has wrong
+    dropped = LLM(tiny_checkpoint[0], generation_config=str(folder), override_generation_config={"top_k": None},
+                  **common)
+    assert dropped.default_sampling() == {"temperature": 0.3}
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 0.0}))
+    with pytest.raises(ValueError, match=r"generation_config.json: SamplingParams.top_p=0.0: .* or "
+                                         r"override_generation_config to set this one"):
+        LLM(tiny_checkpoint[0], generation_config=str(folder), **common)
+    fixed = LLM(tiny_checkpoint[0], generation_config=str(folder), override_generation_config={"top_p": 0.9}, **common)
+    assert fixed.default_sampling() == {"top_p": 0.9}
 
 
 def test_generate_seed_is_the_engine_seed(no_engine) -> None:

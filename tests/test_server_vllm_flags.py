@@ -193,10 +193,10 @@ def test_response_role_names_a_new_reply_and_a_continued_one_keeps_its_role(engi
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
             first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert '"delta":{"role":"narrator","content":""}' in first.replace(" ", "")
-        continued = {**chat, "messages": chat["messages"] + [{"role": "assistant", "content": "Hello"}],
-                     "add_generation_prompt": False, "continue_final_message": True}
+        continued = {**chat, "messages": [{"role": "user", "content": "Say"}], "add_generation_prompt": False,
+                     "continue_final_message": True}
         body = httpx.post(srv.url + "/v1/chat/completions", json=continued).json()
-        assert body["choices"][0]["message"]["role"] == "assistant", body
+        assert body["choices"][0]["message"]["role"] == "user", body
     assert _serve_args().response_role == "assistant"
     with pytest.raises(ValueError, match=r"response_role='': expected a role name"):
         build_app(engine, MODEL, response_role="")
@@ -227,11 +227,12 @@ def test_force_include_usage_ends_every_stream_with_usage(engine: AsyncLLM) -> N
 TLS = os.path.join(os.path.dirname(__file__), "fixture_tls")
 
 
-def test_vtcore_serve_over_https_with_its_reply_flags(monkeypatch) -> None:
+def test_vtcore_serve_over_https_with_its_reply_flags(monkeypatch, tmp_path) -> None:
     """``vtcore serve --ssl-keyfile/--ssl-certfile`` (vLLM's): uvicorn serves HTTPS, which a client trusting the
     certificate reaches (the openai client included) and plain HTTP or an untrusting client do not; the command's
     ``--response-role`` and ``--enable-force-include-usage`` reach the app. A missing half, a file that is no key,
     or CA options without TLS are refused naming the flags, before the model loads."""
+    from vtcore.engine import async_llm
     from vtcore.server import serve
 
     servers: list[Any] = []
@@ -265,12 +266,21 @@ def test_vtcore_serve_over_https_with_its_reply_flags(monkeypatch) -> None:
         thread.join(30)
     assert result["rc"] == 0
     assert serve._tls_options(_serve_args()) == {}
+    both = tmp_path / "both.pem"  # (a certificate file that holds its key too, as uvicorn takes it)
+    both.write_text(open(key).read() + open(cert).read())
+    assert serve._tls_options(_serve_args("--ssl-certfile", str(both)))["ssl_keyfile"] is None
+
+    def no_model(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(async_llm, "AsyncLLM", no_model)
     for argv, message in (
-            (["--ssl-keyfile", key], "--ssl-keyfile and --ssl-certfile: expected both .* got only --ssl-keyfile"),
-            (["--ssl-certfile", cert], "got only --ssl-certfile"),
-            (["--ssl-ca-certs", cert], "--ssl-ca-certs and --ssl-cert-reqs: expected with --ssl-keyfile"),
+            (["--ssl-keyfile", key], "--ssl-keyfile: expected with --ssl-certfile"),
+            (["--ssl-certfile", key], f"--ssl-certfile '{key}': cannot be used"),
+            (["--ssl-ca-certs", cert], "--ssl-ca-certs and --ssl-cert-reqs: expected with --ssl-certfile"),
             (["--ssl-keyfile", cert, "--ssl-certfile", cert], f"--ssl-certfile '{cert}' --ssl-keyfile '{cert}': "
-                                                               "cannot be used")):
+                                                               "cannot be used"),
+            (["--response-role", ""], "--response-role '': expected a role name")):
         with pytest.raises(ValueError, match=message):
             serve.cmd_serve(_serve_args(*argv), io.StringIO())
 

@@ -32,6 +32,7 @@ def test_the_warm_up_takes_the_served_paths_and_leaves_no_trace(tiny_checkpoint,
     assert not engine.requests and not engine.has_unfinished_requests()
     stats = engine.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (0, 0, 0)
+    assert (sum(stats.iteration_tokens), stats.iteration_tokens_sum) == (0, 0)  # its steps are not the engine's
     runner = engine.runner  # the paths it took are not counted as the checks' own
     assert (runner.padded_decode_steps, runner.stale_forwards, runner.consuming_forwards) == (0, 0, 0)
 

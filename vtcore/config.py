@@ -192,8 +192,8 @@ def _generation_override(value: "dict[str, Any] | str | None") -> "dict[str, Any
         raise ValueError(f"override_generation_config: unknown key(s) {unknown}; expected generation_config.json's "
                          f"sampling keys {sorted(GENERATION_SAMPLING)}")
     for key, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"override_generation_config: {key}={v!r}, expected a number")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"override_generation_config: {key}={v!r}, expected a number (or null: no default)")
     return dict(value)
 
 

@@ -167,19 +167,20 @@ class LLMEngine(PromptText):
         self.tokenizer = engine_tokenizer(config, self.model_path)
         gen = self._generation_config()  # read once: the server asks for its defaults every request
         self.eos_token_ids = self._eos_ids(gen)
-        self._sampling_defaults = {} if config.generation_config == "vllm" else {
-            field: gen[key] for key, field in GENERATION_SAMPLING.items() if gen.get(key) is not None}
+        override = config.override_generation_config or {}
+        try:
+            SamplingParams(**{GENERATION_SAMPLING[key]: v for key, v in override.items() if v is not None})
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"override_generation_config={override}: {exc}") from None
+        # (vLLM's merge: the override's keys over the file's, a null dropping that default)
+        merged = {**({} if config.generation_config == "vllm" else gen), **override}
+        self._sampling_defaults = {field: merged[key] for key, field in GENERATION_SAMPLING.items()
+                                   if merged.get(key) is not None}
         try:
             SamplingParams(**self._sampling_defaults)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{self._generation_config_path()}: {exc} (or pass generation_config='vllm' to "
-                              "ignore its sampling values)") from None
-        override = {GENERATION_SAMPLING[key]: v for key, v in (config.override_generation_config or {}).items()}
-        try:
-            SamplingParams(**override)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"override_generation_config={config.override_generation_config}: {exc}") from None
-        self._sampling_defaults.update(override)
+                              "ignore its sampling values, or override_generation_config to set this one)") from None
         spec = config.speculative_config
         mtp = spec is not None and spec.method == "mtp"
         on_device = spec.method if drafts_on_device(config) else None

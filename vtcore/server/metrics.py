@@ -130,10 +130,12 @@ class Reading:
 
 
 class StepTokensReading:
-    """The engine's tokens-per-step histogram (``EngineStats.iteration_tokens``), read at scrape time."""
+    """The engine's tokens-per-step histogram (``EngineStats.iteration_tokens``), read at scrape time. vLLM's name;
+    its count differs under chunked prefill, speculation and preemption, where vLLM counts a prompt once (at its first
+    token) and accepted tokens only: this one counts what each step computed, so its count is the engine's steps."""
 
     name = "vtcore:iteration_tokens_total"
-    help = "Tokens computed by each engine step (prompt, output and draft tokens)."
+    help = "Tokens computed by each engine step: prompt chunks, fed-back outputs and drafts (vLLM's name)."
 
     def render(self, base: dict[str, str], stats: EngineStats | None) -> list[str]:
         counts = stats.iteration_tokens if stats is not None and stats.iteration_tokens else ()

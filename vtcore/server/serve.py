@@ -233,14 +233,14 @@ def access_log(args: argparse.Namespace) -> bool:
 
 
 def _tls_options(args: argparse.Namespace) -> dict[str, Any]:
-    """uvicorn's TLS options from ``--ssl-*`` ({} to serve plain HTTP); a key without its certificate (or the
-    reverse), or a file that cannot be read, is refused naming it before the model loads."""
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        raise ValueError("--ssl-keyfile and --ssl-certfile: expected both (HTTPS) or neither (HTTP), got "
-                         + ("only --ssl-keyfile" if args.ssl_certfile is None else "only --ssl-certfile"))
-    if args.ssl_keyfile is None:
+    """uvicorn's TLS options from ``--ssl-*`` ({} to serve plain HTTP; the key may be in the certificate's file, as
+    uvicorn takes it); a key without a certificate, or a file that cannot be used, is refused naming it before the
+    model loads."""
+    if args.ssl_certfile is None:
+        if args.ssl_keyfile is not None:
+            raise ValueError("--ssl-keyfile: expected with --ssl-certfile (the certificate it belongs to)")
         if args.ssl_ca_certs is not None or args.ssl_cert_reqs != ssl.CERT_NONE:
-            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs: expected with --ssl-keyfile and --ssl-certfile")
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs: expected with --ssl-certfile (HTTPS)")
         return {}
     try:  # (the checks uvicorn makes at its start, here before the model loads)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -248,7 +248,8 @@ def _tls_options(args: argparse.Namespace) -> dict[str, Any]:
         if args.ssl_ca_certs is not None:
             context.load_verify_locations(args.ssl_ca_certs)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"--ssl-certfile {args.ssl_certfile!r} --ssl-keyfile {args.ssl_keyfile!r}"
+        raise ValueError(f"--ssl-certfile {args.ssl_certfile!r}"
+                         + (f" --ssl-keyfile {args.ssl_keyfile!r}" if args.ssl_keyfile else "")
                          + (f" --ssl-ca-certs {args.ssl_ca_certs!r}" if args.ssl_ca_certs else "")
                          + f": cannot be used ({exc})") from None
     return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
@@ -303,6 +304,8 @@ def cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len {args.max_log_len}: expected a number of characters and ids >= 0")
     tls = _tls_options(args)
+    if not args.response_role:
+        raise ValueError(f"--response-role {args.response_role!r}: expected a role name, such as assistant")
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get("VTCORE_API_KEY") or None
     names = served_model_names(args, config)
