@@ -74,8 +74,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every streamed completion and chat carries its usage so far in each chunk and ends with "
                         "a usage chunk, whatever its stream_options ask (vLLM's flag)")
-    p.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS: the TLS private key (PEM)")
-    p.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS: the TLS certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PATH",
+                   help="the TLS private key (PEM) of --ssl-certfile, where that file does not hold it")
+    p.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                   help="serve HTTPS: the TLS certificate (PEM; its key too, unless --ssl-keyfile)")
     p.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
                    help="the CA certificates that client certificates are checked against (with --ssl-cert-reqs)")
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
