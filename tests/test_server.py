@@ -739,16 +739,19 @@ def test_vllm_extensions_asking_for_nothing_and_chat_template_kwargs(client: Any
         "continue_final_message": False}]
 
 
-def test_generation_config_defaults_fill_unset_fields(client: Any, engine: AsyncLLM, offline: LLM,
-                                                      monkeypatch) -> None:
+def test_generation_config_defaults_fill_unset_fields(engine: AsyncLLM, offline: LLM, monkeypatch) -> None:
     """Fields a request leaves out take the checkpoint's generation_config.json values (vLLM's
-    default); fields it sends win."""
+    default; read once, when the app is built); fields it sends win."""
+    from vtcore.server.app import build_app
+
     monkeypatch.setattr(engine, "default_sampling", lambda: {"temperature": 0.0, "max_tokens": 3})
     want = offline.generate(PROMPTS[1], greedy(12))[0].outputs[0].text
-    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12)  # no temperature: greedy
-    assert got.choices[0].text == want and got.usage.completion_tokens > 3  # max_tokens stays the request's
-    texts = {client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0,
-                                       seed=s).choices[0].text for s in range(4)}
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12)  # no temperature: greedy
+        assert got.choices[0].text == want and got.usage.completion_tokens > 3  # max_tokens stays the request's
+        texts = {client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0,
+                                           seed=s).choices[0].text for s in range(4)}
     assert len(texts) > 1  # a temperature sent wins over the default
 
 

@@ -159,8 +159,10 @@ def engine_argv(config: EngineConfig) -> list[str]:
             continue
         if isinstance(value, bool):
             argv.append(flag(field.name) if value else "--no-" + flag(field.name)[2:])
-        elif attrs.has(type(value)) or isinstance(value, dict):  # a JSON flag's parsed value
-            argv += [flag(field.name), json.dumps(value if isinstance(value, dict) else attrs.asdict(value))]
+        elif isinstance(value, dict):  # a JSON flag's value
+            argv += [flag(field.name), json.dumps(value)]
+        elif attrs.has(type(value)):  # a JSON flag's parsed value
+            argv += [flag(field.name), json.dumps(attrs.asdict(value))]
         else:
             argv += [flag(field.name), str(value)]
     return argv

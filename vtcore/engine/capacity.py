@@ -47,13 +47,18 @@ class EngineStats:
     iteration_tokens_sum: int = 0  # tokens computed by every step so far (a counter)
 
 
-class StepTokens:
-    """The tokens-per-step histogram an engine keeps (``EngineStats.iteration_tokens``)."""
+class Buckets:
+    """Counts of values by the first upper bound each is at most (Prometheus' ``le``; a last count above every
+    bound), their sum and number: a histogram's state, the server's (``vtcore.server.metrics.Histogram``) and the
+    engine's tokens per step (``EngineStats.iteration_tokens``)."""
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        self.sum = 0
+    def __init__(self, bounds: tuple[float, ...] = ITERATION_TOKEN_BUCKETS) -> None:
+        self.buckets = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum: float = 0
+        self.count = 0
 
-    def observe(self, tokens: int) -> None:
-        self.counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
-        self.sum += tokens
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1

@@ -52,7 +52,7 @@ from collections import deque
 from typing import Callable
 
 from vtcore.engine.block_pool import BlockPool
-from vtcore.engine.capacity import StepTokens
+from vtcore.engine.capacity import Buckets
 from vtcore.engine.request import Request, RequestStatus, Verify
 from vtcore.engine.snapshot_pool import SnapshotPool
 from vtcore.spec.proposer import Proposer
@@ -95,7 +95,7 @@ class Scheduler:
         self.ending: list[Request] = []
         self.free_mirror_slots = list(range(max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        self.step_tokens = StepTokens()  # tokens (drafts included) of each non-empty batch
+        self.step_tokens = Buckets()  # tokens (drafts included) of each non-empty batch
 
     def add(self, req: Request) -> None:
         """Queue a request, or reject it (naming both numbers) if it can never be served."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vtcore.engine.capacity import StepTokens
+from vtcore.engine.capacity import Buckets
 from vtcore.sampling_params import SamplingParams
 from vtcore.spec.stats import SpecDecodeStats
 
@@ -48,7 +48,7 @@ def warm_up(engine: Any) -> None:
     engine.reset_prefix_cache()
     engine.pool.queries = engine.pool.hits = 0
     engine.scheduler.num_preemptions = 0
-    engine.scheduler.step_tokens = StepTokens()
+    engine.scheduler.step_tokens = Buckets()
     engine.runner.reset_counters()
     engine.spec_stats = SpecDecodeStats(len(engine.spec_stats.accepted_per_position))
 

@@ -386,8 +386,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
     def sampling_kwargs(self, body: Body) -> dict[str, Any]:
         """SamplingParams fields both endpoints take alike; the checkpoint's generation_config.json
         sampling values stand in for fields the client left out (max_tokens apart: ``prepare``)."""
-        defaults = {k: v for k, v in self.engine.default_sampling().items() if k != "max_tokens"}
-        kw: dict[str, Any] = {**defaults, "output_kind": RequestOutputKind.DELTA}
+        kw: dict[str, Any] = {**self.serving.sampling_defaults, "output_kind": RequestOutputKind.DELTA}
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                      "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
                      "bad_words", "truncate_prompt_tokens"):

@@ -6,11 +6,10 @@ once a scrape.
 """
 from __future__ import annotations
 
-import bisect
 import threading
 from typing import Callable, Literal, Sequence
 
-from vtcore.engine.capacity import ITERATION_TOKEN_BUCKETS, EngineStats
+from vtcore.engine.capacity import ITERATION_TOKEN_BUCKETS, Buckets, EngineStats
 from vtcore.outputs import RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -86,18 +85,10 @@ class Counter:
         return lines
 
 
-class Histogram:
+class Histogram(Buckets):
     def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
+        super().__init__(buckets)
         self.name, self.help = name, help
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # the last is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
 
     def render(self, base: dict[str, str]) -> list[str]:
         return _histogram_lines(self.name, self.help, base, self.buckets, self.counts, self.sum)

@@ -39,8 +39,10 @@ class Serving:
         self.force_include_usage = force_include_usage  # every stream has usage in each chunk, asked for or not
         self.created = int(time.time())
         self.limits = engine.limits()
-        # (vLLM's max_tokens rule: a request's own, else the defaults', then at most the cap)
-        self.default_max_tokens: int | None = engine.default_sampling().get("max_tokens")
+        # the engine's sampling defaults, fixed at its start: those a request's unset fields take, and max_tokens
+        # apart (vLLM's rule: a request's own, else the default, then at most the cap)
+        self.sampling_defaults = engine.default_sampling()
+        self.default_max_tokens: int | None = self.sampling_defaults.pop("max_tokens", None)
         self.max_tokens_cap = engine.max_tokens_cap()
         self.metrics = ServerMetrics(self.name, engine.stats, self.limits.max_model_len)
         self.live: set[str] = set()  # engine request ids in flight
