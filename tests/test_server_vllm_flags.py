@@ -63,6 +63,11 @@ def test_the_servers_prompt_logprobs_bound_is_the_engines_max_logprobs() -> None
             capped.model_validate({"prompt": "a", "prompt_logprobs": value})
     uncapped = bounded(CompletionRequest, limits)  # (EngineLimits' own default: -1, no cap)
     assert uncapped.model_validate({"prompt": "a", "prompt_logprobs": -1}).prompt_logprobs == -1
+    assert uncapped.model_validate({"prompt": "a", "prompt_logprobs": 1000}).prompt_logprobs == 1000
+    with pytest.raises(ValueError, match="prompt_logprobs"):  # (no cap: still the vocabulary, as the engine checks;
+        uncapped.model_validate({"prompt": "a", "prompt_logprobs": 1001})  # schemathesis found it unstated)
+    assert next(s for s in uncapped.model_json_schema()["properties"]["prompt_logprobs"]["anyOf"]
+                if s.get("type") == "integer")["maximum"] == 1000
     schema = capped.model_json_schema()["properties"]["prompt_logprobs"]
     assert {"minimum": 0, "maximum": 5}.items() <= next(s for s in schema["anyOf"] if s.get("type") == "integer"
                                                         ).items()

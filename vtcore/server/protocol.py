@@ -217,11 +217,10 @@ class BoundedModel(BaseModel):
 
 
 def _prompt_logprobs(limits: EngineLimits) -> Any:
-    """``prompt_logprobs``' type: at most the engine's ``max_logprobs`` (-1, the whole vocabulary, where the cap
-    holds it)."""
-    if limits.max_logprobs == -1:
-        return integer(ge=-1)
-    return integer(ge=-1 if limits.vocab_size <= limits.max_logprobs else 0, le=limits.max_logprobs)
+    """``prompt_logprobs``' type: at most the engine's ``max_logprobs``, and at most the vocabulary (-1, the whole
+    vocabulary, where the cap holds it)."""
+    cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
+    return integer(ge=-1 if limits.vocab_size <= cap else 0, le=cap)
 
 
 def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:
