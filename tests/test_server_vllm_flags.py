@@ -304,11 +304,11 @@ def test_max_tokens_follows_vllms_rule_over_the_generation_config(tmp_path, defa
              ({"override_generation_config": {"max_new_tokens": 4}}, 4, 4),  # the override's 4: default and cap
              ({"generation_config": str(folder)}, 2, 2)]  # the folder's 2: default and cap
     for knobs, chat_tokens, completion_tokens in cases:
-        engine = AsyncLLM(path, device="cpu", num_kv_blocks=64, **knobs)
+        served = AsyncLLM(path, device="cpu", num_kv_blocks=64, **knobs)
         try:
-            with ServerThread(build_app(engine, MODEL)) as srv:
+            with ServerThread(build_app(served, MODEL)) as srv:
                 got = [httpx.post(srv.url + "/v1/chat/completions", json=chat).json()["usage"]["completion_tokens"],
                        httpx.post(srv.url + "/v1/completions", json=completion).json()["usage"]["completion_tokens"]]
         finally:
-            engine.shutdown()
+            served.shutdown()
         assert got == [chat_tokens, completion_tokens], knobs
