@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 
 from vtcore import SamplingParams
@@ -218,6 +219,36 @@ def test_the_decode_layout_equals_the_general_rows_layout(tiny_checkpoint, mode)
                       ("c", [7, 7, 7], greedy(16))], 3: [("d", list(range(1, 20)), greedy(9))]})
     kinds = [any(column) for column in zip(*seen)]
     assert kinds == [mode == "async", mode == "async", True, True], seen  # (sync settles a verify row at once)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_chunk_layout_equals_the_general_rows_layout(tiny_checkpoint, mode) -> None:
+    """``prepare``'s chunk fast path (positions, KV slots and combine as int64 buffers) lays out every lone chunk as
+    the general per-row layout does: a whole prompt, a chunk that samples nothing, a last chunk shorter than
+    its bucket and starting mid-block (a budget of 18 tokens), a chunk past a cached prefix, a chunk exactly
+    its bucket's size."""
+    seen = []
+    for budget in (16, 18):
+        eng = build_engine(tiny_checkpoint[0], mode, **{**KNOBS, "max_num_batched_tokens": budget,
+                                                          "max_model_len": 96})
+
+        def check(batch, done, eng=eng):
+            graphs = None if done else next((g for g in eng.runner._padded if g.takes(batch)), None)
+            if graphs is not None and graphs.chunk:
+                fast, general = graphs.prepare(batch), graphs._prepare_rows(batch)
+                listed = [s.tolist() if isinstance(s, memoryview) else s for s in fast.sections]
+                assert attrs.evolve(fast, sections=listed) == general
+                s = batch[0]
+                seen.append((s.start % 4 != 0, not s.samples, s.num_tokens < graphs.q, s.start > 0,
+                             s.num_tokens == graphs.q))
+
+        eng.runner.on_submit.append(check)
+        before = len(seen)
+        prefix = list(range(1, 19))  # 18 tokens: four cached blocks of 4 for b
+        run(eng, {0: [("a", prefix + [3, 3, 3, 3], greedy(2))]})
+        run(eng, {0: [("b", prefix + [5, 6, 7, 8, 9], greedy(2))]})
+        assert eng.runner.padded_chunk_steps == len(seen) - before > 0
+    assert [any(column) for column in zip(*seen)] == [True] * 5, seen
 
 
 @pytest.mark.parametrize("q, chunk", [(4, False), (16, True)])

@@ -2,6 +2,7 @@
 sampler's uploads use."""
 from __future__ import annotations
 
+import array
 import random
 import struct
 
@@ -10,7 +11,7 @@ import torch
 
 from vtcore.worker.sampler import to_device
 from vtcore.worker.staging import Staging, host_tensor
-from vtcore.worker.step import kv_slots
+from vtcore.worker.step import int64_range, int64s, kv_slot_int64s, kv_slots
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bool, torch.float64])
@@ -73,6 +74,31 @@ def test_stage_packs_sections_at_their_alignment_and_reuses_a_retired_buffer():
     staging.retire(reused.index)
     grown = staging.stage(0, [list(range(1000)), [-1]])  # past the buffer: a larger one
     assert grown.host[:1000].tolist() == list(range(1000)) and grown.host[1000:].tolist() == [-1, 0]
+
+
+def test_an_int64_buffer_section_is_staged_as_its_list_is():
+    """A section given as native int64s (a memoryview of format q: a chunk's positions, KV slots) lands in the
+    buffer as the same ints as its list would, at the same bounds, alignment padding included."""
+    staging = Staging(2, torch.device("cpu"))
+    lists = [[5, 6, 7], list(range(-3, 40)), [8]]
+    mixed = [lists[0], int64s(array.array("q", lists[1])), lists[2]]
+    a, b = staging.stage(0, lists), staging.stage(1, mixed)
+    assert b.bounds == a.bounds and b.host.tolist() == a.host.tolist()
+
+
+def test_kv_slot_int64s_are_kv_slots_padded_and_the_counting_table_grows():
+    rng = random.Random(1)
+    for _ in range(200):
+        bs = rng.choice([1, 4, 16])
+        blocks = rng.sample(range(5000), 12)
+        start = rng.randrange(12 * bs)
+        end = rng.randrange(start + 1, 12 * bs + 1)
+        pad = rng.randrange(3)
+        assert kv_slot_int64s(blocks, bs, start, end, end - start + pad).tolist() == (
+            kv_slots(blocks, bs, start, end) + [-1] * pad)
+    assert int64_range(70_000, 70_003).tolist() == [70_000, 70_001, 70_002]
+    with pytest.raises(IndexError, match="need 3 blocks, the request has 2"):
+        kv_slot_int64s([5, 6], 4, 0, 12, 12)
 
 
 def test_each_staging_buffer_has_its_own_token_row_which_grows_and_is_reused():

@@ -29,13 +29,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+from array import array
 from typing import Any, Callable, Iterator, TypeVar
 
 import attrs
 import torch
 
 from vtcore.layers.attention import AttentionMetadata
-from vtcore.worker.step import DEVICE_DRAFT, Batch, kv_slots
+from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, int64_range, int64s, kv_slot_int64s, kv_slots
 
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
 GRAPH_MAX = 256  # larger decode batches run eagerly
@@ -113,6 +114,7 @@ class DecodeGraphs:
         self.buffer = torch.zeros((per_row + samples + self.max_table) * largest, dtype=torch.int64, device=device)
         self.tables = torch.zeros(largest, self.max_table, dtype=torch.int32, device=device)
         self.qstart = torch.arange(0, (largest + 1) * q, q, dtype=torch.int32, device=device)
+        self._no_combine = int64s(array("q", [-1]) * q)  # (a chunk's combine section: every token on the host)
         # the six sections of padded size p: views fixed once, as the graphs read them
         self.views = {p: self._sections(p) for p in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, PaddedOutputs]] = {}
@@ -178,6 +180,9 @@ class DecodeGraphs:
         """The host side of a padded step of ``batch``."""
         if self.q == 1 and not self.chunk:
             return self._prepare_decode(batch)
+        s = batch[0]
+        if self.chunk and not s.floats and len(s.request.token_ids) >= s.start + s.num_tokens:
+            return self._prepare_chunk(s)
         return self._prepare_rows(batch)
 
     def _prepare_decode(self, batch: Batch) -> DecodeInputs:
@@ -210,6 +215,18 @@ class DecodeGraphs:
         for col, v in zip(cols, self.padding):
             col += [v] * (p - n)
         return DecodeInputs(p, n, width, cols + [table], stale, max(s.start + s.floats for s in batch) + 1)
+
+    def _prepare_chunk(self, s: Scheduled) -> DecodeInputs:
+        """``_prepare_rows`` for a chunk whose tokens the host knows (not floating, none in flight): its positions,
+        KV slots and combine section as native int64 buffers the staging copies whole, not lists of a Python int
+        a token (a long chunk's layout is on the host's path before the device may start)."""
+        req, pos, real, q = s.request, s.start, s.num_tokens, self.q
+        samples = [0] if s.samples else []
+        sections = [req.token_ids[pos:pos + real] + [0] * (q - real),
+                    int64s(int64_range(pos, pos + real), array("q", [pos]) * (q - real)),
+                    kv_slot_int64s(req.block_ids, self.block_size, pos, pos + real, q), [pos + q], self._no_combine,
+                    [req.mirror_slot], [real - 1], req.block_ids, samples, [req.mirror_slot] * len(samples)]
+        return DecodeInputs(1, 1, len(req.block_ids), sections, False, pos + q)
 
     def _prepare_rows(self, batch: Batch) -> DecodeInputs:
         """The host side of a padded step of rows of q tokens (verify rows, a chunk, or decode rows)."""

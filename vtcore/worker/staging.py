@@ -50,12 +50,13 @@ class Staging:
         self.depth, self.device = depth, device
         self.pinned = device.type == "cuda"
         self._buffers = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
-        self._bytes: list[Any] = [None] * depth  # each buffer's memory as a writable ctypes array (``stage``)
+        self._bytes: list[Any] = [None] * depth  # each buffer's memory as a writable memoryview of bytes (``stage``)
         self._tokens = [torch.empty(0, dtype=torch.int64) for _ in range(depth)]
         self._owner: list[int | None] = [None] * depth
 
-    def stage(self, step: int, sections: list[list[int]], align: int = 2) -> Staged:
-        """Pack int sections into step ``step``'s buffer.
+    def stage(self, step: int, sections: list[list[int] | memoryview], align: int = 2) -> Staged:
+        """Pack int sections (lists of ints, or buffers of native int64s as memoryviews of format ``q``: copied
+        whole) into step ``step``'s buffer.
 
         Each section starts at a multiple of ``align`` int64s, 16 bytes by default: Triton specialises
         a kernel on its pointers' alignment, so a view at an odd offset would compile another variant
@@ -75,10 +76,13 @@ class Staging:
         if host.numel() < n or self._bytes[index] is None:
             host = torch.zeros(max(n, 2 * host.numel(), 1), dtype=torch.int64, pin_memory=self.pinned)
             self._buffers[index] = host
-            self._bytes[index] = (ctypes.c_char * (host.numel() * 8)).from_address(host.data_ptr())
+            memory = (ctypes.c_char * (host.numel() * 8)).from_address(host.data_ptr())
+            self._bytes[index] = memoryview(memory).cast("B")
         memory, at = self._bytes[index], host.data_ptr()
         for s, (a, b), end in zip(sections, bounds, [a for a, _ in bounds[1:]] + [n]):
-            if b > a:  # packed straight into the buffer (no list of every section's ints first)
+            if b > a and isinstance(s, memoryview):
+                memory[8 * a:8 * b] = s.cast("B")
+            elif b > a:  # packed straight into the buffer (no list of every section's ints first)
                 struct.pack_into(f"{b - a}q", memory, 8 * a, *s)
             if end > b:  # the alignment's padding: zeros
                 ctypes.memset(at + 8 * b, 0, 8 * (end - b))

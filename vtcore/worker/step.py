@@ -6,6 +6,7 @@ worker package needs nothing from the engine.
 """
 from __future__ import annotations
 
+from array import array
 from typing import Any, Protocol
 
 import attrs
@@ -92,12 +93,45 @@ def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> lis
     slots are on the host's path before the device may start)."""
     if end - start < block_size:  # (a decode or verify row: one expression a token is quicker)
         return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    check_blocks(block_ids, block_size, start, end)
     first = start // block_size
     slots: list[int] = []
     for block in block_ids[first:-(-end // block_size)]:
         slots += range(block * block_size, (block + 1) * block_size)
-    slots = slots[start - first * block_size:end - first * block_size]
-    if len(slots) != end - start:
+    return slots[start - first * block_size:end - first * block_size]
+
+
+#: 0, 1, 2, ... as native int64s, replaced by a longer one when a slice would pass its end (a view of the old one
+#: stays valid): a chunk's positions, and each block's KV slots, are slices of it
+_COUNTING = [array("q")]
+
+
+def int64_range(start: int, end: int) -> memoryview:
+    """``start, ..., end - 1`` as native int64s (format ``q``), a view of a shared table: no Python int each."""
+    table = _COUNTING[0]
+    if len(table) < end:
+        table = _COUNTING[0] = array("q", range(max(end, 2 * len(table))))
+    return memoryview(table)[start:end]
+
+
+def int64s(*parts: Any) -> memoryview:
+    """Buffers of native int64s end to end, as one (format ``q``)."""
+    return memoryview(b"".join(parts)).cast("q")
+
+
+def kv_slot_int64s(block_ids: list[int], block_size: int, start: int, end: int, length: int) -> memoryview:
+    """``kv_slots`` as native int64s, padded with -1 (no slot) to ``length``: per block a slice of the shared
+    counting table joined, without a Python int a token (a long chunk's layout)."""
+    check_blocks(block_ids, block_size, start, end)
+    bs, first = block_size, start // block_size
+    blocks = block_ids[first:-(-end // block_size)]
+    table = int64_range(0, (max(blocks) + 1) * bs)
+    joined = memoryview(b"".join([table[b * bs:(b + 1) * bs] for b in blocks])).cast("q")
+    return int64s(joined[start - first * bs:end - first * bs], array("q", [-1]) * (length - end + start))
+
+
+def check_blocks(block_ids: list[int], block_size: int, start: int, end: int) -> None:
+    """Raise ``IndexError`` unless ``block_ids`` reach position ``end - 1``."""
+    if -(-end // block_size) > len(block_ids):
         raise IndexError(f"kv_slots: positions {start}..{end - 1} need {-(-end // block_size)} blocks, the request "
                          f"has {len(block_ids)}")
-    return slots
