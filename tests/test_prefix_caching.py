@@ -111,6 +111,32 @@ def test_freed_cached_blocks_stay_findable_until_handed_out_tails_first() -> Non
     assert pool.match(hashes) == []
 
 
+def test_one_grow_hands_out_plain_blocks_most_recently_freed_first_then_evicts_cached_ones() -> None:
+    """The hand-out order: never-cached free blocks first (the last freed first), then cached ones least recently
+    freed first, each evicted (no longer findable); after a reset the formerly cached free blocks follow the others."""
+    pool = BlockPool(8, BS, caching=True)
+    a: list[int] = []
+    pool.grow(a, 3 * BS)
+    assert a == [0, 1, 2]
+    hashes = pool.hashes(list(range(3 * BS)), [], 3)
+    pool.cache(a, hashes)
+    plain: list[int] = []
+    pool.grow(plain, 2 * BS)
+    pool.free(a)  # cached: tails first into the LRU (2, 1, 0)
+    pool.free(plain)  # plain, last block first: block 3 on top
+    b: list[int] = []
+    assert pool.grow(b, 6 * BS) and b == [3, 4, 5, 6, 7, 2]
+    found = pool.match(hashes)
+    assert found == [0, 1] and pool.num_free == 0
+    assert not pool.grow(b, 7 * BS) and len(b) == 6  # short: no change
+    pool.free(b)
+    pool.free(found)  # cached again: 1, then 0
+    pool.reset()
+    c: list[int] = []
+    pool.grow(c, 8 * BS)
+    assert c == [3, 4, 5, 6, 7, 2, 1, 0] and pool.match(hashes) == []
+
+
 # ----------------------------------------------------------------------------------------- the engine
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

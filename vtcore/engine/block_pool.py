@@ -7,7 +7,8 @@ dtype, its quant method), and is looked up by it. A request admitted with nothin
 longest chain of cached blocks that matches its tokens (:meth:`BlockPool.match`); blocks are reference
 counted, and a freed block keeps its hash and stays reusable until it is handed out again, least
 recently freed first (a request's blocks are freed last-block-first, so a prefix outlives its tails).
-Free blocks without a hash are handed out before cached ones.
+Free blocks without a hash are handed out before cached ones, the most recently freed first, from a stack
+that a request's new blocks leave in one slice.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class BlockPool:
         self.block_size = block_size
         self.caching = caching
         self.salt = salt
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # hand-out order
+        self._plain = list(range(num_blocks - 1, -1, -1))  # free, no hash: handed out from the end
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free, cached: least recently freed first
         self._refs = [0] * num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
@@ -46,11 +48,11 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._plain) + len(self._lru)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -60,15 +62,20 @@ class BlockPool:
         need = -(-num_tokens // self.block_size) - len(block_ids)
         if need <= 0:
             return True  # (most calls: a decoding request's last block has room)
-        if need > len(self._free):
+        if need > self.num_free:
             return False
-        for _ in range(need):
-            block, _ = self._free.popitem(last=False)
-            old = self._hash_of.pop(block, None)
-            if old is not None:
-                del self._cached[old]  # evicted: its content is overwritten
-            self._refs[block] = 1
+        plain = min(need, len(self._plain))
+        if plain:
+            taken = self._plain[-plain:]
+            del self._plain[-plain:]
+            taken.reverse()
+            block_ids += taken
+        for _ in range(need - plain):
+            block, _ = self._lru.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]  # evicted: its content is overwritten
             block_ids.append(block)
+        for block in block_ids[-need:]:
+            self._refs[block] = 1
         return True
 
     def free(self, block_ids: list[int]) -> None:
@@ -77,9 +84,10 @@ class BlockPool:
         for block in reversed(block_ids):
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free[block] = None
-                if block not in self._hash_of:
-                    self._free.move_to_end(block, last=False)  # nothing to keep: handed out first
+                if block in self._hash_of:
+                    self._lru[block] = None
+                else:
+                    self._plain.append(block)  # nothing to keep: handed out first
         block_ids.clear()
 
     def hashes(self, tokens: Sequence[int], known: list[BlockHash], num_blocks: int,
@@ -119,7 +127,7 @@ class BlockPool:
             if block is None:
                 break
             if self._refs[block] == 0:
-                del self._free[block]
+                del self._lru[block]
             self._refs[block] += 1
             blocks.append(block)
         return blocks
@@ -133,6 +141,9 @@ class BlockPool:
                 self._hash_of[block] = h
 
     def reset(self) -> None:
-        """Forget every cached block (``LLM.reset_prefix_cache``); blocks in use stay allocated."""
+        """Forget every cached block (``LLM.reset_prefix_cache``); blocks in use stay allocated, free ones are
+        handed out after the other free blocks, least recently freed first."""
         self._cached.clear()
         self._hash_of.clear()
+        self._plain[:0] = reversed(self._lru)
+        self._lru.clear()
