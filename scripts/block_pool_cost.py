@@ -40,7 +40,8 @@ def main() -> None:
             times[name].append((t1 - t0, time.perf_counter() - t1))
     for name, rows in times.items():
         grow, free = (statistics.median(column) * 1e6 for column in zip(*rows))
-        print(f"{name}: grow {grow:.1f} us, free {free:.1f} us ({-(-args.tokens // 16)} blocks, medians of {len(rows)})")
+        blocks = -(-args.tokens // 16)
+        print(f"{name}: grow {grow:.1f} us, free {free:.1f} us ({blocks} blocks, medians of {len(rows)})")
 
 
 if __name__ == "__main__":
