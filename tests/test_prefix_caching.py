@@ -74,6 +74,44 @@ def test_a_hit_lookup_takes_its_cached_blocks_digests_from_the_memo(monkeypatch:
     assert len(calls) == 2  # only the two new blocks' digests computed
 
 
+def test_a_lookup_takes_a_whole_cached_piece_of_blocks_hashes_at_once_the_second_time() -> None:
+    """A lookup whose 8-block piece was wholly cached before takes the piece's hashes by its parent and ids at
+    once (no block digest); the piece's last block evicted, the lookup ends with that piece; the pieces kept are
+    bounded (a pool's blocks / 8), least recently used first out."""
+    pool = BlockPool(24, BS, caching=True)
+    tokens = list(range(20 * BS + 1))
+    want = pool.hashes(tokens, [], 20)
+    blocks: list[int] = []
+    pool.grow(blocks, 20 * BS)
+    pool.cache(blocks, want)
+    digests = []
+    real = pool._digest
+    pool._digest = lambda data: digests.append(data) or real(data)
+    assert pool.hashes(tokens, [], 20, until_uncached=True) == want and len(digests) == 20
+    digests.clear()
+    assert pool.hashes(tokens, [], 20, until_uncached=True) == want
+    assert len(digests) == 4  # pieces 0-7 and 8-15 at once; 16-19 is no whole piece
+    first = list(blocks)
+    pool.free(blocks)  # cached, tails first: block 19 the least recently freed, block 0 the most
+    taken: list[int] = []
+    pool.grow(taken, 13 * BS)  # 4 plain blocks, then 9 cached ones evicted, blocks 19 .. 11
+    digests.clear()
+    lookup = pool.hashes(tokens, [], 20, until_uncached=True)
+    found = pool.match(lookup)
+    assert lookup == want[:16] and found == first[:11] and digests == []
+    assert list(pool._pieces.values()) == [tuple(want[:8]), tuple(want[8:16])]
+    pool.free(found)
+    pool.free(taken)
+    for other in range(2):  # two more pieces: one evicts the least recently used (the first block's piece)
+        moved = [t + 1000 * (other + 1) for t in tokens[:8 * BS]]
+        hashes = pool.hashes(moved, [], 8)
+        spare: list[int] = []
+        pool.grow(spare, 8 * BS)
+        pool.cache(spare, hashes)
+        assert pool.hashes(moved, [], 8, until_uncached=True) == hashes
+    assert len(pool._pieces) == 3 and tuple(want[:8]) not in pool._pieces.values()
+
+
 def test_a_lookup_hashes_up_to_its_first_uncached_block_and_the_rest_follow_later() -> None:
     pool = BlockPool(16, BS, caching=True)
     tokens = list(range(11 * BS))

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 BlockHash = bytes
-#: blocks whose token ids a lookup's ``BlockPool.hashes`` packs at once
+#: blocks whose token ids a lookup's ``BlockPool.hashes`` packs, and whose hashes it may find, at once
 _PIECE = 8
 
 
@@ -45,6 +45,10 @@ class BlockPool:
         # a block's digest by its input (parent hash and token bytes), about as many as the pool caches: a prefix
         # hit's lookup re-hashes every cached block of its prefix, and finds them here instead of in sha256
         self._digest = functools.lru_cache(maxsize=max(num_blocks, 1))(_sha256)
+        # a whole lookup piece's hashes by its parent hash and token bytes, least recently used first: a hit's
+        # lookup of a long prefix takes _PIECE hashes a step (the same memory a block as the digests' memo)
+        self._pieces: OrderedDict[tuple[BlockHash, bytes], tuple[BlockHash, ...]] = OrderedDict()
+        self._max_pieces = max(num_blocks // _PIECE, 1)
 
     @property
     def num_free(self) -> int:
@@ -98,18 +102,32 @@ class BlockPool:
         has (a lookup needs no more; the rest are made when the blocks are registered, once the step is on
         the device, which need not wait for them)."""
         bs, start = self.block_size, len(known)
-        parent, width = (known[-1] if known else self.root(cache_salt)), 8 * bs
+        parent = known[-1] if known else self.root(cache_salt)
         # a block's hash: sha256 of its parent's hash (the root for the first block) and its int64 token ids,
-        # packed at once, or for a lookup, which may stop early, _PIECE blocks at a time
+        # packed at once, or for a lookup, which may stop early, _PIECE blocks at a time: a whole piece found
+        # before, by its parent and its ids, gives its hashes at once (a hit's lookup of a long prefix)
         piece = _PIECE if until_uncached else max(num_blocks - start, 1)
         for first in range(start, num_blocks, piece):
             last = min(first + piece, num_blocks)
-            data = struct.pack(f"{(last - first) * bs}q", *tokens[first * bs:last * bs])
-            for offset in range(0, len(data), width):
-                parent = self._digest(parent + data[offset:offset + width])
+            key = (parent, struct.pack(f"{(last - first) * bs}q", *tokens[first * bs:last * bs]))
+            chain = self._pieces.get(key) if until_uncached else None
+            if chain is not None:
+                self._pieces.move_to_end(key)
+                known += chain
+                parent = chain[-1]
+                if parent not in self._cached:
+                    return known
+                continue
+            data = key[1]
+            for offset in range(0, len(data), 8 * bs):
+                parent = self._digest(parent + data[offset:offset + 8 * bs])
                 known.append(parent)
                 if until_uncached and parent not in self._cached:
                     return known
+            if until_uncached and last - first == _PIECE:  # (every block of it cached)
+                self._pieces[key] = tuple(known[-_PIECE:])
+                if len(self._pieces) > self._max_pieces:
+                    self._pieces.popitem(last=False)
         return known
 
     def root(self, cache_salt: str | None) -> bytes:
@@ -121,15 +139,13 @@ class BlockPool:
 
     def match(self, hashes: Sequence[BlockHash]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes``, each with one more reference."""
-        blocks = []
-        for h in hashes:
-            block = self._cached.get(h)
-            if block is None:
-                break
+        blocks = list(map(self._cached.get, hashes))
+        if None in blocks:
+            del blocks[blocks.index(None):]
+        for block in blocks:
             if self._refs[block] == 0:
                 del self._lru[block]
             self._refs[block] += 1
-            blocks.append(block)
         return blocks
 
     def cache(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
