@@ -202,6 +202,9 @@ def test_completion_and_chat_logprobs(client: Any, offline: LLM) -> None:
         assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob) and t.bytes == list(t.token.encode())
     assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3).choices[0].logprobs is None
+    # past OpenAI's limits (5 and 20), up to the server's max_logprobs (vLLM's default 20) as in vLLM
+    wide = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0, logprobs=20)
+    assert [len(top) for top in wide.choices[0].logprobs.top_logprobs] == [20, 20]
 
 
 def test_echo_logprobs_max_tokens_zero(client: Any, offline: LLM) -> None:
@@ -262,7 +265,8 @@ def test_echo_logprobs_of_long_prompts_arriving_together(client: Any, offline: L
     ("top_p", dict(top_p=1.5)),
     ("n", dict(n=0)),
     ("best_of", dict(best_of=3)),
-    ("logprobs", dict(logprobs=6)),
+    ("logprobs", dict(logprobs=21)),  # past vLLM's max_logprobs
+    ("logprobs", dict(logprobs=-1)),  # vLLM's completions take no -1
     ("max_tokens", dict(max_tokens=-1)),
     ("presence_penalty", dict(presence_penalty=5)),
     ("logit_bias", dict(logit_bias={"abc": 1})),

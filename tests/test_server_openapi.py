@@ -106,7 +106,7 @@ BODIES = [
     ("/v1/completions", _completion(prompt=["a", "b"]), None),
     ("/v1/completions", _completion(prompt=[[5], [6, 7]]), None),
     ("/v1/completions", _completion(n=128), None),
-    ("/v1/completions", _completion(logprobs=5), None),
+    ("/v1/completions", _completion(logprobs=20), None),  # up to the server's max_logprobs (vLLM's 20)
     ("/v1/completions", _completion(prompt=""), "prompt"),
     ("/v1/completions", _completion(prompt=[]), "prompt"),
     ("/v1/completions", _completion(prompt=[-1]), "prompt"),
@@ -116,7 +116,10 @@ BODIES = [
     ("/v1/completions", _completion(prompt=[1, "a"]), "prompt"),
     ("/v1/completions", _completion(n=129), "n"),
     ("/v1/completions", _completion(n=0), "n"),
-    ("/v1/completions", _completion(logprobs=6), "logprobs"),
+    ("/v1/completions", _completion(logprobs=21), "logprobs"),
+    ("/v1/completions", _completion(logprobs=-1), "logprobs"),  # vLLM's completions take no -1
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=-1), "top_logprobs"),  # -1 past the cap of 20
     ("/v1/completions", _completion(logit_bias={"5": "big"}), "logit_bias"),
     ("/v1/completions", _completion(logit_bias={"0": 1, "0007": -1.5}), None),
     *[("/v1/completions", _completion(logit_bias={key: 1}), "logit_bias")

@@ -83,10 +83,16 @@ def test_required_gives_valid_calls_and_a_round_trip(client: Any) -> None:
     assert answer.message.tool_calls in (None, []) and isinstance(answer.message.content, str)
 
 
-def test_a_named_function_is_the_one_called(client: Any) -> None:
-    out = _chat(client, tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0]
-    assert [c.function.name for c in out.message.tool_calls] == ["get_time"]
+def test_a_named_function_is_the_one_called_and_finishes_stop(client: Any) -> None:
+    """A named function's call ends with "stop" (vLLM's and OpenAI's), streamed and not; "required" and "auto" give
+    "tool_calls" (the other tests)."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = _chat(client, tool_choice=named).choices[0]
+    assert [c.function.name for c in out.message.tool_calls] == ["get_time"] and out.finish_reason == "stop"
     _valid(out.message.tool_calls[0])
+    chunks = [c.choices[0] for c in _chat(client, tool_choice=named, stream=True) if c.choices]
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["stop"]
+    assert [d.function.name for c in chunks for d in c.delta.tool_calls or []] == ["get_time"]
 
 
 def test_parallel_tool_calls_false_gives_one_call(client: Any) -> None:

@@ -21,7 +21,8 @@ from server_harness import (API_KEY, MODEL, ServerThread, engine, httpx, metric,
 from vtcore import LLM, AsyncLLM, SamplingParams
 from vtcore.engine.capacity import EngineLimits
 from vtcore.server.app import build_app
-from vtcore.server.protocol import CompletionRequest, bounded
+from vtcore.server.protocol import ChatCompletionRequest, CompletionRequest, bounded
+from vtcore.server.responses_protocol import ResponsesRequest
 
 pytestmark = needs_default_model
 
@@ -73,6 +74,33 @@ def test_the_servers_prompt_logprobs_bound_is_the_engines_max_logprobs() -> None
                                                         ).items()
 
 
+def test_a_sampled_tokens_alternatives_are_bounded_by_the_engines_max_logprobs_as_in_vllm() -> None:
+    """Completions' ``logprobs`` and chat's and responses' ``top_logprobs`` take up to the engine's cap (vLLM's
+    ``max_logprobs``, past OpenAI's 5 and 20), and the vocabulary without one; chat's -1 (the whole vocabulary)
+    only without a cap, completions' never (vLLM refuses a negative ``logprobs``)."""
+    capped, uncapped = (EngineLimits(64, 1000, 4, 64, 16, 32, max_logprobs=cap) for cap in (30, -1))
+    chat = {"messages": [{"role": "user", "content": "a"}], "logprobs": True}
+    cases = [(CompletionRequest, {"prompt": "a"}, "logprobs", False),
+             (ChatCompletionRequest, chat, "top_logprobs", True),
+             (ResponsesRequest, {"input": "a", "include": ["message.output_text.logprobs"]}, "top_logprobs", True)]
+    for model, body, field, whole in cases:
+        assert getattr(bounded(model, capped).model_validate({**body, field: 30}), field) == 30
+        for value in (31, -1):
+            with pytest.raises(ValueError, match=field):
+                bounded(model, capped).model_validate({**body, field: value})
+        free = bounded(model, uncapped)
+        assert getattr(free.model_validate({**body, field: 1000}), field) == 1000
+        with pytest.raises(ValueError, match=field):
+            free.model_validate({**body, field: 1001})
+        if whole:
+            assert getattr(free.model_validate({**body, field: -1}), field) == -1
+        else:
+            with pytest.raises(ValueError, match=field):
+                free.model_validate({**body, field: -1})
+    with pytest.raises(ValueError, match="prompt_logprobs"):  # not served by the responses API: still refused
+        bounded(ResponsesRequest, uncapped).model_validate({"input": "a", "prompt_logprobs": 3})
+
+
 def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_where_uncapped() -> None:
     """``--max-logprobs -1`` lets a request ask ``prompt_logprobs: -1``: every position after the first holds the
     whole vocabulary (completions, with and without echo's logprobs; chat)."""
@@ -87,6 +115,10 @@ def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_where_uncapped() -> N
             chat = httpx.post(srv.url + "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": -1}).json()
             assert {len(p) for p in chat["prompt_logprobs"][1:]} == {vocab}
+            chat = httpx.post(srv.url + "/v1/chat/completions", json={  # a sampled token's: chat's top_logprobs
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                "top_logprobs": -1}).json()
+            assert [len(t["top_logprobs"]) for t in chat["choices"][0]["logprobs"]["content"]] == [vocab, vocab]
     finally:
         uncapped.shutdown()
 

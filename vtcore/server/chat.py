@@ -194,8 +194,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
             content, calls = split_calls(self.tool_parser, message["content"], body.tools or ())
             message["content"] = content or None
             message["tool_calls"] = [_call_entry(name, args) for name, args in calls]
-            if calls and finish == "stop":
-                finish = "tool_calls"
+            finish = _call_finish(body, bool(calls), finish)
         ids = {"token_ids": choice.token_ids} if body.return_token_ids else {}
         return {"index": choice.index, "message": message,
                 "logprobs": logprobs, "finish_reason": finish, "stop_reason": choice.stop_reason, **ids}
@@ -242,8 +241,7 @@ class _ChatChunks:
         ids = {"token_ids": delta.token_ids} if self.body.return_token_ids else {}
         if self.tools is not None:
             content, called = self._tool_calls(choice.index, content, finish is not None)
-            if called and finish == "stop":
-                finish = "tool_calls"
+            finish = _call_finish(self.body, called, finish)
             if not content and finish is None and logprobs is None and not ids:
                 return out  # (tokens of a call not complete yet: no chunk, as vLLM sends none)
         out.append(({"index": choice.index, "delta": content, "logprobs": logprobs,
@@ -278,6 +276,12 @@ class _ChatChunks:
             reasoning, content = reasoning + r, content + c
         parts = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
         return parts or ({} if last else {"content": ""})
+
+
+def _call_finish(body: ChatCompletionRequest, called: bool, finish: str | None) -> str | None:
+    """The finish reason of a choice that ended on its own (``"stop"``) having called tools, as vLLM and OpenAI
+    give it: ``"tool_calls"``, or for a call of the function ``tool_choice`` named, ``"stop"``."""
+    return "tool_calls" if called and finish == "stop" and not isinstance(body.tool_choice, dict) else finish
 
 
 def offers_tools(body: ChatCompletionRequest) -> bool:

@@ -472,15 +472,16 @@ class GenerationEndpoint(ABC, Generic[Body]):
     def token_entries(self, token_ids: list[int], entries: list[PositionLogprobs], k: int,
                       as_ids: bool = False) -> list[dict[str, Any]]:
         """OpenAI's per-token logprobs (chat's ``content``, a Responses text's ``logprobs``): each token with its
-        ``k`` most likely alternatives; ``as_ids``: tokens named ``token_id:{id}`` (``bytes`` still those of the
-        token's text)."""
+        ``k`` most likely alternatives (-1: every one the engine gave, the whole vocabulary); ``as_ids``: tokens named
+        ``token_id:{id}`` (``bytes`` still those of the token's text)."""
         def entry(t: int, lp: Logprob | None) -> dict[str, Any]:
             return {"token": self.label(t, lp, as_ids), "logprob": finite(lp.logprob) if lp else NO_LOGPROB,
                     "bytes": list(self.piece(t, lp).encode())}
 
         out = []
         for tid, pos in zip(token_ids, entries):
-            top = sorted((lp.rank, t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= k)[:k]
+            n = len(pos) if k == -1 else k
+            top = sorted((lp.rank, t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= n)[:n]
             out.append({**entry(tid, pos.get(tid)), "top_logprobs": [entry(t, lp) for _, t, lp in top]})
         return out
 

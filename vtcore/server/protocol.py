@@ -25,9 +25,6 @@ from vtcore.sampling_params import ASCII_SPACE
 
 #: The most choices a prompt may ask for (OpenAI's limit for ``n``).
 MAX_N = 128
-#: The most alternatives per position: OpenAI's limits (completions 5, chat 20).
-MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
 
 #: vLLM request fields this server does not implement, each with the value that asks for nothing
 #: (sent with any other value, the request is refused with a 400 naming the field)
@@ -100,8 +97,6 @@ def integer(**bounds: int) -> Any:
 Int = integer()
 Count = integer(ge=0)
 Choices = integer(ge=1, le=MAX_N)
-CompletionLogprobs = integer(ge=0, le=MAX_COMPLETION_LOGPROBS)
-TopLogprobs = integer(ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 TopK = integer(ge=-1)
 Seed = integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
 
@@ -216,11 +211,12 @@ class BoundedModel(BaseModel):
         return {}
 
 
-def _prompt_logprobs(limits: EngineLimits) -> Any:
-    """``prompt_logprobs``' type: at most the engine's ``max_logprobs``, and at most the vocabulary (-1, the whole
-    vocabulary, where the cap holds it)."""
+def _logprob_count(limits: EngineLimits, whole_vocabulary: bool = True) -> Any:
+    """A count of alternatives a position (``prompt_logprobs``, chat's ``top_logprobs``, completions' ``logprobs``),
+    as vLLM bounds it: at most the engine's ``max_logprobs`` and the vocabulary; -1 (the whole vocabulary) where the
+    cap holds it and ``whole_vocabulary`` (vLLM's completions ``logprobs`` takes no -1)."""
     cap = limits.vocab_size if limits.max_logprobs == -1 else min(limits.max_logprobs, limits.vocab_size)
-    return integer(ge=-1 if limits.vocab_size <= cap else 0, le=cap)
+    return integer(ge=-1 if whole_vocabulary and limits.vocab_size <= cap else 0, le=cap)
 
 
 def bounded(model: type[ModelT], limits: EngineLimits) -> type[ModelT]:
@@ -275,6 +271,8 @@ class GenerationRequest(BoundedModel):
     schema_rules: ClassVar[dict[str, Any]] = {"allOf": [STREAMED_ONLY]}
     #: the fields that count output tokens: each leaves room for a prompt token within the context
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens",)
+    #: the fields that count a position's alternatives: bounded by the engine's ``max_logprobs``
+    logprob_counts: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
 
     @classmethod
     def engine_fields(cls, limits: EngineLimits) -> dict[str, Any]:
@@ -286,8 +284,9 @@ class GenerationRequest(BoundedModel):
                     None, description=f"vLLM's: token ids that end the output (ids in [0, {limits.vocab_size}))")),
                 "priority": (Seed if limits.by_priority else FirstComePriority,
                              Field(0, description=cls.model_fields["priority"].description)),
-                "prompt_logprobs": (_prompt_logprobs(limits) | None,
-                                    Field(None, description=cls.model_fields["prompt_logprobs"].description))}
+                **{name: (_logprob_count(limits, name != "logprobs") | None,
+                          Field(None, description=cls.model_fields[name].description))
+                   for name in cls.logprob_counts}}
 
     model: str | None = None
     max_tokens: Count | None = None
@@ -343,7 +342,9 @@ class CompletionRequest(GenerationRequest):
     prompt: PromptField = Field(description=_prompt_description(None))
     max_tokens: Count | None = 16  # OpenAI's default for completions
     echo: bool | None = False
-    logprobs: CompletionLogprobs | None = None
+    logprob_counts: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "logprobs")
+    logprobs: Count | None = Field(None, description=(
+        "Alternatives a token, at most the server's --max-logprobs (vLLM's; default 20) and the vocabulary."))
     add_special_tokens: bool = Field(True, description="vLLM's: a text prompt is encoded with the tokenizer's "
                                                        "special tokens (a BOS where it adds one).")
     suffix: str | None = Field(None, description="Insertion is not served: only an empty suffix (or null).",
@@ -453,7 +454,10 @@ class ChatCompletionRequest(GenerationRequest):
                                   "max_completion_tokens within the model's context.")
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
-    top_logprobs: TopLogprobs | None = None
+    logprob_counts: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "top_logprobs")
+    top_logprobs: Int | None = Field(None, description=(
+        "With logprobs: alternatives a token, at most the server's --max-logprobs (vLLM's; default 20; -1 there also "
+        "allows -1 here: the whole vocabulary)."))
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
 from vtcore.server.protocol import (STREAMED_ONLY, TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count,
-                                    GenerationRequest, Text, TopLogprobs, integer)
+                                    GenerationRequest, Int, Text, integer)
 
 
 def _only(kinds: tuple[str, ...], what: str) -> Any:
@@ -162,7 +162,9 @@ class ResponsesRequest(GenerationRequest):
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Echoed in the response.")
     include: list[Literal["message.output_text.logprobs"]] | None = Field(
         None, description="Extra output: the answer's token logprobs (the only kind served).")
-    top_logprobs: TopLogprobs | None = Field(None, description="With include's logprobs: alternatives a token.")
+    logprob_counts: ClassVar[tuple[str, ...]] = ("top_logprobs",)
+    top_logprobs: Int | None = Field(None, description=(
+        "With include's logprobs: alternatives a token, at most the server's --max-logprobs (vLLM's; default 20)."))
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).")
 
