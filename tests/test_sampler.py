@@ -646,6 +646,17 @@ def test_eos_stops_after_min_tokens(eos_llm: tuple[LLM, int], min_tokens: int) -
         assert comp.finish_reason == "stop" and comp.stop_reason is None
 
 
+def test_an_eos_id_the_generation_config_adds_is_the_stop_reason_as_in_vllm() -> None:
+    """The embedded default's tokenizer ends text with id 2 and its generation config also with 0: ending on 2
+    gives stop_reason None, on 0 (vLLM puts such ids in stop_token_ids) stop_reason 0."""
+    llm = LLM(device="cpu", num_kv_blocks=32)
+    assert llm.engine.tokenizer.eos_token_id == 2 and llm.engine.eos_token_ids == [0, 2]
+    for eos, reason in ((2, None), (0, 0)):
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, logit_bias={eos: 100.0}))
+        comp = out.outputs[0]
+        assert comp.token_ids == [eos] and comp.finish_reason == "stop" and comp.stop_reason == reason
+
+
 def test_ignore_eos_runs_to_max_tokens(eos_llm: tuple[LLM, int]) -> None:
     llm, eos = eos_llm
     (out,) = llm.generate([{"prompt_token_ids": rand_prompt(4, seed=15)}],

@@ -167,6 +167,10 @@ class LLMEngine(PromptText):
         self.tokenizer = engine_tokenizer(config, self.model_path)
         gen = self._generation_config()  # read once: the server asks for its defaults every request
         self.eos_token_ids = self._eos_ids(gen)
+        # the model's own end of text: the tokenizer's (else config.json's); stopping on another EOS id (one the
+        # generation config adds) names it as its stop_reason, as vLLM's stop_token_ids do
+        own = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        self._own_eos = set(hf.eos_token_ids) if own is None else {own}
         override = config.override_generation_config or {}
         try:
             SamplingParams(**{GENERATION_SAMPLING[key]: v for key, v in override.items() if v is not None})
@@ -596,10 +600,8 @@ class LLMEngine(PromptText):
         # it stops the request before any stop string its text would complete (stop_reason: the token)
         feeds_text = req.detok is not None and not ((eos or stop_token) and not p.include_stop_str_in_output)
         stop_str = req.detok.add(token, check_stop=past_min) if feeds_text else None
-        if eos:
-            self.scheduler.finish(req, "stop")
-        elif stop_token:
-            req.stop_reason = token
+        if eos or stop_token:
+            req.stop_reason = None if eos and token in self._own_eos else token
             self.scheduler.finish(req, "stop")
         elif stop_str is not None:
             req.stop_reason = stop_str
