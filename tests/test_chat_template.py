@@ -45,6 +45,8 @@ def test_llm_chat_takes_vllms_template_arguments(offline: LLM) -> None:  # noqa:
         offline.chat_prompt(["hi"])
     with pytest.raises(ValueError, match=r"^messages=\[\]: expected a non-empty list"):
         offline.chat([])  # (one empty conversation, not none)
+    with pytest.raises(ValueError, match=r"^messages='hello': expected a non-empty list"):
+        offline.chat("hello")  # (named whole, not as its first letter)
     assert offline.chat_prompt(tuple(ASKED)) == offline.chat_prompt(ASKED)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any, Sequence
 
@@ -587,6 +588,41 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm: LLM) -> None:
 
 
 # ============================================================================ engine: stopping
+class _Int(int):
+    """An integer of another type than int (as a numpy integer is), for CI machines without numpy."""
+
+
+def _integer_types() -> list[Any]:
+    try:
+        import numpy
+    except ImportError:
+        return [_Int]
+    return [_Int, numpy.int64, numpy.int32]
+
+
+@pytest.mark.parametrize("integer", _integer_types())
+def test_integers_of_other_types_are_taken_as_ints_as_in_vllm(llm: LLM, integer: Any) -> None:
+    """vLLM compares its parameters, so numpy's integers and floats work there: here they are taken as Python ints
+    and floats, in the parameters and in a prompt's ids (a bool still is none); ``logprobs=True`` asks for one
+    alternative and repeated stop_token_ids count once, as vLLM's ``__post_init__`` has them."""
+    p = SamplingParams(max_tokens=integer(3), seed=integer(4), top_k=integer(5), logprobs=True, prompt_logprobs=True,
+                       stop_token_ids=[integer(9), 9, 8], allowed_token_ids=[integer(1), 2])
+    assert (p.max_tokens, p.seed, p.top_k, p.logprobs, p.prompt_logprobs, p.stop_token_ids, p.allowed_token_ids) == (
+        3, 4, 5, 1, 1, [9, 8], [1, 2])
+    assert {type(v) for v in (p.max_tokens, p.seed, p.top_k, *p.stop_token_ids, *p.allowed_token_ids)} == {int}
+    assert SamplingParams(temperature=Fraction(1, 2), top_p=Fraction(9, 10)).temperature == 0.5  # any real number
+    ids = rand_prompt(5, seed=3)
+    want = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=3, temperature=0))[0]
+    got = llm.generate([{"prompt_token_ids": [integer(t) for t in ids]}],
+                       SamplingParams(max_tokens=3, temperature=0))[0]
+    assert got.prompt_token_ids == ids and {type(t) for t in got.prompt_token_ids} == {int}
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"prompt_token_ids=\[5, True\]: expected a list of ints"):
+        llm.generate([{"prompt_token_ids": [5, True]}], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="SamplingParams.max_tokens=True"):
+        SamplingParams(max_tokens=True)
+
+
 def test_max_tokens_finishes_with_length(llm: LLM) -> None:
     outs = llm.generate([{"prompt_token_ids": rand_prompt(4, seed=s)} for s in range(3)],
                         [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for t, m in

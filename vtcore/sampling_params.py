@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +26,19 @@ GREEDY_TEMPERATURE = 1e-5
 _SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
 #: the white space a bad word must hold more than (ASCII's: one set in Python, JSON Schema and pydantic patterns)
 ASCII_SPACE = " \t\n\r\x0b\x0c"
+
+
+#: the integer fields: an integer of another type (a numpy integer; not a bool) is taken as its int, as vLLM's
+#: comparisons take it
+_INT_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+
+
+def as_int(value: Any) -> Any:
+    """``value`` as a Python int where it is an integer of another type (a numpy integer; not a bool), else as is."""
+    if type(value) is not int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 def _bad(name: str, value: Any, expected: str) -> ValueError:
@@ -65,6 +79,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __attrs_post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            setattr(self, name, as_int(getattr(self, name)))
+        for name in ("logprobs", "prompt_logprobs"):  # (vLLM's: True asks for one alternative)
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -117,7 +136,8 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise _bad("stop", self.stop, "no stop strings with detokenize=False (they match text; stop_token_ids "
                                           "match ids)")
-        self.stop_token_ids = _listed("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0", _is_id)
+        self.stop_token_ids = list(dict.fromkeys(_listed("stop_token_ids", self.stop_token_ids,
+                                                         "a list of token ids >= 0", _is_id)))
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -143,7 +163,7 @@ class SamplingParams:
 
     def _check_number(self, name: str, value: Any, low: float, high: float | None, expected: str,
                       open_low: bool = False) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
             raise _bad(name, value, expected)
         if value < low or (open_low and value == low) or (high is not None and value > high):
             raise _bad(name, value, expected)
@@ -218,7 +238,7 @@ def _listed(name: str, value: Any, expected: str, item: Callable[[Any], Any], no
     list of items ``item`` accepts (and not empty, if ``non_empty``); anything else is refused naming ``name``."""
     if value is not None and (isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable)):
         raise _bad(name, value, expected)
-    items = list(value or [])
+    items = [as_int(v) for v in value or []]
     if not all(item(v) for v in items) or (non_empty and not items):
         raise _bad(name, items, expected)
     return items

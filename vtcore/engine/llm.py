@@ -136,7 +136,8 @@ class LLM(EngineFrontEnd):
         """Render each conversation through the chat template (the tokenizer's, or ``chat_template``; the
         switches and ``tools`` as vLLM's ``LLM.chat`` and :meth:`chat_prompt` take them) and generate. As in
         vLLM, ``chat_template_kwargs`` may also set the two switches, over the arguments."""
-        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        one = not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)  # (a string: refused by name, not as its first letter)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         continue_final_message = kwargs.pop("continue_final_message", continue_final_message)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vtcore.errors import RequestRejected
+from vtcore.sampling_params import as_int
 
 if TYPE_CHECKING:
     from vtcore.structured.grammar import GrammarCache
@@ -134,9 +135,14 @@ class PromptText:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) or []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            # (type and range checked in C loops: this runs before a long prompt's first step)
-            if not isinstance(ids, (list, tuple)) or not set(map(type, ids)) <= {int}:
+            # (type and range checked in C loops: this runs before a long prompt's first step; integers of other
+            # types, numpy's, as their ints)
+            if not isinstance(ids, (list, tuple)):
                 raise ValueError(f"prompt_token_ids={ids!r}: expected a list of ints")
+            if not set(map(type, ids)) <= {int}:
+                ids = list(map(as_int, ids))
+                if not set(map(type, ids)) <= {int}:
+                    raise ValueError(f"prompt_token_ids={prompt['prompt_token_ids']!r}: expected a list of ints")
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 raise RequestRejected(f"prompt_token_ids {bad[:5]}: outside the vocabulary [0, {self.vocab_size})")
