@@ -34,6 +34,8 @@ def test_models_health_and_version(server: ServerThread, client: Any) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
+    for ping in (httpx.get, httpx.post):  # vLLM's SageMaker probe
+        assert ping(server.url + "/ping").json() == {"status": "ok"}
     assert httpx.get(server.url + "/v1/models/" + MODEL).json()["id"] == MODEL
     r = httpx.get(server.url + "/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
@@ -406,7 +408,8 @@ def test_api_key(keyed_server: ServerThread) -> None:
     with openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0) as c:
         assert c.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
         assert [m.id for m in c.models.list().data] == [MODEL]
-    assert httpx.get(keyed_server.url + "/health").status_code == 200  # probes need no key
+    for probe in ("/health", "/ping"):  # probes need no key
+        assert httpx.get(keyed_server.url + probe).status_code == 200
 
 
 def test_request_too_large_is_413(client: Any, server: ServerThread) -> None:

@@ -98,6 +98,8 @@ def test_chat_takes_text_parts_and_the_switches_through_chat_template_kwargs(llm
     for conversation, message in [([{"role": "user"}], r"messages\[0\]\.content: null; only an assistant"),
                                   ([{"role": "user", "content": [{"type": "image_url"}]}],
                                    r"messages\[0\]\.content: part of type 'image_url'; only text parts"),
+                                  ([{"role": "user", "content": [{"type": "text"}]}],
+                                   r"messages\[0\]\.content: a text part's text=None: expected a string"),
                                   ([{"role": "user", "content": 5}], r"messages\[0\]\.content=5: expected a string")]:
         with pytest.raises(ValueError, match=message):
             llm.chat(conversation, greedy(3))

@@ -81,8 +81,10 @@ def message_text(i: int, role: str, content: Any, tool_calls: Any = None) -> str
     for part in content:
         kind, text = (part.get("type"), part.get("text")) if isinstance(part, dict) else \
             (getattr(part, "type", None), getattr(part, "text", None))
-        if kind != "text" or not isinstance(text, str):
+        if kind != "text":
             raise UnsupportedContent(f"messages[{i}].content: part of type {kind!r}; only text parts are supported")
+        if not isinstance(text, str):
+            raise ValueError(f"messages[{i}].content: a text part's text={text!r}: expected a string")
         parts.append(text)
     return "\n".join(parts)
 

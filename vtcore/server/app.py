@@ -2,7 +2,8 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (each with SSE streaming),
 ``GET /v1/models``,
-vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``
+vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (and vLLM's ``/ping``), ``GET /metrics``,
+``GET /version``
 and ``GET /openapi.json``; with ``dev_mode`` (``vtcore serve`` under ``VTCORE_SERVER_DEV_MODE=1``, as vLLM's
 ``VLLM_SERVER_DEV_MODE``) also vLLM's ``POST /reset_prefix_cache`` (benchmarks that start each run cold); with an
 engine given a ``profiler_config``, vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (a torch.profiler
@@ -167,6 +168,8 @@ def build_app(engine: "AsyncLLM", served_model_name: str | Sequence[str], api_ke
         return serving.model_card(model)
 
     @app.get("/health", responses=errors(503))
+    @app.get("/ping", responses=errors(503), description="vLLM's (SageMaker's health check): as /health.")
+    @app.post("/ping", responses=errors(503), description="vLLM's (SageMaker's health check): as /health.")
     async def health() -> dict[str, str]:
         if not serving.healthy:
             raise APIError(503, "the server is shutting down or its engine is not running", code="unavailable")
