@@ -392,6 +392,12 @@ def test_offline_counts_tokens(tmp_path):
     assert f"output tokens {o['output_tokens']}" in table
 
 
+def test_offline_refuses_an_input_len_it_would_not_use():
+    args = _parser().parse_args(["bench", "--device", "cpu", "--no-progress", "--offline", "--input-len", "8"])
+    with pytest.raises(ValueError, match=r"--input-len=8: does not apply with --offline .*--offline-min-len"):
+        args.func(args, io.StringIO())
+
+
 def test_offline_lengths_clamped_and_validated():
     assert resolve_offline_lengths(4096, 100, 1024) == (100, 1024, False)
     assert resolve_offline_lengths(1024, 100, 1024) == (100, 512, True)

@@ -157,7 +157,9 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help=f"size of the tensor copied to measure device bandwidth (default: {DEFAULT_COPY_MIB})")
     p.add_argument("--offline", action="store_true",
                    help="instead of the serving sweep: nano-vllm's offline benchmark through LLM.generate "
-                        f"(--num-prompts, default {DEFAULT_OFFLINE_PROMPTS}, random lengths, all at once)")
+                        f"(--num-prompts, default {DEFAULT_OFFLINE_PROMPTS}, all at once; each prompt's and "
+                        "output's length drawn from --offline-min-len..--offline-max-len, not --input-len and "
+                        "--output-len)")
     p.add_argument("--offline-min-len", type=positive_int("--offline-min-len"), default=DEFAULT_OFFLINE_MIN_LEN)
     p.add_argument("--offline-max-len", type=positive_int("--offline-max-len"), default=DEFAULT_OFFLINE_MAX_LEN)
     p.add_argument("--speculative-k", type=parse_concurrency, default=list(DEFAULT_KS), metavar="K,K,...",
@@ -412,6 +414,9 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     peer = getattr(args, "peer", None)
     if getattr(args, "offline", False) and peer:
         raise ValueError("--peer compares against the serving run at concurrency 1; it does not apply with --offline")
+    if getattr(args, "offline", False) and getattr(args, "input_len", None) is not None:
+        raise ValueError(f"--input-len={args.input_len}: does not apply with --offline (each request's prompt and "
+                         "output lengths are drawn from --offline-min-len..--offline-max-len)")
     config, hf, header = _resolved_config(args)
     max_model_len = config.max_model_len
     if config.speculative_config is not None and not getattr(args, "offline", False):
