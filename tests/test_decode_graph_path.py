@@ -236,6 +236,7 @@ def test_the_chunk_layout_equals_the_general_rows_layout(tiny_checkpoint, mode) 
             graphs = None if done else next((g for g in eng.runner._padded if g.takes(batch)), None)
             if graphs is not None and graphs.chunk:
                 fast, general = graphs.prepare(batch), graphs._prepare_rows(batch)
+                assert [isinstance(s, memoryview) for s in fast.sections[:5]] == [False, True, True, False, True]
                 listed = [s.tolist() if isinstance(s, memoryview) else s for s in fast.sections]
                 assert attrs.evolve(fast, sections=listed) == general
                 s = batch[0]

@@ -604,7 +604,8 @@ def _integer_types() -> list[Any]:
 def test_integers_of_other_types_are_taken_as_ints_as_in_vllm(llm: LLM, integer: Any) -> None:
     """vLLM compares its parameters, so numpy's integers and floats work there: here they are taken as Python ints
     and floats, in the parameters and in a prompt's ids (a bool still is none); ``logprobs=True`` asks for one
-    alternative and repeated stop_token_ids count once, as vLLM's ``__post_init__`` has them."""
+    alternative (False for none) and repeated stop_token_ids count once, as vLLM's ``__post_init__`` has them."""
+    assert (SamplingParams(logprobs=False).logprobs, SamplingParams(prompt_logprobs=False).prompt_logprobs) == (0, 0)
     p = SamplingParams(max_tokens=integer(3), seed=integer(4), top_k=integer(5), logprobs=True, prompt_logprobs=True,
                        stop_token_ids=[integer(9), 9, 8], allowed_token_ids=[integer(1), 2])
     assert (p.max_tokens, p.seed, p.top_k, p.logprobs, p.prompt_logprobs, p.stop_token_ids, p.allowed_token_ids) == (
@@ -614,7 +615,7 @@ def test_integers_of_other_types_are_taken_as_ints_as_in_vllm(llm: LLM, integer:
     ids = rand_prompt(5, seed=3)
     want = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=3, temperature=0))[0]
     got = llm.generate([{"prompt_token_ids": [integer(t) for t in ids]}],
-                       SamplingParams(max_tokens=3, temperature=0))[0]
+                       SamplingParams(max_tokens=3, temperature=0), priority=iter([integer(0)]))[0]
     assert got.prompt_token_ids == ids and {type(t) for t in got.prompt_token_ids} == {int}
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     with pytest.raises(ValueError, match=r"prompt_token_ids=\[5, True\]: expected a list of ints"):

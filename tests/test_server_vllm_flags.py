@@ -12,6 +12,7 @@ import os
 import ssl
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -99,6 +100,13 @@ def test_a_sampled_tokens_alternatives_are_bounded_by_the_engines_max_logprobs_a
                 free.model_validate({**body, field: -1})
     with pytest.raises(ValueError, match="prompt_logprobs"):  # not served by the responses API: still refused
         bounded(ResponsesRequest, uncapped).model_validate({"input": "a", "prompt_logprobs": 3})
+    # the document's rule as the endpoints': a top_logprobs other than 0 (-1 too) asks for the logprobs
+    for model, body in ((ChatCompletionRequest, {"messages": chat["messages"]}), (ResponsesRequest, {"input": "a"})):
+        schema = bounded(model, uncapped).model_json_schema()
+        jsonschema.validate({**body, "top_logprobs": 0}, schema)
+        for value in (-1, 3):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate({**body, "top_logprobs": value}, schema)
 
 
 def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_where_uncapped() -> None:
@@ -119,6 +127,11 @@ def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_where_uncapped() -> N
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
                 "top_logprobs": -1}).json()
             assert [len(t["top_logprobs"]) for t in chat["choices"][0]["logprobs"]["content"]] == [vocab, vocab]
+            for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                               ("/v1/responses", {"input": "hi"})):  # 0 asks for nothing (vLLM's rule), -1 for all
+                assert httpx.post(srv.url + path, json={**body, "max_tokens": 1, "top_logprobs": 0}).status_code == 200
+                refused = httpx.post(srv.url + path, json={**body, "max_tokens": 1, "top_logprobs": -1})
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs", path
     finally:
         uncapped.shutdown()
 

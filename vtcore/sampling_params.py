@@ -81,9 +81,9 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         for name in _INT_FIELDS:
             setattr(self, name, as_int(getattr(self, name)))
-        for name in ("logprobs", "prompt_logprobs"):  # (vLLM's: True asks for one alternative)
-            if getattr(self, name) is True:
-                setattr(self, name, 1)
+        for name in ("logprobs", "prompt_logprobs"):  # (vLLM's: True asks for one alternative, False for none)
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

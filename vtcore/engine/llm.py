@@ -1,6 +1,7 @@
 """``LLM``: offline batch generation, shaped like vLLM's."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -90,7 +91,7 @@ class LLM(EngineFrontEnd):
         final_only = {id(p): attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY)
                       for p in params if isinstance(p, SamplingParams)}  # once per distinct object
         params = [final_only.get(id(p), p) for p in params]
-        if priority is not None and not isinstance(priority, Sequence):
+        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Iterable)):
             raise ValueError(f"priority={priority!r}: expected a list of one integer per prompt")
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):

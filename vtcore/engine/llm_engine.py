@@ -31,7 +31,7 @@ from vtcore.layers.parallel import tensor_parallel
 from vtcore.loading.model_loader import build_model, quant_format
 from vtcore.plugins.manager import get_plugins
 from vtcore.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from vtcore.sampling_params import RequestOutputKind, SamplingParams
+from vtcore.sampling_params import RequestOutputKind, SamplingParams, as_int
 from vtcore.engine.scheduler import Batch, Scheduled
 from vtcore.spec.draft_model import DraftModelProposer
 from vtcore.spec.ngram import NgramProposer
@@ -349,7 +349,7 @@ class LLMEngine(PromptText):
             raise ValueError(f"request_id={request_id!r}: already in use by an unfinished request")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params={params!r}: expected a SamplingParams")
-        self._check_priority(priority)
+        priority = self._check_priority(priority)
         salt = prompt_cache_salt(prompt)
         text, ids = self.tokenize(prompt)
         kept = params.truncated(ids, self.max_model_len)
@@ -407,13 +407,16 @@ class LLMEngine(PromptText):
             self.scheduler.finish(req, "length")
         return req
 
-    def _check_priority(self, priority: Any) -> None:
+    def _check_priority(self, priority: Any) -> int:
+        """``priority`` as an int (an integer of another type, numpy's, taken as its int), or a ValueError."""
+        priority = as_int(priority)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority={priority!r}: expected an integer")
         if priority and not self.scheduler.by_priority:
             raise ValueError(f"priority={priority}: this engine's scheduling_policy is "
                              f"{self.config.scheduling_policy!r}; a priority other than 0 needs "
                              "scheduling_policy='priority'")
+        return priority
 
     def _in_use(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self.fanouts

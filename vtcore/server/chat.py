@@ -134,7 +134,7 @@ class ChatEndpoint(GenerationEndpoint[ChatCompletionRequest]):
                            "function_call", "unsupported")
         check_tools_served(self, body.tools)
         choose(body)  # a bad tool_choice is a 400 before anything runs
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs not in (None, 0) and not body.logprobs:  # (vLLM's rule: 0 asks for nothing)
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs: not streamed in a chat; send stream=false", "prompt_logprobs",

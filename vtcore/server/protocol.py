@@ -211,6 +211,10 @@ class BoundedModel(BaseModel):
         return {}
 
 
+#: a ``top_logprobs`` that asks for alternatives (vLLM's rule: -1 or above 0), in JSON Schema
+ASKS_ALTERNATIVES = {"type": "integer", "not": {"const": 0}}
+
+
 def _logprob_count(limits: EngineLimits, whole_vocabulary: bool = True) -> Any:
     """A count of alternatives a position (``prompt_logprobs``, chat's ``top_logprobs``, completions' ``logprobs``),
     as vLLM bounds it: at most the engine's ``max_logprobs`` and the vocabulary; -1 (the whole vocabulary) where the
@@ -437,13 +441,13 @@ class ChatCompletionRequest(GenerationRequest):
     refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, "echo": False,
                                                     "add_special_tokens": False}
     output_counts: ClassVar[tuple[str, ...]] = ("max_tokens", "max_completion_tokens")
-    # what the endpoint refuses otherwise, the document says: top_logprobs asks for logprobs=true; a
+    # what the endpoint refuses otherwise, the document says: top_logprobs other than 0 asks for logprobs=true; a
     # required or named tool_choice, for tools; continue_final_message, for add_generation_prompt=false;
     # prompt_logprobs, for no stream
     schema_rules: ClassVar[dict[str, Any]] = {"allOf": [_ONE_SWITCH, STREAMED_ONLY, {
         "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
         "then": {"properties": {"prompt_logprobs": {"type": "null"}}}},
-        {"if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        {"if": {"properties": {"top_logprobs": ASKS_ALTERNATIVES}, "required": ["top_logprobs"]},
          "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
         {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
                 "required": ["tool_choice"]},

@@ -62,7 +62,7 @@ class ResponsesEndpoint(GenerationEndpoint[ResponsesRequest]):
                            "return_token_ids", "unsupported")
         check_tools_served(self, body.tools)
         self.forced(body)  # a bad tool_choice is a 400 before anything runs
-        if body.top_logprobs and not self.wants_logprobs(body):
+        if body.top_logprobs not in (None, 0) and not self.wants_logprobs(body):
             raise APIError(400, "top_logprobs: requires include ['message.output_text.logprobs']", "top_logprobs")
         if self.wants_logprobs(body) and (self.reasoning_parser is not None or self.offered(body) is not None):
             raise APIError(400, "include: the answer's logprobs are not served beside a reasoning parser or tools "

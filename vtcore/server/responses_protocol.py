@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
-from vtcore.server.protocol import (STREAMED_ONLY, TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count,
+from vtcore.server.protocol import (ASKS_ALTERNATIVES, STREAMED_ONLY, TEMPLATE_SWITCHES, UNSUPPORTED_EXTENSIONS, Count,
                                     GenerationRequest, Int, Text, integer)
 
 
@@ -134,7 +134,7 @@ class ResponsesRequest(GenerationRequest):
         "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
                "required": ["tool_choice"]},
         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}}, {
-        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "if": {"properties": {"top_logprobs": ASKS_ALTERNATIVES}, "required": ["top_logprobs"]},
         "then": {"properties": {"include": {"type": "array", "contains": {"const": "message.output_text.logprobs"}}},
                  "required": ["include"]}}, {
         # the answer's logprobs only where no offered tool may split the output
@@ -164,7 +164,8 @@ class ResponsesRequest(GenerationRequest):
         None, description="Extra output: the answer's token logprobs (the only kind served).")
     logprob_counts: ClassVar[tuple[str, ...]] = ("top_logprobs",)
     top_logprobs: Int | None = Field(None, description=(
-        "With include's logprobs: alternatives a token, at most the server's --max-logprobs (vLLM's; default 20)."))
+        "With include's logprobs: alternatives a token, at most the server's --max-logprobs (vLLM's; default 20; -1 "
+        "there also allows -1 here: the whole vocabulary)."))
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking).")
 
