@@ -117,6 +117,8 @@ BODIES = [
     ("/v1/completions", _completion(n=129), "n"),
     ("/v1/completions", _completion(n=0), "n"),
     ("/v1/completions", _completion(logprobs=21), "logprobs"),
+    ("/v1/completions", _completion(truncate_prompt_tokens=5), None),
+    ("/v1/chat/completions", _chat(truncate_prompt_tokens=10 ** 6), "truncate_prompt_tokens"),  # past max_model_len
     ("/v1/completions", _completion(logprobs=-1), "logprobs"),  # vLLM's completions take no -1
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", _chat(logprobs=True, top_logprobs=-1), "top_logprobs"),  # -1 past the cap of 20

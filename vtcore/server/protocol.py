@@ -101,15 +101,19 @@ TopK = integer(ge=-1)
 Seed = integer(ge=-2 ** 63, lt=2 ** 63)  # a 64-bit signed integer, OpenAI's and vLLM's range
 
 
-def _kept_tokens(value: Any) -> Any:
-    if value != -1 and value < 1:
-        raise PydanticCustomError("truncate_prompt_tokens", "Input should be -1 or an integer >= 1")
-    return value
+def _kept_tokens(max_model_len: int | None) -> Any:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last k tokens (k at most ``max_model_len``, where an
+    engine's is known), or (-1) the last max_model_len."""
+    most = f" and at most max_model_len={max_model_len}" if max_model_len else ""
 
+    def check(value: Any) -> Any:
+        if value != -1 and (value < 1 or (max_model_len and value > max_model_len)):
+            raise PydanticCustomError("truncate_prompt_tokens", f"Input should be -1 or an integer >= 1{most}")
+        return value
 
-#: vLLM's truncate_prompt_tokens: keep the prompt's last k tokens, or (-1) the last max_model_len
-KeptTokens = Annotated[int, BeforeValidator(_integral), AfterValidator(_kept_tokens), WithJsonSchema(
-    {"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]})]
+    kept = {"type": "integer", "minimum": 1, **({"maximum": max_model_len} if max_model_len else {})}
+    return Annotated[int, BeforeValidator(_integral), AfterValidator(check),
+                     WithJsonSchema({"anyOf": [{"const": -1}, kept]})]
 
 
 #: Text that goes to the tokenizer (a prompt, a message).
@@ -288,6 +292,8 @@ class GenerationRequest(BoundedModel):
                     None, description=f"vLLM's: token ids that end the output (ids in [0, {limits.vocab_size}))")),
                 "priority": (Seed if limits.by_priority else FirstComePriority,
                              Field(0, description=cls.model_fields["priority"].description)),
+                "truncate_prompt_tokens": (_kept_tokens(limits.max_model_len) | None, Field(
+                    None, description=cls.model_fields["truncate_prompt_tokens"].description)),
                 **{name: (_logprob_count(limits, name != "logprobs") | None,
                           Field(None, description=cls.model_fields[name].description))
                    for name in cls.logprob_counts}}
@@ -319,7 +325,7 @@ class GenerationRequest(BoundedModel):
     bad_words: list[BadWord] | None = Field(
         None, description="vLLM's: words never generated (a word's last token is banned where the output so far "
                           "ends in the rest of it; each word also as it follows a space).")
-    truncate_prompt_tokens: KeptTokens | None = Field(
+    truncate_prompt_tokens: _kept_tokens(None) | None = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).")
     include_stop_str_in_output: bool | None = False
     prompt_logprobs: Int | None = Field(
