@@ -14,6 +14,7 @@ import signal
 from typing import Any, Iterator
 
 import attrs
+import httpx
 import pytest
 
 from tests.server_harness import KNOBS, MODEL, MAX_BYTES, ServerThread, needs_default_model
@@ -115,7 +116,7 @@ def test_the_core_sends_back_only_a_prompt_it_does_not_run_as_sent() -> None:
     """On the wire: the first output of a prompt the core runs as its add carried it holds no prompt (a long
     prompt's ids were most of its bytes, on the path to the first token); a truncated one's does."""
     from vtcore.engine.arg_utils import engine_config
-    from vtcore.engine.core_process import _PROMPT, _PROMPT_IDS, core_main
+    from vtcore.engine.core_process import _PROMPT, _PROMPT_IDS, core_main, wire
     from vtcore.worker.processes import pipe, start_child
 
     ours, theirs = pipe()
@@ -123,9 +124,9 @@ def test_the_core_sends_back_only_a_prompt_it_does_not_run_as_sent() -> None:
     theirs.close()
     try:
         assert ours.recv()[0] == "ready"
-        ours.send(("add", "kept", {"prompt": "abc", "prompt_token_ids": [5, 6, 7]}, greedy(2), 0))
-        ours.send(("add", "cut", {"prompt": "abc", "prompt_token_ids": [5, 6, 7]}, greedy(2, truncate_prompt_tokens=2),
-                   0))
+        ours.send(wire(("add", "kept", {"prompt": "abc", "prompt_token_ids": [5, 6, 7]}, greedy(2), 0)))
+        ours.send(wire(("add", "cut", {"prompt": "abc", "prompt_token_ids": [5, 6, 7]},
+                        greedy(2, truncate_prompt_tokens=2), 0)))
         firsts: dict[str, tuple] = {}
         answers = []
         while len(firsts) < 2:
@@ -270,6 +271,12 @@ def test_the_server_and_the_openai_client_work_over_the_core(core: AsyncLLM) -> 
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=4, temperature=0)
         assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 4
+        # a JSON number its float does not spell (a LiteralFloat) in a schema crosses to the core, which it ended
+        body = b'{"prompt": "Hi", "max_tokens": 3, "response_format": {"type": "json_schema", "json_schema": ' \
+               b'{"name": "n", "schema": {"type": "number", "maximum": 6.757192490248578e+161}}}}'
+        r = httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 200 and core.healthy, r.text
 
 
 def test_a_core_that_dies_ends_every_pending_request_and_shutdown_leaves_no_process() -> None:
@@ -355,7 +362,7 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     import threading
     import time
 
-    from vtcore.engine.core_process import CoreClient, _Sender
+    from vtcore.engine.core_process import CoreClient, _Sender, wire
 
     reader, writer = multiprocessing.Pipe()
     client = object.__new__(CoreClient)  # its sending half, without a core process
@@ -371,7 +378,7 @@ def test_sending_never_waits_for_a_reader_and_keeps_the_order() -> None:
     client.send(("abort", "r"))
     sender.send_later(("stop",))
     assert time.monotonic() - started < 1.0 and sender.queued == 3  # the rest of big, and the two behind it
-    assert [reader.recv() for _ in range(4)] == [("abort", "first"), big, ("abort", "r"), ("stop",)]
+    assert [reader.recv() for _ in range(4)] == [("abort", "first"), wire(big), ("abort", "r"), ("stop",)]
     while sender.queued:
         time.sleep(0.01)
     client.send(("abort", "again"))
@@ -465,6 +472,29 @@ def test_a_prompt_that_cannot_be_pickled_fails_alone(core: AsyncLLM) -> None:
 
     outs = asyncio.run(run())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+
+class _Unloadable:
+    """Pickles, and raises where it is unpickled (the core), as a value whose class the core cannot rebuild."""
+
+    def __reduce__(self) -> tuple:
+        return _refuse, ("this value does not unpickle",)
+
+
+def _refuse(why: str) -> None:
+    raise TypeError(why)
+
+
+def test_a_request_that_does_not_unpickle_in_the_core_fails_alone(core: AsyncLLM) -> None:
+    """An add whose parameters the core cannot unpickle (a JSON number past 2**53 in a schema did, once) is
+    rejected by name, and the core serves the next request: it was the core loop's end, and every request's."""
+    async def run() -> list:
+        with pytest.raises(TypeError, match="this value does not unpickle"):
+            await _collect(core, "bad", PROMPTS[0], greedy(3, extra_args={"x": _Unloadable()}))
+        return await _collect(core, "good", PROMPTS[0], greedy(3))
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3 and core.healthy
 
 
 def test_outputs_cross_the_pipe_as_tuples_with_every_field_and_the_prompt_once() -> None:

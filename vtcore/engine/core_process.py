@@ -7,7 +7,9 @@ and the front end keeps only what it needs of it (``CoreClient``: the tokenizer,
 sampling values, the family, the latest load), so tokenizing, chat templates and the HTTP work stay in
 the server's process.
 
-One duplex pipe carries pickled messages. Front end to core: ``("add", id, prompt, params, priority)``, ``("abort",
+One duplex pipe carries pickled messages. Front end to core: ``("add", id, pickled (prompt, params, priority))``
+(``wire``: pickled apart, so the core unpickles them inside the add's own ``try``, and a request that does not
+unpickle there fails alone instead of ending the core's loop), ``("abort",
 id)``, ``("call", method)`` (one of ``ENGINE_CALLS``: the engine's method run between two steps), ``("stop",)``.
 Core to front end: ``("ready", CoreInfo)`` once, then ``("added", id, prompt_as_sent)`` or ``("rejected", id,
 error)`` for each add (a bad request fails alone), ``("answer", value)`` or ``("failed", error)`` for each call, in
@@ -258,11 +260,12 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
                     sender.send(("rejected", msg[1], EngineDeadError("the engine is shutting down")))
                 elif msg[0] == "add":
                     try:
-                        engine.add_request(msg[1], msg[2], msg[3], msg[4])
+                        prompt, params, priority = pickle.loads(msg[2])
+                        engine.add_request(msg[1], prompt, params, priority)
                     except Exception as exc:  # noqa: BLE001 - a bad request fails alone
                         sender.send(("rejected", msg[1], _sendable(exc)))
                     else:
-                        as_sent = _prompt_as_sent(engine, msg[1], msg[2])
+                        as_sent = _prompt_as_sent(engine, msg[1], prompt)
                         if as_sent:  # (the front end has it: a long prompt's ids are most of a first output's bytes)
                             announced.add(msg[1])
                         sender.send(("added", msg[1], as_sent))
@@ -291,6 +294,11 @@ def core_main(config: EngineConfig, conn: Connection) -> None:
     finally:
         sender.close()
         engine.shutdown()
+
+
+def wire(msg: tuple) -> tuple:
+    """A message to the core as the pipe carries it: an add's prompt, params and priority pickled apart."""
+    return ("add", msg[1], pickle.dumps(msg[2:], protocol=pickle.HIGHEST_PROTOCOL)) if msg[0] == "add" else msg
 
 
 class CoreClient(PromptText):
@@ -335,7 +343,7 @@ class CoreClient(PromptText):
     def send(self, msg: tuple) -> None:
         """Send a message to the core (from any thread; never blocking: see ``_Sender``)."""
         with self._send_lock:
-            data = ForkingPickler.dumps(msg)  # a message that cannot be pickled fails here, its sender's call
+            data = ForkingPickler.dumps(wire(msg))  # a message that cannot be pickled fails here, its sender's call
             if msg[0] == "add":
                 with self._unanswered_lock:
                     self._unanswered[msg[1]].append((msg[3], msg[2]))

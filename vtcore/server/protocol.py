@@ -71,6 +71,10 @@ class LiteralFloat(float):
         number.literal = literal
         return number
 
+    def __reduce__(self) -> tuple:
+        """Pickled with its literal (a request's schema holding one crosses to the engine core process)."""
+        return LiteralFloat, (float(self), self.literal)
+
 
 #: the most digits a literal's integer may have here (past it, Python's int() of a string refuses to work)
 _MAX_DIGITS = 4000
