@@ -36,6 +36,8 @@ def test_models_health_and_version(server: ServerThread, client: Any) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     for ping in (httpx.get, httpx.post):  # vLLM's SageMaker probe
         assert ping(server.url + "/ping").json() == {"status": "ok"}
+    refused = httpx.put(server.url + "/ping")  # a 405 names every method of the path (two routes here)
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET, POST"
     assert httpx.get(server.url + "/v1/models/" + MODEL).json()["id"] == MODEL
     r = httpx.get(server.url + "/v1/nowhere")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route
 
 from vtcore import __version__
 from vtcore.errors import ProfilerStateError
@@ -65,8 +66,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path's routes (Starlette names the first route's only)
+            methods = {m for r in request.app.routes if isinstance(r, Route) and r.path_regex.match(request.url.path)
+                       for m in r.methods or ()}
+            headers["Allow"] = ", ".join(sorted(methods))
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response(
-            dict(exc.headers or {}))
+            headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
