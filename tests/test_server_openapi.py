@@ -200,6 +200,7 @@ BODIES = [
     ("/tokenize", {"prompt": "hi"}, None),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, "prompt"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": True}, None),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": 1}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, "add_special_tokens"),

@@ -499,8 +499,10 @@ class TokenizeRequest(BaseModel):
     (those of ``/v1/chat/completions``), one of the two."""
 
     model_config = ConfigDict(strict=True, json_schema_extra={"oneOf": [
-        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "tools": {"type": "null"}}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}], "allOf": [_ONE_SWITCH, {
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},
+                                                "tools": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}],
+        "allOf": [_ONE_SWITCH, {
             "if": {"required": ["messages"]},
             "then": {"properties": {"add_special_tokens": {"enum": [False, None]}}}}]})
 
