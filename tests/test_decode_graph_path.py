@@ -252,6 +252,28 @@ def test_the_chunk_layout_equals_the_general_rows_layout(tiny_checkpoint, mode) 
     assert [any(column) for column in zip(*seen)] == [True] * 5, seen
 
 
+def test_a_chunk_past_the_counting_table_is_laid_out_as_lists(tiny_checkpoint, monkeypatch) -> None:
+    """A chunk whose KV slots (or positions) pass ``COUNTING_MAX`` (a small model's pool of tens of millions of
+    slots) takes the per-row layout: the same tokens as a chunk within it."""
+    from vtcore.worker import decode_graphs
+
+    outs = {}
+    for most in (decode_graphs.COUNTING_MAX, 12):
+        monkeypatch.setattr(decode_graphs, "COUNTING_MAX", most)
+        eng = build_engine(tiny_checkpoint[0], "sync", **{**KNOBS, "max_num_batched_tokens": 16, "max_model_len": 96})
+        kinds = []
+
+        def check(batch, done, eng=eng, kinds=kinds):
+            graphs = None if done else next((g for g in eng.runner._padded if g.takes(batch)), None)
+            if graphs is not None and graphs.chunk:
+                kinds.append(isinstance(graphs.prepare(batch).sections[1], memoryview))
+
+        eng.runner.on_submit.append(check)
+        outs[most] = run(eng, {0: [("a", list(range(1, 24)), greedy(3))]})
+        assert kinds == [most > 12] * 2  # (the prompt's two 16-token chunks pass 12)
+    assert outs[12] == outs[decode_graphs.COUNTING_MAX]
+
+
 @pytest.mark.parametrize("q, chunk", [(4, False), (16, True)])
 def test_the_widest_padded_step_fits_its_upload_buffer(q, chunk) -> None:
     """Every row full (verify: a whole draft, each token sampling), every block-table row as wide as the

@@ -36,7 +36,8 @@ import attrs
 import torch
 
 from vtcore.layers.attention import AttentionMetadata
-from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, int64_range, int64s, kv_slot_int64s, kv_slots
+from vtcore.worker.step import (COUNTING_MAX, DEVICE_DRAFT, Batch, Scheduled, int64_range, int64s, kv_slot_int64s,
+                                kv_slots)
 
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16))  # padded decode batch sizes (one CUDA graph each)
 GRAPH_MAX = 256  # larger decode batches run eagerly
@@ -181,7 +182,8 @@ class DecodeGraphs:
         if self.q == 1 and not self.chunk:
             return self._prepare_decode(batch)
         s = batch[0]
-        if self.chunk and not s.floats and len(s.request.token_ids) >= s.start + s.num_tokens:
+        if self.chunk and not s.floats and len(s.request.token_ids) >= s.start + s.num_tokens and \
+                max(s.start + self.q, (max(s.request.block_ids) + 1) * self.block_size) <= COUNTING_MAX:
             return self._prepare_chunk(s)
         return self._prepare_rows(batch)
 

@@ -57,7 +57,7 @@ from vtcore.worker.mtp import MTPDrafter
 from vtcore.worker.ngram import DeviceNgram
 from vtcore.worker.sampler import SampleMeta, Sampler, prompt_logprobs, to_device
 from vtcore.worker.staging import Staged, Staging
-from vtcore.worker.step import DEVICE_DRAFT, Batch, Scheduled, StepOutput, int64_range, kv_slots
+from vtcore.worker.step import COUNTING_MAX, DEVICE_DRAFT, Batch, Scheduled, StepOutput, int64_range, kv_slots
 from vtcore.worker.tensor_parallel import PaddedStep, Peers, StepMessage
 
 CPU_KV_BYTES = 1 << 30  # the KV budget on CPU when num_kv_blocks is not given
@@ -304,7 +304,7 @@ class ModelRunner:
                                  for q in CHUNK_SIZES if q <= longest for from_zero in (True, False)]
             # the counting table a chunk's positions and KV slots are slices of, built now rather than at the first
             # chunk that reaches a high block (8 bytes a KV slot)
-            int64_range(0, max(self.num_kv_blocks * self.block_size, config.max_model_len))
+            int64_range(0, min(max(self.num_kv_blocks * self.block_size, config.max_model_len), COUNTING_MAX))
         # an MTP head or a draft model after each padded path's steps, at their shapes (graphs on CUDA)
         self.drafter_graphs = {i: DrafterGraphs(self.mtp, g, self.dummy_slot)
                                for i, g in enumerate(self._padded)} if self.mtp is not None else {}

@@ -104,13 +104,19 @@ def kv_slots(block_ids: list[int], block_size: int, start: int, end: int) -> lis
 #: 0, 1, 2, ... as native int64s, replaced by a longer one when a slice would pass its end (a view of the old one
 #: stays valid): a chunk's positions, and each block's KV slots, are slices of it
 _COUNTING = [array("q")]
+#: the longest the counting table grows (32 MB): a chunk past it (a small model's pool of tens of millions of
+#: slots) is laid out as lists
+COUNTING_MAX = 1 << 22
 
 
 def int64_range(start: int, end: int) -> memoryview:
-    """``start, ..., end - 1`` as native int64s (format ``q``), a view of a shared table: no Python int each."""
+    """``start, ..., end - 1`` (``end`` at most ``COUNTING_MAX``) as native int64s (format ``q``), a view of a shared
+    table: no Python int each."""
     table = _COUNTING[0]
     if len(table) < end:
-        table = _COUNTING[0] = array("q", range(max(end, 2 * len(table))))
+        if end > COUNTING_MAX:
+            raise ValueError(f"int64_range: end={end}: expected at most COUNTING_MAX={COUNTING_MAX}")
+        table = _COUNTING[0] = array("q", range(min(max(end, 2 * len(table)), COUNTING_MAX)))
     return memoryview(table)[start:end]
 
 
