@@ -392,9 +392,10 @@ def test_offline_counts_tokens(tmp_path):
     assert f"output tokens {o['output_tokens']}" in table
 
 
-def test_offline_refuses_an_input_len_it_would_not_use():
-    args = _parser().parse_args(["bench", "--device", "cpu", "--no-progress", "--offline", "--input-len", "8"])
-    with pytest.raises(ValueError, match=r"--input-len=8: does not apply with --offline .*--offline-min-len"):
+@pytest.mark.parametrize("flag", ["--input-len", "--output-len"])
+def test_offline_refuses_a_length_it_would_not_use(flag):
+    args = _parser().parse_args(["bench", "--device", "cpu", "--no-progress", "--offline", flag, "8"])
+    with pytest.raises(ValueError, match=rf"{flag}=8: does not apply with --offline .*--offline-min-len"):
         args.func(args, io.StringIO())
 
 

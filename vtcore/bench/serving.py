@@ -88,6 +88,9 @@ from vtcore.structured import StructuredOutputsParams
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32"
 DEFAULT_INPUT_LEN = 1024
 DEFAULT_OUTPUT_LEN = 128
+#: why --input-len and --output-len are refused with --offline
+_NOT_OFFLINE = ("does not apply with --offline (each request's prompt and output lengths are drawn from "
+                "--offline-min-len..--offline-max-len)")
 DEFAULT_OFFLINE_PROMPTS = 256
 DEFAULT_OFFLINE_MIN_LEN, DEFAULT_OFFLINE_MAX_LEN = 100, 1024
 DEFAULT_OFFLINE_MAX_NUM_SEQS = 256
@@ -131,7 +134,8 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help=f"requests kept in flight, comma-separated (default: {DEFAULT_CONCURRENCY})")
     p.add_argument("--input-len", type=positive_int("--input-len"), default=None,
                    help=f"prompt tokens per request (default: {DEFAULT_INPUT_LEN}, clamped to fit max_model_len)")
-    p.add_argument("--output-len", type=positive_int("--output-len"), default=DEFAULT_OUTPUT_LEN)
+    p.add_argument("--output-len", type=positive_int("--output-len"), default=None,
+                   help=f"output tokens per request (default: {DEFAULT_OUTPUT_LEN})")
     p.add_argument("--prefix-len", type=non_negative_int("--prefix-len"), default=0, metavar="N",
                    help="one shared prefix of N random tokens before every prompt of a run (its --input-len "
                         "tokens follow), for prefix caching (default: 0)")
@@ -415,8 +419,9 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     if getattr(args, "offline", False) and peer:
         raise ValueError("--peer compares against the serving run at concurrency 1; it does not apply with --offline")
     if getattr(args, "offline", False) and getattr(args, "input_len", None) is not None:
-        raise ValueError(f"--input-len={args.input_len}: does not apply with --offline (each request's prompt and "
-                         "output lengths are drawn from --offline-min-len..--offline-max-len)")
+        raise ValueError(f"--input-len={args.input_len}: {_NOT_OFFLINE}")
+    if getattr(args, "output_len", None) is None:
+        args = argparse.Namespace(**{**vars(args), "output_len": DEFAULT_OUTPUT_LEN})
     config, hf, header = _resolved_config(args)
     max_model_len = config.max_model_len
     if config.speculative_config is not None and not getattr(args, "offline", False):
@@ -670,6 +675,9 @@ def _in_process_only(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace, out: TextIO) -> int:
+    if args.offline and args.output_len is not None:
+        raise ValueError(f"--output-len={args.output_len}: {_NOT_OFFLINE}")
+    args.output_len = DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len
     progress = not getattr(args, "no_progress", False)
     local = _in_process_only(args)
     if getattr(args, "base_url", None):
