@@ -1,8 +1,9 @@
 """Where a concurrency-1 request's TTFT goes, in-process (``AsyncLLM``), on one GPU.
 
-    python scripts/ttft_breakdown.py [--shape qwen3-4b] [--input-len 1024] [--prefix-len 0] [--requests 6]
-        [--profile N] [--device cuda] [--out DIR]
-Dummy bf16 weights of a real shape. Each request (``max_tokens=1``, one at a time, random ids; with
+    python scripts/ttft_breakdown.py [--shape qwen3-4b | --model DIR] [--input-len 1024] [--prefix-len 0]
+        [--requests 6] [--profile N] [--device cuda] [--out DIR]
+Dummy bf16 weights of a real shape (``--model``: of a checkpoint folder's config.json instead, e.g. a small one for
+the host's parts on the CPU). Each request (``max_tokens=1``, one at a time, random ids; with
 ``--prefix-len N`` every prompt starts with the same N ids, the prefix cache's hit case of issue 21) is
 timed from the moment the caller starts ``generate`` to the moment its first output reaches the caller,
 split by the engine thread's own calls, each stamped on entry and exit with ``time.perf_counter``:
@@ -170,7 +171,7 @@ async def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
         rows_ = pstats.Stats(stamps.profile).stats.items()  # (file, line, name) -> (calls, _, own s, cum s, _)
         for (file, line, name), (_, calls, own, cum, _) in sorted(rows_, key=lambda r: -r[1][2])[:args.profile]:
             print(f"{own * 1e6:9.1f} {cum * 1e6:9.1f} {calls:6d}  {os.path.basename(file)}:{line}({name})")
-    return {"shape": args.shape, "input_len": args.input_len, "prefix_len": args.prefix_len,
+    return {"shape": args.model or args.shape, "input_len": args.input_len, "prefix_len": args.prefix_len,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "median_ms": {k: statistics.median(r[k] for r in kept) for k in kept[0] if k != "calls"}, "requests": rows}
 
@@ -178,6 +179,7 @@ async def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-4b")
+    ap.add_argument("--model", default=None, help="a checkpoint folder, in place of --shape")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--prefix-len", type=int, default=0)
     ap.add_argument("--requests", type=int, default=6)
@@ -190,9 +192,9 @@ def main() -> None:
     if args.requests < 1 + bool(args.profile):
         ap.error(f"--requests {args.requests}: expected at least {1 + bool(args.profile)}")
     with tempfile.TemporaryDirectory() as tmp:
-        result = asyncio.run(run(args, write_shape(tmp, args.shape)))
+        result = asyncio.run(run(args, args.model or write_shape(tmp, args.shape)))
     med = result["median_ms"]
-    print(f"{args.shape} prompt {args.prefix_len}+{args.input_len} on {result['device']}: TTFT median "
+    print(f"{result['shape']} prompt {args.prefix_len}+{args.input_len} on {result['device']}: TTFT median "
           f"{med['ttft']:.2f} ms, device {med['device']:.2f} ms over {med['steps']:.0f} step(s); ms: "
           + ", ".join(f"{k} {med[k]:.3f}" for k in ("hand-off", "add", "schedule", "submit", "wait", "outputs",
                                                     "delivery", "other"))
@@ -200,7 +202,7 @@ def main() -> None:
     print("calls of the last request not profiled (ms):", result["requests"][-1 - bool(args.profile)]["calls"])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        name = f"ttft-{args.shape}-{args.prefix_len}-{args.input_len}.json"
+        name = f"ttft-{os.path.basename(os.path.normpath(result['shape']))}-{args.prefix_len}-{args.input_len}.json"
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(result, f, indent=1)
 
