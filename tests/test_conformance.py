@@ -13,6 +13,7 @@ import pytest
 from vtcore.cli.main import main
 from vtcore.conformance import CHECKS
 from vtcore.conformance.gate import run_gate, to_json, write_table
+from vtcore.conformance.structured import gate_tokenizer
 from vtcore.plugins.manager import Plugins, reset_plugins
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +145,7 @@ def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "vtcore.cli.main", "conformance", "--family", "qwen3_dense", "--json",
                            str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("vtcore conformance (device cpu)\n"), proc.stdout[:200]  # (the table alone)
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["passed"] is True and list(report["families"]) == ["qwen3_dense"]
     n, q = len(report["families"]), len(report["quant"])
@@ -152,6 +154,14 @@ def test_cli_subprocess_passes_on_the_installed_plugins(tmp_path) -> None:
     assert proc.stdout.rstrip().endswith(f"PASSED: {n} famil{'y' if n == 1 else 'ies'}, {q} quant method"
                                          + ("" if q == 1 else "s"))
     assert {"nvfp4-pack-quantized", "mxfp4-pack-quantized"} <= set(report["quant"])
+
+
+def test_gate_tokenizer_writes_nothing_to_stdout(tmp_path, capfd: pytest.CaptureFixture) -> None:
+    """The structured check's tokenizer is trained without the trainer's progress, which goes to the process's
+    stdout (file descriptor 1, the gate's table) as blank lines when it is not a terminal."""
+    folder = gate_tokenizer(300, str(tmp_path / "tok"))
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    assert capfd.readouterr().out == ""
 
 
 def test_conformance_suite_fails_a_broken_family_in_a_plugins_own_tests(tmp_path) -> None:

@@ -52,8 +52,10 @@ def gate_tokenizer(vocab_size: int, folder: str) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # (no progress: the trainer writes it to the process's stdout, the gate's table, whatever that is)
     tok.train_from_iterator([CORPUS], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                          show_progress=False))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(folder)
     return folder
 
