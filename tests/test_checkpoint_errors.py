@@ -69,6 +69,21 @@ def test_missing_tensor(ckpt: str, name: str) -> None:
     assert str(exc.value) == f"{ckpt}: missing tensor {name!r} (not found in model.safetensors)"
 
 
+def test_two_tensors_mapped_into_one_shard(ckpt: str, monkeypatch) -> None:
+    """A family's packed_modules_mapping that sends up_proj into the gate shard: the second tensor into the shard is
+    the error (not only the up shard left unfilled), naming both tensors and the shard."""
+    from vtcore.layers.decoder import FUSED_QKV_GATE_UP, CausalLM
+
+    monkeypatch.setattr(CausalLM, "packed_modules_mapping", {**FUSED_QKV_GATE_UP, "up_proj": ("gate_up_proj", "gate")})
+    with pytest.raises(CheckpointError) as exc:
+        build(ckpt)
+    first, second = sorted(["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+    assert str(exc.value) == (
+        f"{os.path.join(ckpt, SINGLE)}: tensor {second!r} loads into parameter "
+        f"'model.layers.0.mlp.gate_up_proj.weight' shard 'gate', which tensor {first!r} already filled; expected one "
+        "tensor a parameter (shard): check the model's packed_modules_mapping (or checkpoint_name)")
+
+
 def test_many_missing_tensors_are_summarised(ckpt: str) -> None:
     edit_tensors(ckpt, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("model.layers.1.")]])
     with pytest.raises(CheckpointError) as exc:
@@ -323,6 +338,7 @@ def test_first_party_architecture_in_config_says_what_to_install(ckpt: str, monk
     from vtcore.plugins.manager import reset_plugins
 
     monkeypatch.setenv("VTCORE_PLUGINS", "qwen3_dense")  # as if vtcore-qwen3-5 were not installed
+    monkeypatch.setattr("vtcore.plugins.manager._installed", lambda dist: False)
     reset_plugins(None)
     edit_config(ckpt, architectures=["Qwen3_5ForCausalLM"])
     with pytest.raises(UnknownArchitectureError, match="To serve it: pip install vtcore-qwen3-5"):

@@ -173,10 +173,16 @@ def test_oracle_checkpoints_hold_no_constant_tensor(make_checkpoint) -> None:
     assert not any(n.endswith("proj.weight") for n in init)  # random draws are kept, not recorded
 
 
-def test_a_mismatch_no_reset_explains_names_no_cause(plugins: Plugins) -> None:
+def test_a_swapped_weight_mapping_is_named_as_the_likely_cause(plugins: Plugins) -> None:
+    """A family that loads gate_proj and up_proj each into the other's shard (same shapes: ``weights``, which
+    places tensors by the family's own mapping, cannot see it) fails the oracle, which agrees once its two tensors
+    are swapped in every layer: the hint names the pair (no reset of one tensor explains it)."""
     (gate,) = run_gate(["swapped_gate_up"], plugins=plugins, quant=[])
     detail = gate.results["oracle-greedy"].detail
-    assert gate.results["oracle-greedy"].status == "fail" and "likely cause" not in detail, detail
+    assert gate.results["oracle-greedy"].status == "fail", detail
+    assert detail.endswith("; likely cause: the oracle agrees with the family once model.layers.*.mlp.gate_proj.weight "
+                           "and model.layers.*.mlp.up_proj.weight (2 pairs) are swapped (the family loads each into "
+                           "the other's place: check its packed_modules_mapping or checkpoint_name)"), detail
 
 
 def test_a_fault_everywhere_is_pinned_on_no_tensor_and_no_feature(plugins: Plugins) -> None:

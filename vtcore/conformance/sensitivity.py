@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vtcore.testing.oracle import teacher_forced_logits
-from vtcore.testing.parameters import init_value, reset, reset_groups
+from vtcore.testing.parameters import init_value, reset, reset_groups, swap_groups, swapped
 
 #: Resetting one tensor must move some log-probability of the probe by at least this much: 100
 #: times the gate's near-tie and logprob tolerance, so a family that drops it cannot pass by a tie.
@@ -35,8 +35,9 @@ def tensor_effects(model: nn.Module, probe: list[int]) -> dict[str, float]:
 
 
 def likely_cause(model: nn.Module, agrees: Callable[[nn.Module], bool]) -> str:
-    """The first reset (one tensor, one tensor across layers, one kind of tensor) under which
-    ``agrees(model)`` holds, as a sentence for a failure message; "" when none does."""
+    """The first reset (one tensor, one tensor across layers, one kind of tensor), else the first swap of two
+    same-shaped tensors of one module in every layer, under which ``agrees(model)`` holds, as a sentence for a
+    failure message; "" when none does."""
     init = _init(model)
     for what, names in reset_groups(model):
         with reset(model, names, init):
@@ -45,4 +46,9 @@ def likely_cause(model: nn.Module, agrees: Callable[[nn.Module], bool]) -> str:
                 value = f"{values[0]:g}" if len(values) == 1 else "its init values"
                 return (f"; likely cause: the oracle agrees with the family once {what} is set to {value} "
                         "(the family ignores it, or loads it wrongly)")
+    for what, pairs in swap_groups(model):
+        with swapped(model, pairs):
+            if agrees(model):
+                return (f"; likely cause: the oracle agrees with the family once {what} are swapped (the family "
+                        "loads each into the other's place: check its packed_modules_mapping or checkpoint_name)")
     return ""

@@ -16,14 +16,14 @@ EXACT_DTYPES = {"U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.
 
 
 class WeightMapper:
-    """Resolves checkpoint names to (parameter, shard) and records which shards arrived."""
+    """Resolves checkpoint names to (parameter, shard) and records which tensor filled each shard."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.params = dict(model.named_parameters())
         self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules_mapping", {})
         self.skipped: tuple[str, ...] = getattr(model, "skipped_tensors", ())
-        self.loaded: dict[str, set] = {name: set() for name in self.params}
+        self.loaded: dict[str, dict[str | None, str]] = {name: {} for name in self.params}  # shard -> tensor
 
     def target(self, name: str) -> tuple[str, str | None] | None:
         """(parameter name, shard) for a checkpoint tensor; None when the model skips it."""
@@ -51,6 +51,12 @@ class WeightMapper:
             raise CheckpointError(f"{file}: unexpected tensor {name!r}: {type(self.model).__name__} "
                                   f"has no parameter {pname!r}")
         param = self.params[pname]
+        first = self.loaded[pname].get(shard)
+        if first is not None:  # (a wrong mapping: two tensors into one place, and another place left unfilled)
+            raise CheckpointError(f"{file}: tensor {name!r} loads into parameter {pname!r}"
+                                  + (f" shard {shard!r}" if shard else "") + f", which tensor {first!r} already "
+                                  "filled; expected one tensor a parameter (shard): check the model's "
+                                  "packed_modules_mapping (or checkpoint_name)")
         if getattr(param, "exact_dtype", False):
             if EXACT_DTYPES.get(dtype_tag) != param.dtype:
                 raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_tag}, expected "
@@ -64,7 +70,7 @@ class WeightMapper:
         except ValueError as exc:
             raise CheckpointError(f"{file}: tensor {name!r} has {exc} for parameter {pname!r}"
                                   + (f" shard {shard!r}" if shard else "")) from None
-        self.loaded[pname].add(shard)
+        self.loaded[pname][shard] = name
 
     def missing(self) -> Iterator[str]:
         """Checkpoint names of every parameter (shard) that no tensor filled: the model's

@@ -9,7 +9,9 @@ that a tensor a family drops or misreads moves the logits; the tensors it draws 
 
 ``reset_groups`` and ``reset`` undo them again, one tensor or one kind of tensor at a time: the gate
 uses them to prove each tensor matters to the oracle (``parameters`` check) and, when a family
-disagrees with its oracle, to name the tensor whose reset makes the oracle agree (the likely cause).
+disagrees with its oracle, to name the tensor whose reset makes the oracle agree (the likely cause);
+``swap_groups`` and ``swapped`` exchange two same-shaped tensors of one module (``k_proj`` and ``v_proj``), the
+likely cause of a weight mapping that loads each into the other's place.
 """
 from __future__ import annotations
 
@@ -77,3 +79,40 @@ def reset(model: nn.Module, names: list[str], init: dict[str, float]) -> Iterato
         with torch.no_grad():
             for n, value in saved.items():
                 params[n].copy_(value)
+
+
+def swap_groups(model: nn.Module) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Candidate swaps, each of two same-shaped parameters of sibling modules (``self_attn.k_proj.weight`` and
+    ``self_attn.v_proj.weight``) in every layer at once: a family whose weight mapping loads each into the other's
+    place computes what the oracle with them swapped does. Returns (description, [(name, name)]) pairs."""
+    params = dict(model.named_parameters())
+    siblings: dict[tuple[str, str], list[str]] = {}  # (grandparent module, leaf) -> parameter names
+    for n in params:
+        owner, _, leaf = n.rpartition(".")
+        siblings.setdefault((owner.rpartition(".")[0], leaf), []).append(n)
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for names in siblings.values():
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if params[a].shape == params[b].shape:
+                    key = " and ".join(re.sub(r"\.\d+\.", ".*.", n) for n in (a, b))
+                    groups.setdefault(key, []).append((a, b))
+    return [(f"{key} ({len(pairs)} pair{'s' if len(pairs) > 1 else ''})", pairs) for key, pairs in groups.items()]
+
+
+@contextmanager
+def swapped(model: nn.Module, pairs: list[tuple[str, str]]) -> Iterator[None]:
+    """Within the block, each pair of ``model``'s parameters holds the other's values."""
+    params = dict(model.named_parameters())
+
+    def swap() -> None:
+        with torch.no_grad():
+            for a, b in pairs:
+                held = params[a].detach().clone()
+                params[a].copy_(params[b])
+                params[b].copy_(held)
+    swap()
+    try:
+        yield
+    finally:
+        swap()
