@@ -6,12 +6,14 @@ points installed in this environment (``qwen3_dense``).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.metadata as md
 import json
 import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -31,6 +33,11 @@ def _isolated_plugins(monkeypatch: pytest.MonkeyPatch):
     reset_plugins(None)
     yield
     reset_plugins(None)
+
+
+def raised_at(module: str, line: int, function: str = "<module>") -> str:
+    """The location a load error names: the fixture plugin's own line."""
+    return f" (raised at {os.path.join(TESTS_DIR, 'fixture_plugins', module + '.py')}:{line} in {function})"
 
 
 def fixture_ep(name: str, module: str | None = None) -> md.EntryPoint:
@@ -71,15 +78,15 @@ def test_import_error_is_reported_while_others_load(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="vtcore.plugins"):
         plugins = Plugins(entry_points=real_eps() + [fixture_ep("broken_import"), fixture_ep("good_family")])
     info = plugins.infos["broken_import"]
-    assert info.error == "RuntimeError: fixture plugin exploded at import"
+    error = "RuntimeError: fixture plugin exploded at import" + raised_at("broken_import", 2)
+    assert info.error == error
     assert info.module == "fixture_plugins.broken_import"
     assert info.hooks == []
-    assert plugins.errors == {"broken_import": "RuntimeError: fixture plugin exploded at import"}
+    assert plugins.errors == {"broken_import": error}
     assert plugins.pm.get_plugin("broken_import") is None
-    # the failure is logged in one line naming the plugin and the exception
+    # the failure is logged in one line naming the plugin, the exception and where the plugin raised it
     lines = [r.getMessage() for r in caplog.records if r.name == "vtcore.plugins"]
-    assert lines == ["vtcore: plugin 'broken_import' failed to load: "
-                     "RuntimeError: fixture plugin exploded at import"]
+    assert lines == ["vtcore: plugin 'broken_import' failed to load: " + error]
     assert_qwen3_fine(plugins)
     assert_good_family_fine(plugins)
 
@@ -123,7 +130,7 @@ def test_misspelled_hook_is_reported(name: str) -> None:
                     "expected a dict of name -> 'module:attr'"),
     ("bad_family_ref", "PluginError: vtcore_model_families raised ValueError: "
                        "model_cls='fixture_plugins.bad_family_ref.NoColonHere': expected a lazy reference "
-                       "'package.module:Name'"),
+                       "'package.module:Name'" + raised_at("bad_family_ref", 8, "vtcore_model_families")),
 ])
 def test_bad_registration_is_reported(module: str, expected: str) -> None:
     plugins = Plugins(entry_points=[fixture_ep(module)] + real_eps() + [fixture_ep("good_family")])
@@ -203,17 +210,22 @@ def test_a_plugin_exiting_at_import_and_malformed_entry_points_are_reported() ->
     plugins = Plugins(entry_points=real_eps() + [fixture_ep("exits"),
                                                  md.EntryPoint(name="malformed", value="not a module", group="vtcore")])
     assert plugins.errors == {
-        "exits": "SystemExit: this plugin exits at import",
+        "exits": "SystemExit: this plugin exits at import" + raised_at("exits", 4),
         "malformed": "PluginError: entry point value 'not a module': expected an importable module path such as "
                      "'my_plugin.plugin'"}
     assert_qwen3_fine(plugins)
 
 
-def test_allow_list_naming_a_plugin_that_is_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allow_list_naming_a_plugin_that_is_not_installed(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("VTCORE_PLUGINS", "qwen3_dense,no_such_plugin")
-    plugins = Plugins(entry_points=real_eps())
-    assert plugins.errors == {"no_such_plugin": "PluginError: VTCORE_PLUGINS names 'no_such_plugin', which no "
-                                                "installed package provides (installed: ['qwen3_dense'])"}
+    with caplog.at_level(logging.WARNING, logger="vtcore.plugins"):
+        plugins = Plugins(entry_points=real_eps())
+    error = "PluginError: VTCORE_PLUGINS names 'no_such_plugin', which no installed package provides (installed: " \
+            "['qwen3_dense'])"
+    assert plugins.errors == {"no_such_plugin": error}
+    # logged as a failed plugin is (every command says it on stderr, not only ``vtcore plugins``)
+    assert [r.getMessage() for r in caplog.records if r.name == "vtcore.plugins"] == ["vtcore: " + error]
     assert_qwen3_fine(plugins)
 
 
@@ -249,7 +261,8 @@ def test_unknown_architecture_names_it_and_lists_supported_by_plugin() -> None:
 
 
 @pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration"])
-def test_unknown_first_party_architecture_says_what_to_install(arch: str) -> None:
+def test_unknown_first_party_architecture_says_what_to_install(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("vtcore.plugins.manager._installed", lambda dist: False)  # (vtcore-qwen3-5 is, here)
     plugins = Plugins(entry_points=real_eps())
     with pytest.raises(UnknownArchitectureError) as exc:
         plugins.family_for(arch)
@@ -259,7 +272,8 @@ def test_unknown_first_party_architecture_says_what_to_install(arch: str) -> Non
     assert msg.endswith("To serve it: pip install vtcore-qwen3-5.")
 
 
-def test_no_model_plugin_loaded() -> None:
+def test_no_model_plugin_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("vtcore.plugins.manager._installed", lambda dist: False)
     plugins = Plugins(entry_points=[])
     assert list(plugins.infos) == [BUILTIN_NAME]
     with pytest.raises(UnknownArchitectureError) as exc:
@@ -307,8 +321,26 @@ def test_allow_list_loads_only_the_named(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("VTCORE_PLUGINS", "good_family")
     plugins = Plugins(entry_points=eps)
     assert set(plugins.infos) == {BUILTIN_NAME, "good_family"}
-    with pytest.raises(UnknownArchitectureError, match="pip install vtcore-qwen3-dense"):
+    with pytest.raises(UnknownArchitectureError) as exc:  # (an installed plugin left out: no "pip install")
         plugins.family_for("Qwen3ForCausalLM")
+    assert str(exc.value).endswith(
+        "VTCORE_PLUGINS leaves out the installed plugins ['broken_import', 'clash_qwen3', 'qwen3_dense']. "
+        "To serve it: vtcore-qwen3-dense is installed: let VTCORE_PLUGINS load its plugin.")
+
+
+def test_unknown_architecture_names_the_plugin_that_did_not_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The family's plugin is installed but failed at import (``vtcore generate`` once said only "install a plugin
+    that registers it"): the error names the failure, and the hint does not send the user to pip."""
+    module = "fixture_plugins.broken_import"  # (as the installed distribution's own entry point, failing)
+    broken = types.SimpleNamespace(name="qwen3_dense", value=module, dist=real_eps()[0].dist,
+                                   load=lambda: importlib.import_module(module))
+    plugins = Plugins(entry_points=[broken])
+    with pytest.raises(UnknownArchitectureError) as exc:
+        plugins.family_for("Qwen3ForCausalLM")
+    assert str(exc.value).endswith(
+        "Plugins that did not load: qwen3_dense (RuntimeError: fixture plugin exploded at import"
+        + raised_at("broken_import", 2) + "). To serve it: vtcore-qwen3-dense is installed, but its plugin did not "
+        "load (above).")
 
 
 def test_allow_list_applies_to_the_process_wide_manager(monkeypatch: pytest.MonkeyPatch) -> None:

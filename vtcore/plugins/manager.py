@@ -12,6 +12,8 @@ import importlib.metadata as md
 import logging
 import os
 import re
+import sysconfig
+import traceback
 import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
@@ -72,12 +74,35 @@ def _format_error(exc: BaseException) -> str:
     return text if len(text) <= 500 else text[:497] + "..."
 
 
+def _raised_at(exc: BaseException) -> str:
+    """Where a plugin's load failure was raised: the innermost frame outside the standard library (the import
+    machinery), pluggy and vtcore, which is the plugin's own line or the line of its that called a library or
+    vtcore (a ``ModelFamily`` it built wrongly); "" for the manager's own verdicts (their message says what is
+    wrong)."""
+    if isinstance(exc, PluginError):
+        if exc.__cause__ is None:
+            return ""
+        exc = exc.__cause__  # (a registration hook's exception, named after the hook)
+    skip = (sysconfig.get_paths()["stdlib"], os.path.dirname(pluggy.__file__),
+            os.path.dirname(os.path.dirname(__file__)) + os.sep, "<")  # (vtcore's own checks; generated code)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    return f" (raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+
+
 def _call(impl: pluggy.HookImpl) -> Any:
     """A registration hook's result; what it raises is named after the hook."""
     try:
         return impl.function()
     except Exception as exc:
         raise PluginError(f"{impl.function.__name__} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _installed(dist: str) -> bool:
+    try:
+        md.distribution(dist)
+    except md.PackageNotFoundError:
+        return False
+    return True
 
 
 def _own_version() -> str | None:
@@ -114,10 +139,13 @@ class Plugins:
             dist = getattr(ep, "dist", None)
             self._register(ep.name, ep.load, ep.value, dist.metadata["Name"] if dist else None,
                            dist.version if dist else None)
+        #: installed plugins that VTCORE_PLUGINS leaves out
+        self.excluded = sorted(ep.name for ep in entry_points if allow is not None and ep.name not in allow)
         for name in sorted((allow or set()) - {ep.name for ep in entry_points} - {BUILTIN_NAME}):
             self.infos[name] = PluginInfo(name=name, module=name, error=_format_error(PluginError(
                 f"VTCORE_PLUGINS names {name!r}, which no installed package provides (installed: "
                 f"{sorted({ep.name for ep in entry_points})})")))
+            log.warning("vtcore: %s", self.infos[name].error)
 
     # ------------------------------------------------------------------ loading
     def _register(self, name: str, load: Callable[[], Any], value: str | None = None,
@@ -153,7 +181,7 @@ class Plugins:
             if registered:
                 self.pm.unregister(name=name)
             info.hooks = []  # nothing of it is registered
-            info.error = _format_error(exc)
+            info.error = _format_error(exc) + _raised_at(exc)
             log.warning("vtcore: plugin %r failed to load: %s", name, info.error)
             if _strict():
                 raise PluginError(f"plugin {name!r} failed to load: {info.error}") from exc
@@ -225,11 +253,20 @@ class Plugins:
         for arch, fam in sorted(self.architectures.items()):
             by_plugin.setdefault(fam.plugin, []).append(arch)
         supported = "; ".join(f"{p}: {', '.join(a)}" for p, a in by_plugin.items()) or "none (no model plugin loaded)"
-        hint = next((f"pip install {pkg}" for pkg, archs in FIRST_PARTY_PACKAGES.items() if architecture in archs),
-                    "install a vtcore plugin that registers it (docs/writing-a-plugin.md shows how to write one)")
+        pkg = next((pkg for pkg, archs in FIRST_PARTY_PACKAGES.items() if architecture in archs), None)
+        hint = ("install a vtcore plugin that registers it (docs/writing-a-plugin.md shows how to write one)"
+                if pkg is None else f"pip install {pkg}" if not _installed(pkg)
+                else f"{pkg} is installed: let VTCORE_PLUGINS load its plugin" if self.excluded
+                else f"{pkg} is installed, but its plugin did not load (above)"
+                if any(i.dist == pkg and i.error for i in self.infos.values())
+                else f"reinstall {pkg} (it is installed, but no plugin of it was loaded)")
+        # (an installed plugin that did not load, or that VTCORE_PLUGINS leaves out, may be the one that serves it)
+        failed = "; ".join(f"{n} ({e})" for n, e in self.errors.items())
         raise UnknownArchitectureError(
             f"architecture {architecture!r} is not supported. Supported, by plugin: {supported}. "
-            f"To serve it: {hint}.")
+            + (f"Plugins that did not load: {failed}. " if failed else "")
+            + (f"VTCORE_PLUGINS leaves out the installed plugins {self.excluded}. " if self.excluded else "")
+            + f"To serve it: {hint}.")
 
     def family(self, name: str) -> ModelFamily:
         """A family by its registered name."""
