@@ -260,3 +260,9 @@ def test_an_unknown_field_is_served_and_named_in_the_log(server: ServerThread, c
     assert r.choices[0].finish_reason == "length"
     warned = [rec.getMessage() for rec in server_log.records if rec.levelno == logging.WARNING]
     assert "request fields ignored (not fields of this endpoint): temprature" in warned, warned
+    # an extension the endpoints do read is not called ignored (every structured_outputs request once was)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3,
+                                  extra_body={"structured_outputs": {"regex": "[XYZ]{3}"}})
+    assert len(r.choices[0].text) == 3 and set(r.choices[0].text) <= set("XYZ"), r.choices[0].text
+    warned = [rec.getMessage() for rec in server_log.records if rec.levelno == logging.WARNING]
+    assert not any("structured_outputs" in w for w in warned), warned

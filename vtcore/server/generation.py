@@ -379,7 +379,7 @@ class GenerationEndpoint(ABC, Generic[Body]):
             if value is not None and not json_equal(value, harmless):
                 why = body.refusal_reasons.get(field, "this vLLM extension is not supported here")
                 raise APIError(400, f"{field}={value!r}: {why}; leave it out", field, "unsupported")
-        ignored = sorted(set(body.model_extra or ()) - set(body.refused_extensions))
+        ignored = sorted(set(body.model_extra or ()) - set(body.refused_extensions) - set(body.read_extensions))
         if ignored:  # (as vLLM: a misspelt field is otherwise silently without effect)
             log.warning("request fields ignored (not fields of this endpoint): %s", ", ".join(ignored))
 

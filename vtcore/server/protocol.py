@@ -279,6 +279,8 @@ class GenerationRequest(BoundedModel):
     refused_extensions: ClassVar[dict[str, Any]] = {**UNSUPPORTED_EXTENSIONS, **TEMPLATE_SWITCHES}
     #: why a refused field is refused, where it is not a vLLM extension this server lacks
     refusal_reasons: ClassVar[dict[str, str]] = {}
+    #: vLLM extensions the endpoints read from ``model_extra`` (not declared fields: no "ignored" warning)
+    read_extensions: ClassVar[tuple[str, ...]] = ("structured_outputs",)
     #: JSON Schema keywords for what the endpoint refuses across fields
     schema_rules: ClassVar[dict[str, Any]] = {"allOf": [STREAMED_ONLY]}
     #: the fields that count output tokens: each leaves room for a prompt token within the context
