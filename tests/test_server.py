@@ -321,6 +321,22 @@ def test_an_infinite_float_is_400_naming_its_field(server: ServerThread, path: s
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+@pytest.mark.parametrize("body, reason", [
+    (b'{"prompt": "hi", "max_tokens": 4', "Expecting ',' delimiter at character 32"),  # truncated
+    (b'{"prompt": "\xff\xfe", "max_tokens": 4}', "not UTF-8 text (invalid start byte at byte 12)"),
+    (b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", "nested deeper than the parser's limit"),
+    (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "Exceeds the limit (4300 digits)"),
+])
+def test_a_body_that_is_not_json_is_400_saying_why(server: ServerThread, body: bytes, reason: str) -> None:
+    """(Bytes that are not UTF-8, nesting past the parser's depth and a 5,000-digit integer were each answered
+    "There was an error parsing the body".)"""
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("the request body is not valid JSON: " + reason), message
+
+
 @pytest.mark.parametrize("field, kwargs", [
     ("n", dict(n=0)),
     ("top_logprobs", dict(top_logprobs=2)),  # without logprobs=true

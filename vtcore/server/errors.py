@@ -74,7 +74,10 @@ def validation_error(exc: RequestValidationError, content_type: str) -> APIError
         return APIError(400, "invalid request body")
     first = next((e for e in errors if e.get("type") not in _MISMATCHES), errors[0])
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
+        cause = (first.get("ctx") or {}).get("error")  # (the parser's reason; FastAPI's msg is "JSON decode error")
+        where = first.get("loc", ())[1:]
+        at = f" at character {where[0]}" if where and where[0] else ""
+        return APIError(400, "the request body is not valid JSON: " + (cause + at if cause else str(first.get("msg"))))
     loc = [p for p in first.get("loc", ()) if p != "body" and _is_field(p)]
     if not loc:
         hint = "" if "json" in content_type else f" sent with Content-Type: application/json (got {content_type!r})"

@@ -43,13 +43,23 @@ def _number(literal: str) -> float:
 
 
 def parse_body(body: bytes) -> Any:
-    """A request body's JSON document, its numbers as written (see above); ``ValueError`` if it is not JSON."""
-    if _LONG_RUN in body.translate(_DIGITS_AS_D):
-        return json.loads(body, parse_float=_number)
+    """A request body's JSON document, its numbers as written (see above); ``json.JSONDecodeError`` saying why if
+    it is not JSON (the request handler answers that as a 400 naming the cause, any other error as a vague one)."""
+    if _LONG_RUN not in body.translate(_DIGITS_AS_D):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
     try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
         return json.loads(body, parse_float=_number)
+    except json.JSONDecodeError:
+        raise
+    except UnicodeDecodeError as exc:
+        raise json.JSONDecodeError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", "", exc.start) from None
+    except RecursionError:
+        raise json.JSONDecodeError("nested deeper than the parser's limit", "", 0) from None
+    except ValueError as exc:  # (an integer literal past Python's 4,300 digits)
+        raise json.JSONDecodeError(str(exc), "", 0) from None
 
 
 class _JSONBodyRequest(Request):
