@@ -382,6 +382,11 @@ def test_too_long_prompt_is_400_naming_both_lengths(client: Any, engine: AsyncLL
         client.completions.create(model=MODEL, prompt=[5] * (limit + 76), max_tokens=4)
     err = error_of(exc.value)
     assert str(limit) in err["message"] and str(limit + 76) in err["message"] and err["param"] == "prompt"
+    assert "tokens are in the prompt, which" in err["message"], err
+    with pytest.raises(openai.BadRequestError) as exc:  # a list of prompts: the message names the one too long
+        client.completions.create(model=MODEL, prompt=[[5, 6], [5] * (limit + 76)], max_tokens=4)
+    err = error_of(exc.value)
+    assert f"{limit + 76} tokens are in the prompt[1], which" in err["message"] and err["param"] == "prompt", err
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=[5] * (limit - 10), max_tokens=100)
     err = error_of(exc.value)

@@ -51,7 +51,7 @@ class CompletionsEndpoint(GenerationEndpoint[CompletionRequest]):
             if text is None and body.echo:  # ids alone: their text only for the echo (decoding costs the GIL)
                 text = self.serving.decode(ids)
             items.append((text, ids))
-        return Prompts(items, "prompt")
+        return Prompts(items, "prompt", batched=batch is prompt)
 
     def response_choice(self, body: CompletionRequest, choice: Choice) -> dict[str, Any]:
         text = choice.text

@@ -145,10 +145,12 @@ class Job:
 @attrs.frozen
 class Prompts:
     """What a request generates from: each prompt's (text, or None where only its ids were given and nothing
-    shows the text; token ids), and the field that holds them."""
+    shows the text; token ids), the field that holds them, and whether it holds a list of prompts (an error names
+    the one at fault: ``prompt[1]``)."""
 
     items: list[tuple[str | None, list[int]]]
     field: str
+    batched: bool = False
 
 
 class ChoiceStream(Protocol):
@@ -237,7 +239,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
             kept = checked.truncated(ids, self.serving.limits.max_model_len)
             if len(kept) < len(ids):  # (before the length check: the engine runs the kept tokens)
                 text, ids = (None if text is None else self.serving.decode(kept)), kept
-            max_tokens = self.check_length(len(ids), wanted, prompts.field, tokens_field)
+            where = f"{prompts.field}[{i}]" if prompts.batched else prompts.field
+            max_tokens = self.check_length(len(ids), wanted, where, tokens_field, prompts.field)
             params = checked if max_tokens == kw["max_tokens"] else self.make_params({**kw, "max_tokens": max_tokens},
                                                                                       renames)
             engine_prompts.append(EnginePrompt(f"{job_id}-{i}", text, ids, params, i * params.n, body.cache_salt,
@@ -420,17 +423,20 @@ class GenerationEndpoint(ABC, Generic[Body]):
             raise to_api_error(exc, renames) from None
         return params
 
-    def check_length(self, n_prompt: int, max_tokens: int | None, field: str, tokens_field: str) -> int | None:
+    def check_length(self, n_prompt: int, max_tokens: int | None, field: str, tokens_field: str,
+                     param: str | None = None) -> int | None:
         """Reject a prompt (and max_tokens) that cannot fit; return the max_tokens to ask the engine for
-        (when the client gave none and the KV pool holds less than the context, what the pool holds)."""
+        (when the client gave none and the KV pool holds less than the context, what the pool holds). ``field``
+        names the prompt in the messages (``prompt[1]``), ``param`` (default ``field``) is the error's param."""
         limits = self.serving.limits
         limit = limits.max_model_len
+        param = param or field
         if n_prompt == 0:
-            raise APIError(400, f"{field}: the prompt is empty; expected at least one token", field)
+            raise APIError(400, f"{field}: the prompt is empty; expected at least one token", param)
         if n_prompt >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but {n_prompt} tokens "
                                 f"are in the {field}, which leaves no room to generate; shorten the {field}",
-                           field, "context_length_exceeded")
+                           param, "context_length_exceeded")
         if max_tokens is not None and n_prompt + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the {field}, {max_tokens} in "
