@@ -601,6 +601,13 @@ def test_serve_subprocess_sigterm_exits_cleanly(stop: str) -> None:
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.1)
+        # a request not streamed, in flight at SIGTERM, is cut short too: a 503 (a 200 carrying finish_reason
+        # "abort" read as an answer to a client that checks the status)
+        whole = json.dumps({"model": "vtcore-default", "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True})
+        answered: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answered.append(httpx.post(
+            url + "/v1/completions", content=whole, headers={"content-type": "application/json"}, timeout=30)))
+        waiting.start()
         # a stream in flight when SIGTERM arrives gets the grace period (1 s), then is aborted cleanly:
         # its last chunk says finish_reason "abort" and [DONE] follows
         with httpx.stream("POST", url + "/v1/completions", timeout=30,
@@ -615,6 +622,10 @@ def test_serve_subprocess_sigterm_exits_cleanly(stop: str) -> None:
         assert lines[-1] == "data: [DONE]"
         last = json.loads(lines[-2][len("data: "):])
         assert last["choices"][0]["finish_reason"] == "abort" and len(lines) < 1000
+        waiting.join(timeout=30)
+        (r,) = answered
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert "(1 of 1 completions cut short); send it again" in r.json()["error"]["message"], r.text
         out, _ = proc.communicate(timeout=15)
         assert proc.returncode == 0, out
         assert time.monotonic() - sent < 10

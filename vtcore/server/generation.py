@@ -351,7 +351,8 @@ class GenerationEndpoint(ABC, Generic[Body]):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def run_to_end(self, job: Job, request: Request) -> bool:
-        """Run a non-streaming request; False if the client went away first (its requests are aborted)."""
+        """Run a non-streaming request; False if the client went away first (its requests are aborted); a 503 if
+        the server's shutdown cut it short."""
         async def run() -> None:
             async with contextlib.aclosing(self.merged(job)) as it:
                 async for _ in it:
@@ -362,6 +363,10 @@ class GenerationEndpoint(ABC, Generic[Body]):
             return False
         if work.exception() is not None:
             raise to_api_error(work.exception(), job.renames)
+        cut = sum(c.finish_reason == "abort" for c in job.choices)
+        if cut and self.serving.draining:  # (not a 200 that a client checking the status takes for an answer)
+            raise APIError(503, f"the server shut down before this request finished ({cut} of {len(job.choices)} "
+                                "completions cut short); send it again", code="shutting_down")
         return True
 
     # ------------------------------------------------------------------ checks every endpoint makes

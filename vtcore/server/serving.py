@@ -58,7 +58,7 @@ class Serving:
 
     async def abort_all(self) -> int:
         """Abort every engine request in flight: streams end with finish_reason "abort" and [DONE],
-        non-streaming requests answer with what they have. Returns how many were aborted."""
+        non-streaming requests answer 503 (``shutting_down``, while ``draining``). Returns how many were aborted."""
         ids = list(self.live)
         for rid in ids:
             await self.engine.abort(rid)
