@@ -66,7 +66,8 @@ def test_plugins_json() -> None:
     entries = {e["name"]: e for e in json.loads(out)}
     assert entries["qwen3_dense"] == {"name": "qwen3_dense", "module": "vtcore_qwen3_dense.plugin",
                                       "dist": "vtcore-qwen3-dense", "version": "0.1.0",
-                                      "hooks": ["vtcore_model_families", "vtcore_tool_parser"], "error": None}
+                                      "hooks": ["vtcore_model_families", "vtcore_tool_parser"], "error": None,
+                                      "heavy_imports": []}
     assert entries["vtcore.builtin"]["error"] is None
     assert (entries["vtcore.builtin"]["dist"], entries["vtcore.builtin"]["version"]) == \
         ("vtcore", md.version("vtcore"))  # the built-in plugin shows vtcore's own version
@@ -77,9 +78,11 @@ def test_plugins_json_reports_a_broken_plugin() -> None:
     rc, out = run_cli("plugins", "--json")
     assert rc == 1
     entries = {e["name"]: e for e in json.loads(out)}
+    error = ("RuntimeError: fixture plugin exploded at import (raised at "
+             f"{os.path.join(TESTS_DIR, 'fixture_plugins', 'broken_import.py')}:2 in <module>)")
     assert entries["broken_import"] == {"name": "broken_import", "module": "fixture_plugins.broken_import",
-                                        "dist": None, "version": None, "hooks": [],
-                                        "error": "RuntimeError: fixture plugin exploded at import"}
+                                        "dist": None, "version": None, "hooks": [], "error": error,
+                                        "heavy_imports": []}
     assert entries["qwen3_dense"]["error"] is None
     assert entries["qwen3_dense"]["hooks"] == ["vtcore_model_families", "vtcore_tool_parser"]
 
@@ -87,7 +90,7 @@ def test_plugins_json_reports_a_broken_plugin() -> None:
     assert rc == 1
     lines = out.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("broken_import "))
-    assert lines[i + 1].strip() == "FAILED: RuntimeError: fixture plugin exploded at import"
+    assert lines[i + 1].strip() == "FAILED: " + error
 
 
 # --------------------------------------------------------------------------------------------- models

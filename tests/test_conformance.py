@@ -83,7 +83,8 @@ def test_the_whole_gate_fails_while_an_installed_plugin_did_not_load(tmp_path) -
     eps = [e for e in md.entry_points(group="vtcore") if e.name == "qwen3_dense"]
     reset_plugins(Plugins(entry_points=eps + [md.EntryPoint(
         name="broken", value="tests.fixture_plugins.broken_import", group="vtcore")]))
-    error = "RuntimeError: fixture plugin exploded at import"
+    error = ("RuntimeError: fixture plugin exploded at import (raised at "
+             f"{os.path.join(ROOT, 'tests', 'fixture_plugins', 'broken_import.py')}:2 in <module>)")
     try:
         out = io.StringIO()
         argv = ["conformance", "--check", "example", "--no-quant", "--json", str(tmp_path / "all.json")]

@@ -6,8 +6,10 @@ points installed in this environment (``qwen3_dense``).
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata as md
+import io
 import json
 import logging
 import os
@@ -142,6 +144,27 @@ def test_bad_registration_is_reported(module: str, expected: str) -> None:
     assert not {"not_a_family", "bad_ref"} & set(plugins.families)
     assert_qwen3_fine(plugins)
     assert_good_family_fine(plugins)
+
+
+def test_a_plugin_importing_a_heavy_module_at_registration_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registration must stay cheap (a plugin module importing torch made every command's start 3 s slower): the
+    plugin that first imports a heavy module is named by ``vtcore plugins``, and still loads."""
+    from vtcore.cli.main import cmd_plugins
+    from vtcore.plugins.manager import use_plugins
+
+    monkeypatch.setattr("vtcore.plugins.manager.HEAVY_MODULES", ("fixture_plugins._heavy_dep",))
+    for name in ("fixture_plugins._heavy_dep", "fixture_plugins.heavy_import"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    plugins = Plugins(entry_points=real_eps() + [fixture_ep("heavy_import"), fixture_ep("good_family")])
+    assert plugins.infos["heavy_import"].heavy_imports == ["fixture_plugins._heavy_dep"]
+    assert plugins.infos["heavy_import"].error is None
+    assert plugins.infos["good_family"].heavy_imports == [] == plugins.infos["qwen3_dense"].heavy_imports
+    out = io.StringIO()
+    with use_plugins(plugins):
+        assert cmd_plugins(argparse.Namespace(json=False), out) == 0
+    assert ("heavy_import         - \n    vtcore_model_families\n    SLOW: imports fixture_plugins._heavy_dep while "
+            "registering; keep its entry point's module light (import the model where model_cls names it)\n"
+            ) in out.getvalue(), out.getvalue()
 
 
 # ------------------------------------------------------------------------------------------ clashes

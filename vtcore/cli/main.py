@@ -16,12 +16,15 @@ def cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
     infos = list(plugins.infos.values())
     if args.json:
         json.dump([{"name": i.name, "module": i.module, "dist": i.dist, "version": i.version, "hooks": i.hooks,
-                    "error": i.error} for i in infos], out, indent=2)
+                    "error": i.error, "heavy_imports": i.heavy_imports} for i in infos], out, indent=2)
         out.write("\n")
     else:
         for i in infos:
             status = f"FAILED: {i.error}" if i.error else ", ".join(i.hooks)
-            out.write(f"{i.name:<20} {i.dist or 'vtcore'} {i.version or ''}\n    {status}\n")
+            out.write(f"{i.name:<20} {i.dist or '-'} {i.version or ''}\n    {status}\n")
+            if i.heavy_imports:
+                out.write(f"    SLOW: imports {', '.join(i.heavy_imports)} while registering; keep its entry point's "
+                          "module light (import the model where model_cls names it)\n")
             for arch, names in sorted(plugins.conflicts.items()):  # (the one that loaded first is no less in it)
                 if i.name in names and not i.error:
                     out.write(f"    CONFLICT: architecture {arch!r} is registered by {' and '.join(names)}; it "

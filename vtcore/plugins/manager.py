@@ -12,6 +12,7 @@ import importlib.metadata as md
 import logging
 import os
 import re
+import sys
 import sysconfig
 import traceback
 import types
@@ -52,7 +53,13 @@ class PluginInfo:
     version: str | None = None
     hooks: list[str] = attrs.Factory(list)
     error: str | None = None
+    #: of ``HEAVY_MODULES``, those first imported while this plugin loaded (registration must stay cheap)
+    heavy_imports: list[str] = attrs.Factory(list)
 
+
+#: modules that take seconds to import: a plugin's registration module must not (``vtcore plugins`` and every
+#: command's start load them all); one that does is named by ``vtcore plugins``
+HEAVY_MODULES = ("torch", "transformers", "triton")
 
 _EP_VALUE = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")  # 'package.module' or 'module:attr'
 
@@ -168,7 +175,9 @@ class Plugins:
             if value is not None and not _EP_VALUE.match(value):
                 raise PluginError(f"entry point value {value!r}: expected an importable module path such as "
                                   "'my_plugin.plugin'")
+            before = [m for m in HEAVY_MODULES if m in sys.modules]
             module = load()
+            info.heavy_imports = [m for m in HEAVY_MODULES if m in sys.modules and m not in before]
             if not isinstance(module, types.ModuleType):
                 raise PluginError(f"entry point {value!r} is {type(module).__name__}, expected a module")
             self.pm.register(module, name=name)
