@@ -212,9 +212,32 @@ def test_llm_and_async_llm_refuse_an_unknown_knob_alike(no_engine) -> None:
     with pytest.raises(TypeError) as online:
         AsyncLLM("m", max_batch_size=4)
     text = str(offline.value)
-    assert text.startswith("LLM(): ") and "max_batch_size" in text
-    assert text.endswith("; knobs are those of vtcore.config.EngineConfig")
+    assert text.startswith("LLM(): unexpected keyword argument 'max_batch_size'; knobs are those of "
+                           "vtcore.config.EngineConfig: model, tokenizer, "), text
     assert str(online.value) == "Async" + text
+
+
+def test_a_misspelt_knob_is_named_with_the_one_meant(no_engine) -> None:
+    with pytest.raises(TypeError, match=r"^LLM\(\): unexpected keyword argument 'max_modle_len' \(did you mean "
+                                        r"'max_model_len'\?\); knobs are"):
+        LLM("m", max_modle_len=64)
+
+
+def test_vllm_arguments_without_use_here_are_taken_where_they_ask_for_nothing(no_engine) -> None:
+    """A ported vLLM script's ``LLM(...)`` runs where its extra arguments ask for nothing (their defaults), and is
+    refused naming the argument where they ask for what this engine does not do."""
+    idle = dict(quantization=None, kv_cache_dtype="auto", tokenizer_mode="auto", disable_log_stats=True,
+                enable_lora=False, swap_space=4, revision=None, download_dir=None, enable_chunked_prefill=True,
+                compilation_config=None, hf_overrides={}, limit_mm_per_prompt=None, distributed_executor_backend="mp")
+    with pytest.raises(Built) as built:
+        LLM("m", max_model_len=64, **idle)
+    assert built.value.config == EngineConfig(model="m", max_model_len=64)
+    with pytest.raises(ValueError) as exc:
+        AsyncLLM("m", kv_cache_dtype="fp8")
+    assert str(exc.value) == ("AsyncLLM(): kv_cache_dtype='fp8': a vLLM engine argument this engine has no use for; "
+                              "leave it out or pass 'auto': the KV cache is in the model's dtype")
+    with pytest.raises(ValueError, match=r"^LLM\(\): quantization='awq': a vLLM engine argument"):
+        LLM("m", quantization="awq")
 
 
 # ------------------------------------------------------------------------------------ serve MODEL

@@ -339,7 +339,7 @@ def test_unknown_llm_knob(tiny_checkpoint) -> None:
         LLM(tiny_checkpoint[0], max_batch_size=4)
     assert str(exc.value).startswith("LLM(): ")
     assert "max_batch_size" in str(exc.value)
-    assert str(exc.value).endswith("knobs are those of vtcore.config.EngineConfig")
+    assert "knobs are those of vtcore.config.EngineConfig: model, tokenizer, " in str(exc.value)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

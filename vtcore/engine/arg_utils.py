@@ -168,9 +168,60 @@ def engine_argv(config: EngineConfig) -> list[str]:
     return argv
 
 
+def _none_or_empty(value: Any) -> bool:
+    return value is None or value == {}
+
+
+#: vLLM engine arguments this engine has no use for, each with what it takes (the values that ask for nothing, a
+#: ported script's defaults) and how a refusal says so: a ported ``LLM(...)`` call runs unchanged where it asks
+#: for nothing, and is refused naming the argument where it asks for what this engine does not do
+VLLM_IDLE_ARGS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "quantization": (lambda v: v is None, "None: the checkpoint's own quantization_config is read"),
+    "kv_cache_dtype": (lambda v: v == "auto", "'auto': the KV cache is in the model's dtype"),
+    "tokenizer_mode": (lambda v: v == "auto", "'auto'"),
+    "revision": (lambda v: v is None, "None"),
+    "tokenizer_revision": (lambda v: v is None, "None"),
+    "download_dir": (lambda v: v is None, "None"),
+    "enable_lora": (lambda v: not v, "False: LoRA adapters are not supported"),
+    "enable_chunked_prefill": (lambda v: v in (None, True), "True: prompts are always prefilled in chunks"),
+    "disable_log_stats": (lambda v: isinstance(v, bool), "a bool (logging only)"),
+    "disable_custom_all_reduce": (lambda v: isinstance(v, bool), "a bool"),
+    "swap_space": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                   "a number of GiB (unused: a short KV pool preempts by recompute)"),
+    "cpu_offload_gb": (lambda v: v == 0, "0"),
+    "pipeline_parallel_size": (lambda v: v == 1, "1"),
+    "data_parallel_size": (lambda v: v == 1, "1"),
+    "distributed_executor_backend": (lambda v: v in (None, "mp"), "None or 'mp'"),
+    "compilation_config": (lambda v: v in (None, 0) or v == {}, "None: CUDA graphs are the engine's own"),
+    "hf_overrides": (_none_or_empty, "None"),
+    "limit_mm_per_prompt": (_none_or_empty, "None: text only"),
+    "mm_processor_kwargs": (_none_or_empty, "None: text only"),
+    "enable_sleep_mode": (lambda v: not v, "False"),
+    "skip_tokenizer_init": (lambda v: not v, "False"),
+}
+
+
 def engine_config(front_end: str, model: str | None, kwargs: Mapping[str, Any]) -> EngineConfig:
     """The EngineConfig of ``LLM(model, **kwargs)`` or ``AsyncLLM(model, **kwargs)`` (``front_end`` names
-    which): no model is the embedded default; an unknown keyword raises a TypeError naming it."""
+    which): no model is the embedded default; a vLLM argument this engine has no use for is taken where it asks for
+    nothing (``VLLM_IDLE_ARGS``), else refused with a ValueError naming it; an unknown keyword raises a TypeError
+    naming it and the knob it may have meant."""
+    import difflib
+
+    knobs = [f.name for f in attrs.fields(EngineConfig)]
+    kwargs = dict(kwargs)
+    for name in sorted(set(kwargs) & set(VLLM_IDLE_ARGS)):
+        value = kwargs.pop(name)
+        takes, expected = VLLM_IDLE_ARGS[name]
+        if not takes(value):
+            raise ValueError(f"{front_end}(): {name}={value!r}: a vLLM engine argument this engine has no use for; "
+                             f"leave it out or pass {expected}")
+    unknown = sorted(set(kwargs) - set(knobs))
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], knobs + list(VLLM_IDLE_ARGS), n=1)
+        raise TypeError(f"{front_end}(): unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else "")
+                        + f"; knobs are those of vtcore.config.EngineConfig: {', '.join(knobs)}")
     try:
         return EngineConfig(model=model or DEFAULT_MODEL, **kwargs)
     except TypeError as exc:
