@@ -624,6 +624,38 @@ def test_integers_of_other_types_are_taken_as_ints_as_in_vllm(llm: LLM, integer:
         SamplingParams(max_tokens=True)
 
 
+def test_a_ported_vllm_scripts_prompts_and_parameters_are_taken(llm: LLM) -> None:
+    """What a vLLM script passes: ``TokensPrompt`` / ``TextPrompt``, ids as a numpy array or a tensor, the older
+    ``guided_decoding`` (and ``GuidedDecodingParams``), ``spaces_between_special_tokens`` and an empty
+    ``logits_processors``; a logits processor, or both constraint fields, is refused by name."""
+    import numpy
+    import torch
+
+    from vtcore import TextPrompt, TokensPrompt
+    from vtcore.sampling_params import GuidedDecodingParams
+
+    ids = rand_prompt(5, seed=4)
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    want = llm.generate([{"prompt_token_ids": ids}], greedy)[0].outputs[0].token_ids
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids), {"prompt_token_ids": numpy.array(ids)},
+                         {"prompt_token_ids": torch.tensor(ids)}], greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    assert {type(t) for o in outs for t in o.prompt_token_ids} == {int}
+    assert TextPrompt(prompt="hi") == {"prompt": "hi"}
+    with pytest.raises(ValueError, match=r"prompt_token_ids=array\(\[1.5\]\): expected a list of ints"):
+        llm.generate([{"prompt_token_ids": numpy.array([1.5])}], greedy)
+    choice = GuidedDecodingParams(choice=["yes", "no"])
+    p = SamplingParams(guided_decoding=choice, spaces_between_special_tokens=False, logits_processors=[])
+    assert (p.structured_outputs, p.guided_decoding) == (choice, None)
+    with pytest.raises(ValueError, match=r"^SamplingParams.guided_decoding=.*: expected None beside structured_"):
+        SamplingParams(guided_decoding=choice, structured_outputs=choice)
+    with pytest.raises(ValueError, match=r"^SamplingParams.logits_processors=\[.*: expected None: per-request logits "
+                                         r"processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match=r"^SamplingParams.spaces_between_special_tokens=1: expected a bool"):
+        SamplingParams(spaces_between_special_tokens=1)
+
+
 def test_max_tokens_finishes_with_length(llm: LLM) -> None:
     outs = llm.generate([{"prompt_token_ids": rand_prompt(4, seed=s)} for s in range(3)],
                         [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True) for t, m in

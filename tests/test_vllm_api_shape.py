@@ -185,6 +185,12 @@ def test_async_llm_has_vllms_members_and_aborts_several_ids() -> None:
         assert asyncio.run(run()) == ["abort", "abort"]
         with pytest.raises(ValueError, match=r"sampling_params=\{'max_tokens': 2\}: expected a SamplingParams"):
             _stream(engine, PROMPT, {"max_tokens": 2})
+
+        async def with_lora(lora: Any) -> list:  # (vLLM's keyword: None is taken, an adapter refused)
+            return [o async for o in engine.generate(PROMPT, greedy(2), f"lora-{lora}", lora_request=lora)]
+        assert asyncio.run(with_lora(None))[-1].finished
+        with pytest.raises(NotSupportedError, match="lora_request='adapter': LoRA adapters are not supported"):
+            asyncio.run(with_lora("adapter"))
         for bad in (5, ["a", 5]):
             with pytest.raises(ValueError, match=r"request_id=.*: expected a request id \(a string\) or several"):
                 asyncio.run(engine.abort(bad))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from vtcore.inputs import TextPrompt, TokensPrompt
 from vtcore.outputs import CompletionOutput, Logprob, RequestOutput
 from vtcore.plugins.hookspecs import hookimpl
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
-           "hookimpl", "__version__"]
+           "TextPrompt", "TokensPrompt", "hookimpl", "__version__"]
 
 _LAZY = {"LLM": "vtcore.engine.llm", "LLMEngine": "vtcore.engine.llm_engine", "AsyncLLM": "vtcore.engine.async_llm"}
 

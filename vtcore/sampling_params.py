@@ -12,6 +12,9 @@ import attrs
 from vtcore.errors import NotSupportedError
 from vtcore.structured.params import StructuredOutputsParams
 
+#: vLLM's older name of ``StructuredOutputsParams`` (``SamplingParams(guided_decoding=...)`` takes it too)
+GuidedDecodingParams = StructuredOutputsParams
+
 
 class RequestOutputKind(enum.Enum):
     """What each streamed ``RequestOutput`` carries."""
@@ -77,8 +80,21 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None  # vLLM's: for a custom sampler or logits processor; vtcore reads none
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name: moved into structured_outputs
+    spaces_between_special_tokens: bool = True  # vLLM's; without effect on the fast tokenizers used here (as vLLM's)
+    logits_processors: list[Any] | None = None  # vLLM V1's rule: none per request (set, it is refused by name)
 
     def __attrs_post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise _bad("guided_decoding", self.guided_decoding, "None beside structured_outputs (its newer name): "
+                                                                    "send one")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            raise _bad("spaces_between_special_tokens", self.spaces_between_special_tokens, "a bool")
+        if self.logits_processors:
+            raise _bad("logits_processors", self.logits_processors, "None: per-request logits processors are not "
+                                                                    "supported (as in vLLM V1)")
         for name in _INT_FIELDS:
             setattr(self, name, as_int(getattr(self, name)))
         for name in ("logprobs", "prompt_logprobs"):  # (vLLM's: True asks for one alternative, False for none)

@@ -28,7 +28,7 @@ from vtcore.engine.core_process import ENGINE_CALLS, CoreClient
 from vtcore.engine.front_end import EngineFrontEnd
 from vtcore.engine.gil import favour_engine_thread
 from vtcore.engine.llm_engine import LLMEngine, Prompt
-from vtcore.errors import EngineDeadError
+from vtcore.errors import EngineDeadError, NotSupportedError
 from vtcore.outputs import RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
@@ -107,13 +107,17 @@ class AsyncLLM(EngineFrontEnd):
             raise EngineDeadError("the engine is shut down")
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative, or deltas with ``output_kind=DELTA``) until it finishes.
         ``priority`` (vLLM's): under ``scheduling_policy="priority"``, lower values are scheduled first.
+        ``lora_request`` (vLLM's) must be None: no adapters.
 
         Leaving the loop early (a client that disconnects) aborts the request and frees its blocks.
         """
         self._check_alive()
+        if lora_request is not None:
+            raise NotSupportedError(f"lora_request={lora_request!r}: LoRA adapters are not supported; expected None")
         if not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r}: expected a unique string")
         if sampling_params is None:

@@ -137,6 +137,8 @@ class PromptText:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) or []
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
+            if getattr(ids, "ndim", None) == 1 and hasattr(ids, "tolist"):  # a numpy array or a tensor of ids
+                ids = ids.tolist()
             # (type and range checked in C loops: this runs before a long prompt's first step; integers of other
             # types, numpy's, as their ints)
             if not isinstance(ids, (list, tuple)):
