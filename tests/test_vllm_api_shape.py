@@ -105,6 +105,15 @@ def test_chat_takes_text_parts_and_the_switches_through_chat_template_kwargs(llm
             llm.chat(conversation, greedy(3))
     with pytest.raises(ValueError, match="chat template variable 'tokenize': it is one of apply_chat_template's"):
         llm.chat(plain, greedy(3), chat_template_kwargs={"tokenize": True})
+    # vLLM's order of arguments (lora_request fourth) and its content-format and multimodal keywords
+    ported = llm.chat(parts, greedy(3), False, None, None, "string", mm_processor_kwargs=None)[0]
+    assert ported.prompt == llm.chat(joined, greedy(3))[0].prompt
+    with pytest.raises(ValueError, match=r"chat_template_content_format='openai': expected 'auto' or 'string'"):
+        llm.chat(plain, greedy(3), chat_template_content_format="openai")
+    with pytest.raises(NotSupportedError, match=r"mm_processor_kwargs=\{'x': 1\}: text only"):
+        llm.chat(plain, greedy(3), mm_processor_kwargs={"x": 1})
+    with pytest.raises(NotSupportedError, match="lora_request='adapter': LoRA"):
+        llm.chat(plain, greedy(3), True, "adapter")
 
 
 def test_logprobs_of_the_whole_vocabulary_no_text_and_seed_minus_one(llm: LLM) -> None:

@@ -130,13 +130,21 @@ class LLM(EngineFrontEnd):
 
     def chat(self, messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, lora_request: Any = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation through the chat template (the tokenizer's, or ``chat_template``; the
         switches and ``tools`` as vLLM's ``LLM.chat`` and :meth:`chat_prompt` take them) and generate. As in
-        vLLM, ``chat_template_kwargs`` may also set the two switches, over the arguments."""
+        vLLM, ``chat_template_kwargs`` may also set the two switches, over the arguments. vLLM's order of
+        arguments; ``chat_template_content_format`` is "auto" or "string" (a message's text parts are joined into
+        one string), ``mm_processor_kwargs`` None (text only)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: expected 'auto' or "
+                             "'string' (a message's text parts reach the template as one string)")
+        if mm_processor_kwargs:
+            raise NotSupportedError(f"mm_processor_kwargs={mm_processor_kwargs!r}: text only; expected None")
         one = not isinstance(messages, (list, tuple)) or not messages or isinstance(messages[0], dict)
         conversations = [messages] if one else list(messages)  # (a string: refused by name, not as its first letter)
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
