@@ -27,12 +27,16 @@ def test_the_engine_stamps_when_a_request_is_queued_and_first_scheduled() -> Non
                                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     after = time.monotonic()
     for out in (first, second):
-        assert before <= out.metrics.queued_ts <= out.metrics.scheduled_ts <= after
+        m = out.metrics  # (vLLM V1's first and last token stamps too: a ported TTFT script reads them)
+        assert before <= m.queued_ts <= m.scheduled_ts < m.first_token_ts < m.last_token_ts <= after
+        assert m.first_token_latency == m.first_token_ts - m.queued_ts
     assert second.metrics.scheduled_ts > first.metrics.scheduled_ts
+    assert second.metrics.first_token_ts > first.metrics.last_token_ts  # (one sequence at a time)
     waited = [o.metrics.scheduled_ts - o.metrics.queued_ts for o in (first, second)]
     assert waited[1] > waited[0]
     fanned = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2, seed=1))[0]
-    assert 0 < fanned.metrics.queued_ts <= fanned.metrics.scheduled_ts <= time.monotonic()
+    m = fanned.metrics
+    assert 0 < m.queued_ts <= m.scheduled_ts < m.first_token_ts <= m.last_token_ts <= time.monotonic()
 
 
 def test_phases_split_a_requests_time_at_the_engines_timestamps() -> None:

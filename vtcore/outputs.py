@@ -33,15 +33,23 @@ class CompletionOutput:
 
 @attrs.define
 class RequestMetrics:
-    """Per-request counters, speculative decoding's proposed and accepted tokens (0 without it), and vLLM's
-    engine timestamps: ``queued_ts``, when the engine took the request, and ``scheduled_ts``, when the scheduler
-    first admitted it (0.0: not yet), in ``time.monotonic()``'s seconds (the system's monotonic clock, shared
+    """Per-request counters, speculative decoding's proposed and accepted tokens (0 without it), and vLLM V1's
+    engine timestamps: ``queued_ts``, when the engine took the request, ``scheduled_ts``, when the scheduler
+    first admitted it, ``first_token_ts`` and ``last_token_ts``, when its first and latest output tokens reached
+    the engine's host (0.0: not yet), in ``time.monotonic()``'s seconds (the system's monotonic clock, shared
     by the engine core process and the front end)."""
 
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     queued_ts: float = attrs.field(default=0.0, eq=False)  # (times, not content: two equal outputs may differ)
     scheduled_ts: float = attrs.field(default=0.0, eq=False)
+    first_token_ts: float = attrs.field(default=0.0, eq=False)
+    last_token_ts: float = attrs.field(default=0.0, eq=False)
+
+    @property
+    def first_token_latency(self) -> float:
+        """Seconds from the engine taking the request to its first output token (0.0: none yet)."""
+        return self.first_token_ts - self.queued_ts if self.first_token_ts else 0.0
 
 
 @attrs.define

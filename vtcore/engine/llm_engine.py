@@ -5,6 +5,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from collections import deque
 from functools import partial
 from typing import Any
@@ -223,6 +224,7 @@ class LLMEngine(PromptText):
                 peers.shutdown()
             raise
         self.inflight: deque[tuple[Batch, StepHandle]] = deque()
+        self._tokens_ts = 0.0  # when the latest step's tokens reached the host (time.monotonic)
         self.fanouts: dict[str, _Fanout] = {}  # n > 1 requests by their id
         self._sample_of: dict[str, tuple[str, int]] = {}  # an n > 1 request's sample id -> (its id, index)
         self.event_log: list[tuple[str, int]] | None = None  # set to [] to record schedule/prepare/wait
@@ -477,6 +479,7 @@ class LLMEngine(PromptText):
                 self._give_up(done)
                 raise
             row = 0
+            self._tokens_ts = time.monotonic()  # (once a step: when its tokens reached the host)
             drafts, accepted = iter(result.drafts or ()), iter(result.accepted or ())
             for s in done:
                 counted = next(accepted) if s.samples and result.accepted is not None else None
@@ -541,7 +544,9 @@ class LLMEngine(PromptText):
                              RequestMetrics(sum(c.num_draft_tokens for c in fan.children),
                                             sum(c.num_accepted_tokens for c in fan.children),
                                             first.queued_ts, min((c.scheduled_ts for c in fan.children
-                                                                  if c.scheduled_ts), default=0.0)))
+                                                                  if c.scheduled_ts), default=0.0),
+                                            min((c.first_token_ts for c in fan.children if c.first_token_ts),
+                                                default=0.0), max(c.last_token_ts for c in fan.children)))
 
     def _give_up(self, batch: Batch) -> None:
         """A step failed: abort its requests and those of every step still in flight (which read its
@@ -587,6 +592,9 @@ class LLMEngine(PromptText):
             self.scheduler.finish(req, "length")
             return
         req.token_ids.append(token)
+        if outputs == 0:
+            req.first_token_ts = self._tokens_ts
+        req.last_token_ts = self._tokens_ts
         outputs += 1
         p = req.params
         if req.logprobs is not None:
@@ -648,7 +656,7 @@ class LLMEngine(PromptText):
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, [completion],
                              finished, req.num_cached_tokens,
                              RequestMetrics(req.num_draft_tokens, req.num_accepted_tokens, req.queued_ts,
-                                            req.scheduled_ts))
+                                            req.scheduled_ts, req.first_token_ts, req.last_token_ts))
 
     # ------------------------------------------------------------------ front end (LLM, AsyncLLM)
     def limits(self) -> EngineLimits:

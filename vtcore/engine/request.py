@@ -43,6 +43,7 @@ class Request:
         self.arrival = arrival
         self.queued_ts = time.monotonic()  # when the engine took it (RequestMetrics'; time.monotonic's clock)
         self.scheduled_ts = 0.0  # when the scheduler first admitted it (0: not yet)
+        self.first_token_ts = self.last_token_ts = 0.0  # when its first and latest output tokens reached the host
         self.priority = 0  # under the priority scheduling policy, lower values are served first
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
         self.num_computed_tokens = 0  # advanced when a step is scheduled, not when it returns
