@@ -172,6 +172,14 @@ def test_input_len_clamp_and_error():
     assert resolve_lengths(1024, 16, 8) == (16, False)
     with pytest.raises(ValueError, match=r"--input-len=1000 .*--output-len=128.*max_model_len=1024"):
         resolve_lengths(1024, 1000, 128)
+    # after a shared prefix: the limit is the model's, and the prefix is named (it said max_model_len=4)
+    assert resolve_lengths(1024, None, 8, prefix_len=1000) == (16, True)
+    with pytest.raises(ValueError, match=r"^--prefix-len=1000 \+ --input-len=32 \+ --output-len=8 = 1040 exceeds "
+                                         r"max_model_len=1024$"):
+        resolve_lengths(1024, 32, 8, prefix_len=1000)
+    with pytest.raises(ValueError, match=r"^--prefix-len=1020 \+ --output-len=8: leaves no room for a prompt in "
+                                         r"max_model_len=1024$"):
+        resolve_lengths(1024, None, 8, prefix_len=1020)
 
 
 # ---------------------------------------------------------------------------------------- --peer hf

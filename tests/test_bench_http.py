@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from server_harness import ServerThread, engine, needs_default_model, server  # noqa: F401
@@ -130,6 +130,81 @@ def test_an_unreachable_server_is_an_error_naming_it(capsys: Any) -> None:
                "--output-len", "2"], out=io.StringIO())
     err = capsys.readouterr().err
     assert rc == 2 and "--base-url http://127.0.0.1:9/v1: GET /models failed" in err and "Traceback" not in err
+
+
+def _fake_server(post: Callable[[Any], None]) -> Any:
+    """An OpenAI-shaped server on a free port whose ``/models`` lists one model and whose POSTs ``post`` answers;
+    ``shutdown()`` it."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            body = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            post(self)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def _bench(httpd: Any, *more: str) -> tuple[int, str]:
+    out = io.StringIO()
+    try:
+        rc = main(["bench", "--base-url", f"http://127.0.0.1:{httpd.server_address[1]}/v1", "--concurrency", "1",
+                   "--num-prompts", "2", "--input-len", "4", "--output-len", "8", "--no-progress", *more], out=out)
+    finally:
+        httpd.shutdown()
+    return rc, out.getvalue()
+
+
+def test_a_server_answering_an_error_is_one_error_line(capsys: Any) -> None:
+    """An OpenAI-shaped server whose completions answer HTTP 500: an error line naming the status and body (it was
+    a traceback)."""
+    def fail(h: Any) -> None:
+        body = b'{"error": "boom"}'
+        h.send_response(500)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    rc, _ = _bench(_fake_server(fail))
+    err = capsys.readouterr().err
+    assert rc != 0 and "HTTP 500: {\"error\": \"boom\"}" in err and "Traceback" not in err, err
+
+
+def test_a_server_that_stops_before_max_tokens_is_named_in_a_warning() -> None:
+    """A server that ignores ignore_eos (three tokens, then "stop") was measured without a word: the table says what
+    it returned of what was asked."""
+    def short(h: Any) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        events = [{"choices": [{"index": 0, "text": "a", "finish_reason": None}]}] * 2 + [
+            {"choices": [{"index": 0, "text": "b", "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}}]
+        for data in [json.dumps(e).encode() for e in events] + [b"[DONE]"]:
+            chunk = b"data: " + data + b"\n\n"
+            h.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        h.wfile.write(b"0\r\n\r\n")
+
+    rc, out = _bench(_fake_server(short))
+    assert rc == 0 and ("WARNING: concurrency 1: the server returned 6 output tokens of the 16 asked (finish reasons "
+                        "stop): it ended requests before max_tokens") in out, out
 
 
 def test_bench_serve_starts_a_server_then_runs_in_process(tmp_path: Any) -> None:

@@ -200,6 +200,9 @@ def test_cli_refusals_before_any_work(tmp_path, capsys: pytest.CaptureFixture, m
         with pytest.raises(SystemExit):
             run_cli(command, "--json", missing)
         assert f"--json {missing!r}: its folder does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a folder itself: refused before the run too
+        run_cli("bench", "--json", str(tmp_path))
+    assert f"--json {str(tmp_path)!r}: a folder; expected a file's path" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run_cli("conformance", "--no-quant", "--quant", "nvfp4-pack-quantized")
     assert "not allowed with argument --no-quant" in capsys.readouterr().err

@@ -153,6 +153,7 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
     wall = end - begin
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     output_tokens = sum(r["output_tokens"] or 0 for r in results)
+    free = [r for r in results if not r["constrained"]]  # (a grammar may end its request early)
     reported = [r["cached_tokens"] for r in results if r["cached_tokens"] is not None]
     return {"concurrency": c, "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
             "prefix_len": prefix_len, "client_processes": processes,
@@ -161,6 +162,10 @@ def _concurrency(base_url: str, model: str, c: int, num_prompts: int, input_len:
             "prefix_cache_hit_rate": sum(reported) / prompt_tokens if len(reported) == len(results) and prompt_tokens
             else None,
             "wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            # what the unconstrained requests asked for (max_tokens with ignore_eos) and got: a server that stops
+            # early, or sends no usage, is measured on fewer tokens than the table's lengths say (``format_http``)
+            "asked_output_tokens": len(free) * output_len,
+            "unconstrained_output_tokens": sum(r["output_tokens"] or 0 for r in free),
             "total_throughput_tok_s": (prompt_tokens + output_tokens) / wall,
             "output_throughput_tok_s": output_tokens / wall, "request_throughput_req_s": len(results) / wall,
             "ttft_s": summarize([r["ttft_s"] for r in results if r["ttft_s"] is not None]),
@@ -223,4 +228,11 @@ def format_http(doc: dict[str, Any]) -> str:
                      f"{r['client_processes']:>7}  {'-' if rate is None else f'{100 * rate:.1f}':>5}")
     for r in doc["runs"]:
         lines += format_groups(r)
+    for r in doc["runs"]:
+        if r["unconstrained_output_tokens"] != r["asked_output_tokens"]:
+            lines.append(f"WARNING: concurrency {r['concurrency']}: the server returned "
+                         f"{r['unconstrained_output_tokens']} output tokens of the {r['asked_output_tokens']} asked "
+                         f"(finish reasons "
+                         f"{', '.join(r['finish_reasons'])}): it ended requests before max_tokens despite ignore_eos, "
+                         "or sent no usage (stream_options.include_usage); the rates above count what it returned")
     return "\n".join(lines) + "\n"

@@ -13,8 +13,9 @@ from typing import AsyncIterator
 from urllib.parse import SplitResult, urlsplit
 
 
-class HTTPError(RuntimeError):
-    """A response other than 200, with its status and the start of its body."""
+class HTTPError(OSError):
+    """A response other than 200, with its status and the start of its body (an I/O failure: the CLI reports it
+    as one error line, as it does a refused connection)."""
 
 
 def plain_http(url: str) -> SplitResult:

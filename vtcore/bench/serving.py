@@ -122,6 +122,8 @@ def json_path(text: str) -> str:
     """An argparse type for ``--json PATH``: a folder that does not exist fails now, not after the run."""
     if not os.path.isdir(os.path.dirname(os.path.abspath(text))):
         raise argparse.ArgumentTypeError(f"--json {text!r}: its folder does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"--json {text!r}: a folder; expected a file's path")
     return text
 
 
@@ -184,7 +186,7 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "--[no-]engine-core-process; default: serve's default, on)")
     p.add_argument("--client-processes", type=positive_int("--client-processes"), default=None, metavar="N",
                    help="with --base-url: client processes sharing each concurrency's streams (default: one per "
-                        "32 streams, at most the cores)")
+                        "8 streams, at most the cores)")
     p.add_argument("--json", type=json_path, default=None, metavar="PATH", help="also write every number as JSON")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_bench)
@@ -192,16 +194,20 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------- the run
-def resolve_lengths(max_model_len: int, input_len: int | None, output_len: int) -> tuple[int, bool]:
-    """(input_len, clamped): the default input length is clamped to fit; an explicit one must fit."""
-    if output_len >= max_model_len:
-        raise ValueError(f"--output-len={output_len}: leaves no room for a prompt in max_model_len={max_model_len}")
+def resolve_lengths(max_model_len: int, input_len: int | None, output_len: int, prefix_len: int = 0
+                    ) -> tuple[int, bool]:
+    """(input_len, clamped): the default input length is clamped to fit after the ``prefix_len`` shared tokens;
+    an explicit one must fit."""
+    after = f"--prefix-len={prefix_len} + " if prefix_len else ""
+    if prefix_len + output_len >= max_model_len:
+        raise ValueError(f"{after}--output-len={output_len}: leaves no room for a prompt in "
+                         f"max_model_len={max_model_len}")
     if input_len is None:
-        fit = max_model_len - output_len
+        fit = max_model_len - prefix_len - output_len
         return min(DEFAULT_INPUT_LEN, fit), DEFAULT_INPUT_LEN > fit
-    if input_len + output_len > max_model_len:
-        raise ValueError(f"--input-len={input_len} + --output-len={output_len} = {input_len + output_len} "
-                         f"exceeds max_model_len={max_model_len}")
+    if prefix_len + input_len + output_len > max_model_len:
+        raise ValueError(f"{after}--input-len={input_len} + --output-len={output_len} = "
+                         f"{prefix_len + input_len + output_len} exceeds max_model_len={max_model_len}")
     return input_len, False
 
 
@@ -440,7 +446,7 @@ def run_bench(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]
     prefix_len = getattr(args, "prefix_len", 0) or 0
     turns = getattr(args, "turns", 1) or 1
     share = check_share(getattr(args, "structured_share", 0.0) or 0.0)
-    input_len, clamped = resolve_lengths(max_model_len - prefix_len, args.input_len, args.output_len)
+    input_len, clamped = resolve_lengths(max_model_len, args.input_len, args.output_len, prefix_len)
     longest = prefix_len + turns * (input_len + args.output_len)
     if longest > max_model_len:
         raise ValueError(f"--turns={turns} of --input-len={input_len} + --output-len={args.output_len} after "
