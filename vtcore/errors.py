@@ -1,6 +1,9 @@
 """Exceptions raised by vtcore. Each names the bad value and what was expected."""
 from __future__ import annotations
 
+import traceback
+from typing import Callable
+
 
 class VtcoreError(Exception):
     """Base class of every error vtcore raises on purpose."""
@@ -66,3 +69,12 @@ class ProfilerStateError(VtcoreError, RuntimeError):
 
 class EngineDeadError(VtcoreError, RuntimeError):
     """The engine loop of an ``AsyncLLM`` died; every pending and later request raises this."""
+
+
+def raised_at(exc: BaseException, ours: Callable[[str], bool], innermost_if_none: bool = False) -> str:
+    """" (raised at FILE:LINE in FUNCTION)" for the innermost frame of ``exc``'s traceback whose file ``ours``
+    accepts (the line a failure report should point at), else for its innermost frame when
+    ``innermost_if_none``, else ""."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    kept = [f for f in frames if ours(f.filename)] or (frames if innermost_if_none else [])
+    return f" (raised at {kept[-1].filename}:{kept[-1].lineno} in {kept[-1].name})" if kept else ""

@@ -232,7 +232,7 @@ def format_http(doc: dict[str, Any]) -> str:
         if r["unconstrained_output_tokens"] != r["asked_output_tokens"]:
             lines.append(f"WARNING: concurrency {r['concurrency']}: the server returned "
                          f"{r['unconstrained_output_tokens']} output tokens of the {r['asked_output_tokens']} asked "
-                         f"(finish reasons "
-                         f"{', '.join(r['finish_reasons'])}): it ended requests before max_tokens despite ignore_eos, "
-                         "or sent no usage (stream_options.include_usage); the rates above count what it returned")
+                         f"(finish reasons {', '.join(r['finish_reasons'])}): it ended requests before max_tokens "
+                         "despite ignore_eos, or sent no usage (stream_options.include_usage); the rates above count "
+                         "what it returned")
     return "\n".join(lines) + "\n"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -21,6 +20,7 @@ from vtcore.conformance.device_drafts import DeviceDraftChecks, staggered
 from vtcore.conformance.mtp import MTPChecks
 from vtcore.conformance.structured import StructuredChecks
 from vtcore.engine.llm_engine import LLMEngine
+from vtcore.errors import raised_at
 from vtcore.family import ConformanceExample, ModelFamily
 from vtcore.outputs import CompletionOutput
 from vtcore.plugins.manager import Plugins
@@ -524,6 +524,4 @@ class FamilyGate(CudaChecks, StructuredChecks, MTPChecks, DeviceDraftChecks):
 def _raised_at(exc: BaseException) -> str:
     """Where a check's unexpected exception was raised: the innermost frame outside installed libraries (torch's,
     triton's), so that a failure seen only in a GPU run's log points at the engine's or the plugin's line."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if "-packages" + os.sep not in f.filename] or frames
-    return f" (raised at {ours[-1].filename}:{ours[-1].lineno} in {ours[-1].name})" if ours else ""
+    return raised_at(exc, lambda file: "-packages" + os.sep not in file, innermost_if_none=True)

@@ -25,10 +25,10 @@ from typing import Any, AsyncIterator, Iterable
 
 from vtcore.engine.arg_utils import engine_config
 from vtcore.engine.core_process import ENGINE_CALLS, CoreClient
-from vtcore.engine.front_end import EngineFrontEnd
+from vtcore.engine.front_end import EngineFrontEnd, refuse_lora
 from vtcore.engine.gil import favour_engine_thread
 from vtcore.engine.llm_engine import LLMEngine, Prompt
-from vtcore.errors import EngineDeadError, NotSupportedError
+from vtcore.errors import EngineDeadError
 from vtcore.outputs import RequestOutput
 from vtcore.sampling_params import RequestOutputKind, SamplingParams
 
@@ -116,8 +116,7 @@ class AsyncLLM(EngineFrontEnd):
         Leaving the loop early (a client that disconnects) aborts the request and frees its blocks.
         """
         self._check_alive()
-        if lora_request is not None:
-            raise NotSupportedError(f"lora_request={lora_request!r}: LoRA adapters are not supported; expected None")
+        refuse_lora(lora_request)
         if not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r}: expected a unique string")
         if sampling_params is None:

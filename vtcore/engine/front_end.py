@@ -10,10 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vtcore.engine.capacity import EngineLimits, EngineStats
+from vtcore.errors import NotSupportedError
 from vtcore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vtcore.engine.llm_engine import LLMEngine, Prompt
+
+
+def refuse_lora(lora_request: Any) -> None:
+    """vLLM's ``lora_request`` argument, which must be None here (no adapters)."""
+    if lora_request is not None:
+        raise NotSupportedError(f"lora_request={lora_request!r}: LoRA adapters are not supported; expected None")
 
 
 class EngineFrontEnd:

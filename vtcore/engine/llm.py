@@ -8,7 +8,7 @@ import attrs
 from tqdm import tqdm
 
 from vtcore.engine.arg_utils import engine_config
-from vtcore.engine.front_end import EngineFrontEnd
+from vtcore.engine.front_end import EngineFrontEnd, refuse_lora
 from vtcore.engine.llm_engine import LLMEngine, Prompt
 from vtcore.errors import EngineDeadError, NotSupportedError
 from vtcore.outputs import RequestOutput
@@ -67,8 +67,7 @@ class LLM(EngineFrontEnd):
         """
         if self._shut_down:
             raise EngineDeadError("the engine is shut down")
-        if lora_request is not None:
-            raise NotSupportedError(f"lora_request={lora_request!r}: LoRA adapters are not supported; expected None")
+        refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, Sequence):

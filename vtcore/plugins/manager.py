@@ -14,7 +14,6 @@ import os
 import re
 import sys
 import sysconfig
-import traceback
 import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
@@ -22,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import attrs
 import pluggy
 
-from vtcore.errors import PluginError, UnknownArchitectureError
+from vtcore.errors import PluginError, UnknownArchitectureError, raised_at
 from vtcore.family import ModelFamily, resolve_ref
 from vtcore.plugins import hookspecs
 
@@ -92,8 +91,7 @@ def _raised_at(exc: BaseException) -> str:
         exc = exc.__cause__  # (a registration hook's exception, named after the hook)
     skip = (sysconfig.get_paths()["stdlib"], os.path.dirname(pluggy.__file__),
             os.path.dirname(os.path.dirname(__file__)) + os.sep, "<")  # (vtcore's own checks; generated code)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
-    return f" (raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return raised_at(exc, lambda file: not file.startswith(skip))
 
 
 def _call(impl: pluggy.HookImpl) -> Any:
